@@ -1,0 +1,88 @@
+"""Exact log-sum-exp merging of partial attention results.
+
+A partial result over a subset of a query's keys is ``(out, lse)``: the softmax-weighted mean of
+those keys' values and the log of their softmax denominator. Two partials over disjoint key sets
+(or over the same keys counted twice, as LongNet's pattern mixing does) merge into the result over
+the union::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+The merge is associative and commutative, so ring steps and patterns may arrive in any order. It
+runs in float32 (float64 for float64 inputs), is stable for scores of any magnitude (only
+differences of ``lse`` are exponentiated) and treats ``lse = -inf`` (a block in which the query
+sees no key) as the identity: merging two empty partials gives ``out = 0``, ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Accumulator", "accumulation_dtype", "merge_partials"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype softmax state is kept in for inputs of ``dtype``: float32, or float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    lse = torch.logaddexp(lse_a, lse_b)
+    # Where both are -inf the merged lse is -inf; use 0 there so exp(-inf - 0) = 0, not NaN.
+    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return lse, torch.exp(lse_a - finite), torch.exp(lse_b - finite)
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial results into a new ``(out, lse)``; nothing is modified in place.
+
+    ``out_*`` are ``(..., L, D)`` and ``lse_*`` the matching ``(..., L)``. The result is in the
+    accumulation dtype of ``out_a`` (float32, or float64 for float64 inputs).
+    """
+    dtype = accumulation_dtype(out_a.dtype)
+    lse, w_a, w_b = _weights(lse_a.to(dtype), lse_b.to(dtype))
+    out = out_a.to(dtype) * w_a.unsqueeze(-1) + out_b.to(dtype) * w_b.unsqueeze(-1)
+    return out, lse
+
+
+class Accumulator:
+    """A running ``(out, lse)`` that partial results are merged into, in place.
+
+    Starts empty (``out = 0``, ``lse = -inf``). :meth:`add` takes views of the running state, so
+    a partial result over any strided selection of queries merges without a gather.
+    """
+
+    def __init__(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        if out.dtype not in (torch.float32, torch.float64) or lse.dtype != out.dtype:
+            raise TypeError(
+                f"accumulator state must be float32 or float64 and share a dtype, got out "
+                f"{out.dtype} and lse {lse.dtype}"
+            )
+        self.out = out.zero_()
+        self.lse = lse.fill_(float("-inf"))
+
+    @classmethod
+    def empty(
+        cls,
+        out_shape: tuple[int, ...],
+        lse_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Accumulator:
+        """A new empty accumulator for inputs of ``dtype`` (state in its accumulation dtype)."""
+        acc = accumulation_dtype(dtype)
+        return cls(
+            torch.empty(out_shape, dtype=acc, device=device),
+            torch.empty(lse_shape, dtype=acc, device=device),
+        )
+
+    @staticmethod
+    def add(
+        out_view: torch.Tensor, lse_view: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+    ) -> None:
+        """Merge ``(out, lse)`` into the state views ``(out_view, lse_view)`` in place."""
+        merged, w_state, w_new = _weights(lse_view, lse.to(lse_view.dtype))
+        out_view.mul_(w_state.unsqueeze(-1)).add_(out.to(out_view.dtype) * w_new.unsqueeze(-1))
+        lse_view.copy_(merged)

@@ -1,0 +1,214 @@
+"""What a backend can serve, declared as data, and the request it is judged against.
+
+A backend declares :class:`Capabilities`: the :class:`Target` devices it runs on (device type,
+compute-capability range, dtypes, head-dim limits), the features it has (causal masks, backward,
+dropout, grouped-query heads) and the packages it imports. :meth:`Capabilities.reasons` compares
+them with a frozen :class:`Request` and returns every reason the backend cannot serve it: an empty
+tuple means it can. Facts about the machine that are not in the request (which packages import)
+come from an :class:`Environment`, which tests replace with a fake one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterable
+
+import attrs
+import torch
+
+__all__ = ["Capabilities", "Environment", "KernelSpec", "Request", "Target"]
+
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _cc(capability: tuple[int, int] | None) -> str:
+    return "none" if capability is None else f"{capability[0]}.{capability[1]}"
+
+
+@attrs.frozen
+class Request:
+    """What an attention call needs, frozen and hashable so resolutions can be cached.
+
+    ``head_dim`` is ``None`` when not yet known (a module before its first call).
+    ``compute_capability`` is ``(major, minor)`` for CUDA devices, ``None`` otherwise.
+    """
+
+    device_type: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    head_dim: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    causal: bool = False
+    backward: bool = True
+    dropout: bool = False
+    gqa: bool = False
+
+    @classmethod
+    def for_tensors(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        causal: bool,
+        dropout: bool,
+        backward: bool,
+    ) -> Request:
+        """The request for attention over ``q`` ``(B, L, H, D)`` and ``k`` ``(B, L, Hkv, D)``."""
+        device = q.device
+        capability = None
+        if device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+        return cls(
+            device_type=device.type,
+            dtype=q.dtype,
+            head_dim=q.shape[-1],
+            compute_capability=capability,
+            causal=causal,
+            backward=backward,
+            dropout=dropout,
+            gqa=q.shape[2] != k.shape[2],
+        )
+
+    def describe(self) -> str:
+        where = self.device_type
+        if self.compute_capability is not None:
+            where += f" (compute capability {_cc(self.compute_capability)})"
+        features = [name for name in ("causal", "backward", "dropout", "gqa") if getattr(self, name)]
+        head_dim = "unknown" if self.head_dim is None else str(self.head_dim)
+        return (
+            f"{where}, {dtype_name(self.dtype)}, head_dim {head_dim}, "
+            f"needs: {', '.join(features) or 'forward only'}"
+        )
+
+
+@attrs.frozen
+class Environment:
+    """Facts about the machine that requests do not carry. Replace it in tests.
+
+    ``packages``: importable top-level package names; ``None`` asks ``importlib`` each time.
+    """
+
+    packages: frozenset[str] | None = None
+
+    def has_package(self, name: str) -> bool:
+        if self.packages is not None:
+            return name in self.packages
+        return importlib.util.find_spec(name) is not None
+
+
+@attrs.frozen
+class Target:
+    """One kind of device a backend runs on, with the dtypes and head dims it takes there.
+
+    ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
+    ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
+    """
+
+    device_type: str
+    dtypes: frozenset[torch.dtype]
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    note: str = ""
+
+    def reasons(self, request: Request) -> tuple[str, ...]:
+        out: list[str] = []
+        label = f" ({self.note})" if self.note else ""
+        capability = request.compute_capability
+        if self.min_capability is not None and (capability is None or capability < self.min_capability):
+            out.append(
+                f"needs compute capability >= {_cc(self.min_capability)}{label}, "
+                f"device has {_cc(capability)}"
+            )
+        if self.max_capability is not None and capability is not None and capability > self.max_capability:
+            out.append(
+                f"supports compute capability <= {_cc(self.max_capability)}{label}, "
+                f"device has {_cc(capability)}"
+            )
+        if request.dtype not in self.dtypes:
+            names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
+            out.append(
+                f"dtype {dtype_name(request.dtype)} not supported on {self.device_type}{label} "
+                f"(supports {names})"
+            )
+        if request.head_dim is not None:
+            if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
+                out.append(f"head_dim {request.head_dim} exceeds {self.max_head_dim}{label}")
+            if request.head_dim % self.head_dim_multiple:
+                out.append(
+                    f"head_dim {request.head_dim} is not a multiple of "
+                    f"{self.head_dim_multiple}{label}"
+                )
+        return tuple(out)
+
+
+@attrs.frozen
+class Capabilities:
+    """Everything a backend supports, as data. See :meth:`reasons`."""
+
+    targets: tuple[Target, ...]
+    causal: bool = True
+    backward: bool = True
+    dropout: bool = False
+    gqa: bool = True
+    requires: tuple[str, ...] = ()
+
+    def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
+        """Every reason this backend cannot serve ``request`` (empty: it can)."""
+        out = [f"package {name!r} is not importable" for name in self.requires if not env.has_package(name)]
+        on_device = [t for t in self.targets if t.device_type == request.device_type]
+        if not on_device:
+            devices = ", ".join(sorted({t.device_type for t in self.targets}))
+            out.append(f"runs on {devices}, not {request.device_type}")
+        else:
+            per_target = [t.reasons(request) for t in on_device]
+            if all(per_target):
+                out.extend(_unique(r for reasons in per_target for r in reasons))
+        for feature in ("causal", "backward", "dropout", "gqa"):
+            if getattr(request, feature) and not getattr(self, feature):
+                out.append(f"does not support {_FEATURE_TEXT[feature]}")
+        return tuple(out)
+
+
+_FEATURE_TEXT = {
+    "causal": "causal masking",
+    "backward": "backward (gradients)",
+    "dropout": "dropout_p > 0",
+    "gqa": "grouped-query attention (fewer key/value heads)",
+}
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+@attrs.frozen
+class KernelSpec:
+    """A kernel backend as a plugin offers it: a name, a priority, capabilities and a factory.
+
+    ``factory`` builds the kernel (it may import optional packages; it is called only after the
+    capabilities accepted a request). ``extra_reasons`` adds checks that are not expressible as
+    data; it returns reasons, never raises. Higher ``priority`` wins among backends that fit.
+    """
+
+    name: str
+    factory: Callable[[], object]
+    capabilities: Capabilities
+    priority: int = 0
+    description: str = ""
+    extra_reasons: Callable[[Request, Environment], Iterable[str]] | None = None
+
+    def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
+        reasons = list(self.capabilities.reasons(request, env))
+        if self.extra_reasons is not None:
+            reasons.extend(self.extra_reasons(request, env))
+        return tuple(reasons)

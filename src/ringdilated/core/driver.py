@@ -1,0 +1,236 @@
+"""Runs a dilation pattern on a kernel, forward and backward, on one process.
+
+Call flow::
+
+    run = Run(kernel, blocks=pattern.blocks(L, H, Hkv), exclusive=..., scale=..., ...)
+    out, lse = DilatedAttentionFunction.apply(q, k, v, run)
+        forward:  for each block chunk: strided views of q, k, v -> kernel.forward -> (out_b, lse_b)
+                  head_groups: each (position, head) has one block, so out_b is copied in place;
+                  longnet: partials are merged by the Accumulator (float32 log-sum-exp)
+        backward: for each block chunk: kernel.backward(dout, q, k, v, out, lse) with the FINAL
+                  merged out and lse, gradients added into dq, dk, dv (float32 or float64)
+
+Blocks are split into chunks of whole segments so that no kernel call's scratch exceeds
+``Run.chunk_elements`` elements: peak memory beyond the inputs and outputs stays bounded whatever
+the sequence length. Nothing here checks capabilities or catches exceptions: the resolver and the
+input validation ran before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from ringdilated.core.accumulator import Accumulator, accumulation_dtype
+from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.pattern import Block, Selection
+
+__all__ = ["DilatedAttentionFunction", "Run"]
+
+DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+
+@attrs.frozen
+class Run:
+    """One dilated-attention call's fixed parts: the kernel, the blocks and the options.
+
+    ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
+    so results are copied rather than merged. ``causal`` selects the diagonal mask in every block.
+    """
+
+    kernel: Kernel = attrs.field(eq=False)
+    blocks: tuple[Block, ...]
+    exclusive: bool
+    scale: float
+    causal: bool = False
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+
+    def chunks(self, batch: int, seq_len: int, head_dim: int) -> Iterator[_Chunk]:
+        """Every kernel call of the pattern, in a fixed order (backward replays the same one)."""
+        index = 0
+        for block in self.blocks:
+            per_segment = block.selection.count * block.heads.num_heads * head_dim
+            for batches, selection in _split(block.selection, batch, seq_len, per_segment, self.chunk_elements):
+                options = BlockOptions(
+                    scale=self.scale,
+                    causal_offset=0 if self.causal else None,
+                    dropout_p=self.dropout_p,
+                    dropout_seed=self.dropout_seed + index,
+                )
+                yield _Chunk(block, batches, selection, options)
+                index += 1
+
+
+def _split(
+    selection: Selection, batch: int, seq_len: int, per_segment: int, budget: int
+) -> Iterator[tuple[slice, Selection]]:
+    """Pieces of ``selection`` x batch whose kernel-layout views need no copy, within budget.
+
+    Batch and segment dimensions merge into one kernel batch dimension as a view only when the
+    segments tile the whole sequence (or there is one segment); otherwise go one batch at a time.
+    """
+    segments = max(1, budget // max(1, per_segment))
+    tiles = selection.num_segments == 1 or (
+        selection.start == 0 and selection.stop == seq_len
+    )
+    if tiles and selection.num_segments <= segments:
+        step = max(1, segments // selection.num_segments)
+        for b in range(0, batch, step):
+            yield slice(b, min(batch, b + step)), selection
+        return
+    for b in range(batch):
+        for s in range(0, selection.num_segments, segments):
+            yield slice(b, b + 1), selection.segments(s, min(segments, selection.num_segments - s))
+
+
+@attrs.frozen
+class _Chunk:
+    block: Block
+    batches: slice
+    selection: Selection
+    options: BlockOptions
+
+    def view(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """``(B', segments, heads, count, D)``: this chunk's part of ``(B, L, H, D)``, no copy."""
+        run = self.block.heads
+        heads = slice(run.kv_start, run.kv_stop) if kv else slice(run.q_start, run.q_stop)
+        return self.selection.view(x)[self.batches, :, :, heads].permute(0, 1, 3, 2, 4)
+
+    def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
+        """``(B', segments, heads, count)``: this chunk's part of an ``lse`` of ``(B, H, L)``."""
+        heads = slice(self.block.heads.q_start, self.block.heads.q_stop)
+        return self.selection.view(lse, dim=2)[self.batches, heads].permute(0, 2, 1, 3)
+
+    def kernel_input(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """``(N, heads, count, D)`` for the kernel; a view (``_split`` made the merge legal)."""
+        return self.view(x, kv).flatten(0, 1)
+
+
+def _forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, L, H, D = q.shape
+    lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
+    if run.exclusive:
+        out = torch.empty_like(q)
+        for block in run.blocks:
+            if block.selection.rate > 1:
+                out[:, :, block.heads.q_start : block.heads.q_stop].zero_()
+    else:
+        state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
+    for chunk in run.chunks(B, L, D):
+        out_b, lse_b = run.kernel.forward(
+            chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True), chunk.options
+        )
+        shape = (-1, chunk.selection.num_segments)
+        if run.exclusive:
+            chunk.view(out).copy_(out_b.unflatten(0, shape))
+            chunk.lse_view(lse).copy_(lse_b.unflatten(0, shape))
+        else:
+            Accumulator.add(
+                chunk.view(state.out), chunk.lse_view(lse), out_b.unflatten(0, shape), lse_b.unflatten(0, shape)
+            )
+    if not run.exclusive:
+        out = state.out.to(q.dtype)
+    return out, lse
+
+
+def _backward(
+    run: Run,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, L, _, D = q.shape
+    grad_dtype = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=grad_dtype, device=q.device)
+    for chunk in run.chunks(B, L, D):
+        qc, kc, vc = chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True)
+        lse_c = chunk.lse_view(lse).flatten(0, 1)
+        dq_b, dk_b, dv_b = run.kernel.backward(
+            chunk.kernel_input(dout), qc, kc, vc, chunk.kernel_input(out), lse_c, chunk.options
+        )
+        if dlse is not None:
+            dq_l, dk_l = _lse_gradient(run.kernel, chunk, dlse, qc, kc, vc, lse_c)
+            dq_b, dk_b = dq_b + dq_l, dk_b + dk_l
+        shape = (-1, chunk.selection.num_segments)
+        chunk.view(dq).add_(dq_b.unflatten(0, shape))
+        chunk.view(dk, True).add_(dk_b.unflatten(0, shape))
+        chunk.view(dv, True).add_(dv_b.unflatten(0, shape))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _lse_gradient(
+    kernel: Kernel,
+    chunk: _Chunk,
+    dlse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``lse`` through this block, from the kernel's own backward.
+
+    ``d lse_i / d s_ij = P_ij``. A kernel backward computes ``dS = P * (dout . v_j - D_i)`` with
+    ``D_i = rowsum(dout * out)``; passing ``v_j = e_0``, ``dout_i = dlse_i e_0`` and ``out = 0``
+    makes that ``P_ij * dlse_i``, so any kernel that meets the contract gives it exactly. The lse
+    does not depend on dropout, so the call runs without it.
+    """
+    e0 = torch.zeros_like(v)
+    e0[..., 0] = 1
+    grad = torch.zeros_like(q)
+    grad[..., 0] = chunk.lse_view(dlse).flatten(0, 1).to(q.dtype)
+    options = attrs.evolve(chunk.options, dropout_p=0.0)
+    dq, dk, _ = kernel.backward(grad, q, k, e0, torch.zeros_like(q), lse, options)
+    return dq, dk
+
+
+class DilatedAttentionFunction(torch.autograd.Function):
+    """``(q, k, v, run) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+
+    ``q``, ``k``, ``v`` are contiguous ``(B, L, H, D)``/``(B, L, Hkv, D)``. ``lse`` is
+    ``(B, H, L)`` in the accumulation dtype; gradients flow through it too.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        run: Run,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _forward(run, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.run = run  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _backward(
+            ctx.run,  # type: ignore[attr-defined]
+            dout.contiguous(),
+            None if dlse is None else dlse.to(lse.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+        )
+        return dq, dk, dv, None

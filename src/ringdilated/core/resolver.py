@@ -1,0 +1,133 @@
+"""The capability resolver: picks a kernel once per request and can say why.
+
+Call flow::
+
+    resolver = Resolver(specs)                       # specs from the plugin layer
+    plan = resolver.resolve(Request(...), "auto")    # cached per (request, choice)
+    plan.kernel.forward(...)                          # the hot path: no checks, no try/except
+    print(plan.explain())
+
+``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name).
+A name forces that backend: it fits, or :class:`ResolutionError` lists its reasons. It never
+falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever ``"auto"`` was asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+
+import attrs
+
+from ringdilated.core.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.kernel import Kernel
+
+__all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
+
+KERNEL_ENV_VAR = "RINGDILATED_KERNEL"
+
+
+class ResolutionError(ValueError):
+    """No backend can serve a request, or a forced backend does not fit it."""
+
+
+@attrs.frozen
+class Plan:
+    """The resolver's decision for one request: the chosen kernel and every rejection."""
+
+    request: Request
+    kernel_name: str
+    kernel: Kernel = attrs.field(eq=False, repr=False)
+    rejected: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    forced_by: str | None = None
+    plugin_failures: tuple[str, ...] = ()
+
+    def explain(self) -> str:
+        """A human-readable account: the request, the choice and why each other one lost."""
+        lines = [f"request: {self.request.describe()}"]
+        how = f"forced by {self.forced_by}" if self.forced_by else "highest priority that fits"
+        lines.append(f"kernel: {self.kernel_name} ({how})")
+        for name, reasons in self.rejected:
+            if reasons:
+                lines.append(f"  rejected {name}: " + "; ".join(reasons))
+            else:
+                lines.append(f"  not chosen {name}: fits, lower priority")
+        lines.extend(f"  plugin failed: {failure}" for failure in self.plugin_failures)
+        return "\n".join(lines)
+
+
+class Resolver:
+    """Chooses among kernel specs for requests; each decision is made once and cached."""
+
+    def __init__(
+        self,
+        specs: Iterable[KernelSpec],
+        env: Environment | None = None,
+        plugin_failures: Iterable[str] = (),
+    ) -> None:
+        self.specs = {spec.name: spec for spec in specs}
+        self.env = env if env is not None else Environment()
+        self.plugin_failures = tuple(plugin_failures)
+        self._kernels: dict[str, Kernel] = {}
+        self._resolve = functools.lru_cache(maxsize=512)(self._resolve_uncached)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.specs))
+
+    def resolve(self, request: Request, kernel: str = "auto") -> Plan:
+        """The plan for ``request``: ``kernel`` is ``"auto"`` or a backend name to force."""
+        if not isinstance(kernel, str):
+            raise TypeError(f"kernel must be 'auto' or a backend name (str), got {kernel!r}")
+        forced_by = None
+        if kernel == "auto" and os.environ.get(KERNEL_ENV_VAR):
+            kernel = os.environ[KERNEL_ENV_VAR]
+            forced_by = f"{KERNEL_ENV_VAR}={kernel}"
+        elif kernel != "auto":
+            forced_by = f"kernel={kernel!r}"
+        if kernel != "auto" and kernel not in self.specs:
+            raise ValueError(
+                f"unknown kernel {kernel!r} ({forced_by}); known kernels: "
+                f"{', '.join(self.names()) or 'none'}, or 'auto'"
+            )
+        return self._resolve(request, kernel, forced_by)
+
+    def _resolve_uncached(self, request: Request, kernel: str, forced_by: str | None) -> Plan:
+        ranked = sorted(self.specs.values(), key=lambda s: (-s.priority, s.name))
+        verdicts = [(spec, spec.reasons(request, self.env)) for spec in ranked]
+        if kernel != "auto":
+            reasons = dict((s.name, r) for s, r in verdicts)[kernel]
+            if reasons:
+                raise ResolutionError(
+                    f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
+                    + "; ".join(reasons)
+                )
+            chosen = self.specs[kernel]
+        else:
+            fitting = [spec for spec, reasons in verdicts if not reasons]
+            if not fitting:
+                detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in verdicts)
+                raise ResolutionError(
+                    f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
+                )
+            chosen = fitting[0]
+        rejected = tuple((s.name, r) for s, r in verdicts if s.name != chosen.name)
+        return Plan(
+            request=request,
+            kernel_name=chosen.name,
+            kernel=self._kernel(chosen),
+            rejected=rejected,
+            forced_by=forced_by,
+            plugin_failures=self.plugin_failures,
+        )
+
+    def _kernel(self, spec: KernelSpec) -> Kernel:
+        if spec.name not in self._kernels:
+            kernel = spec.factory()
+            if not isinstance(kernel, Kernel):
+                raise TypeError(
+                    f"kernel {spec.name!r}: factory returned {kernel!r}, which lacks "
+                    "forward(q, k, v, options) and backward(...)"
+                )
+            self._kernels[spec.name] = kernel
+        return self._kernels[spec.name]

@@ -1,0 +1,62 @@
+"""Input checks, run before any work: every error names the value and the rule it broke."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ringdilated.core.pattern import DilationPattern
+
+__all__ = ["FLOAT_DTYPES", "check_inputs", "check_options"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(
+    q: object, k: object, v: object, pattern: DilationPattern
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` against SPEC.md section 1."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
+            )
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
+            )
+        if 0 in x.shape:
+            raise ValueError(f"{name} must have no empty dimension, got shape {tuple(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, L, H, D = q.shape
+    if k.shape[0] != B or k.shape[1] != L:
+        raise ValueError(
+            f"k and v must match q in batch and seq_len (self-attention), got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}"
+        )
+    if k.shape[3] != D:
+        raise ValueError(f"k and v head_dim must equal q's {D}, got {k.shape[3]}")
+    pattern.check_heads(H, k.shape[2])
+    return q, k, v
+
+
+def check_options(scale: object, dropout_p: object) -> None:
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None, got {scale!r}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p!r}")

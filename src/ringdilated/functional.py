@@ -1,0 +1,178 @@
+"""``dilated_attention``: the functional entry point.
+
+Call flow::
+
+    dilated_attention(q, k, v, segment_lengths, dilation_rates, ...)
+      -> DilationPattern(...)                validated value, blocks cached per (L, H, Hkv)
+      -> check_inputs / check_options        every error before any work
+      -> default_resolver().resolve(request, kernel)     once per distinct request, cached
+      -> DilatedAttentionFunction.apply(q, k, v, Run(...))
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Literal, overload
+
+import torch
+
+from ringdilated.core.capabilities import Request
+from ringdilated.core.driver import DilatedAttentionFunction, Run
+from ringdilated.core.pattern import DilationPattern, Mode
+from ringdilated.core.resolver import Plan, Resolver
+from ringdilated.core.validation import check_inputs, check_options
+from ringdilated.plugins.manager import load_registry
+
+__all__ = ["COMMUNICATORS", "default_resolver", "dilated_attention"]
+
+COMMUNICATORS = ("auto", "local")
+
+
+@functools.lru_cache(maxsize=1)
+def default_resolver() -> Resolver:
+    """The resolver over every loaded plugin's kernels. ``default_resolver.cache_clear()`` and
+    ``load_registry.cache_clear()`` rebuild it (after changing plugin environment variables)."""
+    registry = load_registry()
+    return Resolver(registry.kernels.values(), plugin_failures=registry.failures)
+
+
+def check_distribution(process_group: object, communicator: object) -> None:
+    """Single-process only for now: a group of one rank, or none; communicator 'auto'/'local'."""
+    if not isinstance(communicator, str) or communicator not in COMMUNICATORS:
+        raise ValueError(f"communicator must be one of {COMMUNICATORS}, got {communicator!r}")
+    if process_group is not None:
+        size = torch.distributed.get_world_size(process_group)  # type: ignore[arg-type]
+        if size != 1:
+            raise NotImplementedError(
+                f"process_group of {size} ranks: sharded dilated attention is not implemented yet; "
+                "pass process_group=None or a group of one rank"
+            )
+
+
+def attend(
+    pattern: DilationPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    kernel: str,
+    process_group: object = None,
+    communicator: str = "auto",
+    resolver: Resolver | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Plan]:
+    """Validate, resolve and run; returns ``(out, lse float32, plan)``."""
+    q, k, v = check_inputs(q, k, v, pattern)
+    check_options(scale, dropout_p)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_distribution(process_group, communicator)
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)
+    plan = (resolver or default_resolver()).resolve(request, kernel)
+    B, L, H, D = q.shape
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+    run = Run(
+        kernel=plan.kernel,
+        blocks=pattern.blocks(L, H, k.shape[2]),
+        exclusive=pattern.mode == "head_groups",
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(D),
+        causal=causal,
+        dropout_p=float(dropout_p),
+        dropout_seed=seed,
+    )
+    out, lse = DilatedAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), run)
+    return out, lse.float(), plan
+
+
+@overload
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: Mode = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[False] = ...,
+    kernel: str = ...,
+    process_group: object = ...,
+    communicator: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: Mode = ...,
+    causal: bool = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    return_lse: Literal[True],
+    kernel: str = ...,
+    process_group: object = ...,
+    communicator: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: Mode = "head_groups",
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    kernel: str = "auto",
+    process_group: object = None,
+    communicator: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dilated attention over ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
+
+    Semantics are SPEC.md: for pattern ``i`` a query at position ``p`` attends to the positions of
+    its segment of length ``segment_lengths[i]`` selected with stride ``dilation_rates[i]``.
+
+    - ``mode="head_groups"`` (default): heads are split into ``G`` contiguous groups, group ``i``
+      using pattern ``i`` at offset ``i % r_i``; unselected positions give ``0`` (no ``1/G``
+      factor). ``mode="longnet"``: every head uses every pattern, mixed by softmax denominators.
+    - ``causal``: keys after the query are hidden. ``scale`` defaults to ``1/sqrt(D)``.
+    - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
+      evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
+    - ``return_lse``: also return ``lse`` ``(B, H, L)`` float32, ``-inf`` where a query sees no key.
+      Gradients flow through ``out`` and ``lse``.
+    - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``) or a backend name,
+      which must fit the request or a :class:`~ringdilated.core.ResolutionError` is raised.
+    - ``process_group``/``communicator``: ``None``/``"auto"`` run on this process.
+
+    Raises ``TypeError``/``ValueError`` naming the offending value before any work starts.
+    """
+    pattern = DilationPattern(segment_lengths, dilation_rates, mode)
+    out, lse, _ = attend(
+        pattern,
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        kernel=kernel,
+        process_group=process_group,
+        communicator=communicator,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,131 @@
+"""The float64 dense oracle and the plain dense baseline (SPEC.md sections 2 and 4).
+
+Deliberately independent of :mod:`ringdilated.core`: the mask is built position by position from
+the rule in SPEC.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with explicit
+boolean tensors, in O(L^2) memory. Pattern mixing is a softmax over the multiset union of the
+patterns' keys, so the dense form adds ``log(count)`` to each score: one pattern's key adds
+``log 1 = 0``, a key no pattern selects adds ``-inf``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["dense_attention", "oracle", "pattern_weights"]
+
+
+def _head_offsets(
+    num_heads: int, segment_lengths: Sequence[int], dilation_rates: Sequence[int], mode: str
+) -> list[list[tuple[int, int, int]]]:
+    """For each head, the ``(w, r, offset)`` of every pattern it uses."""
+    G = len(segment_lengths)
+    per_head: list[list[tuple[int, int, int]]] = [[] for _ in range(num_heads)]
+    if mode == "head_groups":
+        h = 0
+        for i in range(G):
+            size = num_heads // G + (1 if i < num_heads % G else 0)
+            for _ in range(size):
+                per_head[h].append((segment_lengths[i], dilation_rates[i], i % dilation_rates[i]))
+                h += 1
+    elif mode == "longnet":
+        for h in range(num_heads):
+            for w, r in zip(segment_lengths, dilation_rates, strict=True):
+                per_head[h].append((w, r, (h * r) // num_heads))
+    else:
+        raise ValueError(f"mode must be 'head_groups' or 'longnet', got {mode!r}")
+    return per_head
+
+
+def pattern_weights(
+    seq_len: int,
+    num_heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "head_groups",
+    causal: bool = False,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``(H, L, L)`` float64: how many of head ``h``'s patterns let query ``p`` see key ``j``."""
+    p = torch.arange(seq_len, device=device)
+    weights = torch.zeros(num_heads, seq_len, seq_len, dtype=torch.float64, device=device)
+    for h, patterns in enumerate(_head_offsets(num_heads, segment_lengths, dilation_rates, mode)):
+        for w, r, offset in patterns:
+            selected = (p % w) % r == offset
+            same_segment = (p // w).unsqueeze(1) == (p // w).unsqueeze(0)
+            mask = selected.unsqueeze(1) & selected.unsqueeze(0) & same_segment
+            if causal:
+                mask &= p.unsqueeze(0) <= p.unsqueeze(1)
+            weights[h] += mask.to(torch.float64)
+    return weights
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "head_groups",
+    causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain dense masked attention computed in ``dtype`` (default: the inputs'): ``(out, lse)``.
+
+    ``out`` is ``(B, L, H, D)`` in ``dtype``, ``lse`` ``(B, H, L)`` in ``dtype``. This is both the
+    oracle (``dtype=float64``) and the baseline whose error sets a dtype's tolerance.
+    """
+    dtype = dtype or q.dtype
+    B, L, H, D = q.shape
+    group = H // k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    qd = q.to(dtype).transpose(1, 2)
+    kd = k.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    vd = v.to(dtype).transpose(1, 2).repeat_interleave(group, dim=1)
+    weights = pattern_weights(
+        L, H, segment_lengths, dilation_rates, mode=mode, causal=causal, device=q.device
+    )
+    # A query with no key has an all -inf row: give it finite scores so neither the values nor
+    # the gradients become NaN, then make its output 0 and its lse -inf.
+    empty = (weights.sum(-1) == 0).unsqueeze(-1)
+    scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale + weights.log().to(dtype)
+    scores = scores.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+    out = torch.matmul(probs, vd).transpose(1, 2)
+    return out, lse
+
+
+def oracle(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "head_groups",
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """SPEC.md's dilated attention, evaluated densely in float64; differentiable.
+
+    Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout),
+    results in float64.
+    """
+    out, lse = dense_attention(
+        q,
+        k,
+        v,
+        segment_lengths,
+        dilation_rates,
+        mode=mode,
+        causal=causal,
+        scale=scale,
+        dtype=torch.float64,
+    )
+    return (out, lse) if return_lse else out
