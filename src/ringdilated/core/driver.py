@@ -115,9 +115,13 @@ def _forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     if run.exclusive:
         out = torch.empty_like(q)
+        # A rate-1 block covers every position of its heads; every other head has gaps.
+        covered = torch.zeros(H, dtype=torch.bool)
         for block in run.blocks:
-            if block.selection.rate > 1:
-                out[:, :, block.heads.q_start : block.heads.q_stop].zero_()
+            if block.selection.rate == 1:
+                covered[block.heads.q_start : block.heads.q_stop] = True
+        if not covered.all():
+            out[:, :, ~covered] = 0
     else:
         state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
     for chunk in run.chunks(B, L, D):
@@ -158,13 +162,14 @@ def _backward(
         dq_b, dk_b, dv_b = run.kernel.backward(
             chunk.kernel_input(dout), qc, kc, vc, chunk.kernel_input(out), lse_c, chunk.options
         )
-        if dlse is not None:
-            dq_l, dk_l = _lse_gradient(run.kernel, chunk, dlse, qc, kc, vc, lse_c)
-            dq_b, dk_b = dq_b + dq_l, dk_b + dk_l
         shape = (-1, chunk.selection.num_segments)
         chunk.view(dq).add_(dq_b.unflatten(0, shape))
         chunk.view(dk, True).add_(dk_b.unflatten(0, shape))
         chunk.view(dv, True).add_(dv_b.unflatten(0, shape))
+        if dlse is not None:
+            dq_l, dk_l = _lse_gradient(run.kernel, chunk, dlse, qc, kc, vc, lse_c)
+            chunk.view(dq).add_(dq_l.unflatten(0, shape))
+            chunk.view(dk, True).add_(dk_l.unflatten(0, shape))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -121,6 +121,12 @@ class Resolver:
             plugin_failures=self.plugin_failures,
         )
 
+    def kernel(self, name: str) -> Kernel:
+        """The kernel instance of backend ``name``, built once; no capability check."""
+        if name not in self.specs:
+            raise ValueError(f"unknown kernel {name!r}; known kernels: {', '.join(self.names())}")
+        return self._kernel(self.specs[name])
+
     def _kernel(self, spec: KernelSpec) -> Kernel:
         if spec.name not in self._kernels:
             kernel = spec.factory()

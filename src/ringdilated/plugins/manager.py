@@ -136,8 +136,12 @@ def _collect_kernels(
 ) -> tuple[dict[str, KernelSpec], dict[str, str]]:
     kernels: dict[str, KernelSpec] = {}
     kernel_origins: dict[str, str] = {}
-    for impl in reversed(pm.hook.ringdilated_kernels.get_hookimpls()):
-        name = impl.plugin_name
+    impls = {impl.plugin_name: impl for impl in pm.hook.ringdilated_kernels.get_hookimpls()}
+    # Registration order (built-ins first), so an earlier plugin keeps a contested name.
+    for name in origins:
+        if name not in impls:
+            continue
+        impl = impls[name]
         try:
             specs: Any = impl.function()
         except Exception as exc:  # a plugin's hook may raise anything

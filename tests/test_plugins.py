@@ -1,0 +1,119 @@
+"""The plugin layer: built-ins through the hooks, entry points, isolation of broken plugins."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import attrs
+import pytest
+
+from ringdilated.backends.reference import REFERENCE_SPEC
+from ringdilated.core import KernelSpec
+from ringdilated.plugins import PluginWarning, build_registry, hookimpl, load_registry
+
+
+@attrs.frozen
+class FakeDist:
+    name: str
+    version: str
+
+
+@attrs.frozen
+class FakeEntryPoint:
+    """Duck-types importlib.metadata.EntryPoint: name, value, dist, load()."""
+
+    name: str
+    loader: Callable[[], object]
+    value: str = "fake.module"
+    dist: FakeDist | None = FakeDist("fake-dist", "1.2.3")
+
+    def load(self) -> object:
+        return self.loader()
+
+
+def _plugin(specs: Callable[[], object]) -> types.SimpleNamespace:
+    return types.SimpleNamespace(ringdilated_kernels=hookimpl(specs))
+
+
+def _spec(name: str) -> KernelSpec:
+    return attrs.evolve(REFERENCE_SPEC, name=name, priority=-1)
+
+
+def _registry(*eps: FakeEntryPoint, **kw: object):
+    return build_registry(entry_points=lambda: eps, **kw)
+
+
+def test_builtins_register_through_the_hooks() -> None:
+    registry = build_registry(entry_points=lambda: ())
+    assert set(registry.kernels) == {"sdpa", "reference"}
+    assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
+    assert registry.failures == ()
+    names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
+    assert names == {"ringdilated.backends.sdpa", "ringdilated.backends.reference"}
+
+
+def test_entry_point_plugin_is_loaded_with_its_origin() -> None:
+    ep = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    registry = _registry(ep)
+    assert "extra" in registry.kernels
+    assert registry.origins["extra"] == "good (entry point 'good' (fake-dist 1.2.3))"
+
+
+def _raise_import() -> object:
+    raise ImportError("No module named 'missing_dep'")
+
+
+def _raise_in_hook() -> list[KernelSpec]:
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    ("ep", "message"),
+    [
+        (FakeEntryPoint("broken", _raise_import), "plugin 'broken' skipped: import of 'fake.module' failed: ImportError"),
+        (FakeEntryPoint("raiser", lambda: _plugin(_raise_in_hook)), "plugin 'raiser' skipped: ringdilated_kernels() raised RuntimeError: boom"),
+        (FakeEntryPoint("liar", lambda: _plugin(lambda: ["not a spec"])), "plugin 'liar' skipped: ringdilated_kernels() must return a list of KernelSpec"),
+        (FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])), "plugin 'dup' skipped: kernel name 'sdpa' is already provided by ringdilated.backends.sdpa"),
+    ],
+)
+def test_failing_plugin_is_isolated_and_reported(ep: FakeEntryPoint, message: str) -> None:
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    with pytest.warns(PluginWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+        registry = _registry(ep, good)
+    assert {"sdpa", "reference", "extra"} <= set(registry.kernels)
+    assert registry.kernels["sdpa"] is not None and registry.origins["sdpa"].endswith("(built-in)")
+    assert len(registry.failures) == 1 and registry.failures[0].startswith(message)
+
+
+def test_failures_reach_explain() -> None:
+    from ringdilated import Request, Resolver
+
+    with pytest.warns(PluginWarning):
+        registry = _registry(FakeEntryPoint("broken", _raise_import))
+    plan = Resolver(registry.kernels.values(), plugin_failures=registry.failures).resolve(Request())
+    assert "plugin failed: plugin 'broken' skipped" in plan.explain()
+
+
+def test_autoload_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def never() -> tuple:
+        raise AssertionError("entry points must not be listed with autoload off")
+
+    monkeypatch.setenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "1")
+    registry = build_registry(entry_points=never)
+    assert set(registry.kernels) == {"sdpa", "reference"}
+    registry = build_registry(entry_points=never, autoload=False)
+    assert set(registry.kernels) == {"sdpa", "reference"}
+
+
+def test_block_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "good, ringdilated.backends.sdpa")
+    registry = _registry(good)
+    assert set(registry.kernels) == {"reference"}
+    assert set(_registry(good, blocked=()).kernels) == {"sdpa", "reference", "extra"}
+
+
+def test_default_registry_is_cached() -> None:
+    assert load_registry() is load_registry()
+    assert {"sdpa", "reference"} <= set(load_registry().kernels)

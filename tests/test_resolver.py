@@ -1,0 +1,131 @@
+"""The capability resolver, with injected fake environments (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringdilated import Environment, KernelSpec, Request, ResolutionError, Resolver
+from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated.backends.sdpa import SDPA_SPEC
+from ringdilated.core import Capabilities, Target
+
+FLASH_LIKE = KernelSpec(
+    name="fakeflash",
+    factory=ReferenceKernel,
+    capabilities=Capabilities(
+        targets=(
+            Target("cuda", frozenset({torch.float16, torch.bfloat16}), min_capability=(8, 0), max_head_dim=256, head_dim_multiple=8),
+        ),
+        requires=("flash_attn",),
+    ),
+    priority=200,
+)
+
+
+def _resolver(packages: frozenset[str] = frozenset()) -> Resolver:
+    return Resolver([SDPA_SPEC, REFERENCE_SPEC, FLASH_LIKE], env=Environment(packages=packages))
+
+
+def cuda(cc: tuple[int, int], dtype: torch.dtype = torch.float16, head_dim: int = 64, **kw: bool) -> Request:
+    return Request(device_type="cuda", compute_capability=cc, dtype=dtype, head_dim=head_dim, **kw)
+
+
+@pytest.mark.parametrize(
+    ("request_", "packages", "chosen"),
+    [
+        (Request(dtype=torch.float32, head_dim=64), frozenset(), "sdpa"),
+        (Request(dtype=torch.float64, head_dim=64), frozenset(), "sdpa"),
+        (Request(dtype=torch.float32, head_dim=64, dropout=True), frozenset(), "reference"),
+        (cuda((6, 1), torch.float32), frozenset({"flash_attn"}), "sdpa"),
+        (cuda((6, 1), torch.bfloat16), frozenset({"flash_attn"}), "reference"),
+        (cuda((7, 5), torch.float16), frozenset({"flash_attn"}), "sdpa"),
+        (cuda((8, 0), torch.bfloat16), frozenset({"flash_attn"}), "fakeflash"),
+        (cuda((8, 0), torch.bfloat16), frozenset(), "sdpa"),
+        (cuda((9, 0), torch.float16), frozenset({"flash_attn"}), "fakeflash"),
+        (cuda((9, 0), torch.float16, head_dim=60), frozenset({"flash_attn"}), "reference"),
+        (cuda((9, 0), torch.float32), frozenset({"flash_attn"}), "sdpa"),
+    ],
+)
+def test_choice(request_: Request, packages: frozenset[str], chosen: str) -> None:
+    assert _resolver(packages).resolve(request_).kernel_name == chosen
+
+
+def test_reasons_are_explained() -> None:
+    plan = _resolver().resolve(cuda((6, 1), torch.bfloat16))
+    text = plan.explain()
+    assert "kernel: reference" in text
+    assert "rejected fakeflash: package 'flash_attn' is not importable" in text
+    assert "needs compute capability >= 8.0" in text and "device has 6.1" in text
+    assert "rejected sdpa" in text
+    reasons = dict(plan.rejected)
+    assert any("bfloat16" in r for r in reasons["sdpa"])
+
+
+def test_cpu_reasons() -> None:
+    plan = _resolver().resolve(Request(dtype=torch.float32, head_dim=64, dropout=True))
+    reasons = dict(plan.rejected)
+    assert reasons["sdpa"] == ("does not support dropout_p > 0",)
+    assert "runs on cuda, not cpu" in reasons["fakeflash"]
+
+
+def test_forced_unfit_kernel_raises_with_reasons() -> None:
+    with pytest.raises(ResolutionError, match=r"kernel 'sdpa' .* does not support dropout_p > 0"):
+        _resolver().resolve(Request(dropout=True), "sdpa")
+    with pytest.raises(ResolutionError, match="needs compute capability >= 8.0"):
+        _resolver({"flash_attn"}).resolve(cuda((7, 0)), "fakeflash")
+
+
+def test_forced_fit_kernel_is_used() -> None:
+    plan = _resolver().resolve(Request(), "reference")
+    assert plan.kernel_name == "reference" and plan.forced_by == "kernel='reference'"
+
+
+def test_unknown_kernel() -> None:
+    with pytest.raises(ValueError, match="unknown kernel 'triton'.*known kernels: fakeflash, reference, sdpa"):
+        _resolver().resolve(Request(), "triton")
+    with pytest.raises(TypeError, match="kernel must be 'auto' or a backend name"):
+        _resolver().resolve(Request(), None)  # type: ignore[arg-type]
+
+
+def test_environment_variable_forces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RINGDILATED_KERNEL", "reference")
+    plan = _resolver().resolve(Request())
+    assert plan.kernel_name == "reference" and plan.forced_by == "RINGDILATED_KERNEL=reference"
+    monkeypatch.setenv("RINGDILATED_KERNEL", "sdpa")
+    with pytest.raises(ResolutionError, match="RINGDILATED_KERNEL=sdpa"):
+        _resolver().resolve(Request(dropout=True))
+
+
+def test_no_kernel_fits() -> None:
+    resolver = Resolver([SDPA_SPEC], env=Environment(packages=frozenset()))
+    with pytest.raises(ResolutionError, match="no kernel can serve"):
+        resolver.resolve(Request(dropout=True))
+
+
+def test_resolution_is_cached_and_kernels_built_once() -> None:
+    calls = []
+
+    def factory() -> ReferenceKernel:
+        calls.append(1)
+        return ReferenceKernel()
+
+    spec = KernelSpec(name="counted", factory=factory, capabilities=REFERENCE_SPEC.capabilities)
+    resolver = Resolver([spec])
+    first = resolver.resolve(Request(head_dim=8))
+    assert resolver.resolve(Request(head_dim=8)) is first
+    resolver.resolve(Request(head_dim=16))
+    assert len(calls) == 1
+
+
+def test_factory_returning_a_non_kernel_is_rejected() -> None:
+    spec = KernelSpec(name="liar", factory=object, capabilities=REFERENCE_SPEC.capabilities)
+    with pytest.raises(TypeError, match="kernel 'liar': factory returned"):
+        Resolver([spec]).resolve(Request())
+
+
+def test_request_from_tensors() -> None:
+    q = torch.randn(1, 4, 4, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
+    r = Request.for_tensors(q, k, causal=True, dropout=False, backward=False)
+    assert r == Request(device_type="cpu", dtype=torch.bfloat16, head_dim=16, causal=True, backward=False, gqa=True)
