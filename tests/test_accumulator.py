@@ -47,18 +47,24 @@ def test_merge_is_order_independent_and_exact(seed: int, cuts: list[int], order)
     for part in parts[1:]:
         out, lse = merge_partials(out, lse, *part)
     while len(parts) > 1:
-        parts = [merge_partials(*parts[i], *parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        parts = [
+            merge_partials(*parts[i], *parts[i + 1]) if i + 1 < len(parts) else parts[i]
+            for i in range(0, len(parts), 2)
+        ]
     expected_out, expected_lse = _exact(q, k, v)
-    for o, l in ((out, lse), parts[0]):
+    for o, s in ((out, lse), parts[0]):
         assert torch.allclose(o, expected_out, rtol=0, atol=1e-12)
-        assert torch.allclose(l, expected_lse, rtol=0, atol=1e-12)
+        assert torch.allclose(s, expected_lse, rtol=0, atol=1e-12)
 
 
 def test_neg_inf_blocks_are_the_identity() -> None:
     out = torch.randn(3, 4)
     lse = torch.randn(3)
     empty_out, empty_lse = torch.zeros(3, 4), torch.full((3,), float("-inf"))
-    for merged in (merge_partials(out, lse, empty_out, empty_lse), merge_partials(empty_out, empty_lse, out, lse)):
+    for merged in (
+        merge_partials(out, lse, empty_out, empty_lse),
+        merge_partials(empty_out, empty_lse, out, lse),
+    ):
         assert torch.equal(merged[0], out) and torch.equal(merged[1], lse)
     both_out, both_lse = merge_partials(empty_out, empty_lse, empty_out, empty_lse)
     assert torch.equal(both_out, empty_out) and torch.isneginf(both_lse).all()
@@ -70,11 +76,11 @@ def test_in_place_accumulator_on_strided_views() -> None:
     state = Accumulator.empty((8, 4), (8,), torch.float32, torch.device("cpu"))
     outs = [torch.randn(4, 4, generator=g) for _ in range(3)]
     lses = [torch.randn(4, generator=g) * 5 for _ in range(3)]
-    for o, l in zip(outs, lses, strict=True):
-        Accumulator.add(state.out[1::2], state.lse[1::2], o, l)
+    for o, s in zip(outs, lses, strict=True):
+        Accumulator.add(state.out[1::2], state.lse[1::2], o, s)
     ref_out, ref_lse = outs[0].double(), lses[0].double()
-    for o, l in zip(outs[1:], lses[1:], strict=True):
-        ref_out, ref_lse = merge_partials(ref_out, ref_lse, o.double(), l.double())
+    for o, s in zip(outs[1:], lses[1:], strict=True):
+        ref_out, ref_lse = merge_partials(ref_out, ref_lse, o.double(), s.double())
     assert torch.allclose(state.out[1::2].double(), ref_out, atol=1e-6)
     assert torch.allclose(state.lse[1::2].double(), ref_lse, atol=1e-6)
     assert torch.all(state.out[0::2] == 0) and torch.isneginf(state.lse[0::2]).all()
@@ -96,4 +102,6 @@ def test_scores_of_magnitude_1e4_in_half_precision(dtype: torch.dtype) -> None:
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert float((out.double() - expected_out).abs().max()) <= FLOORS[dtype] * 2
-    assert float((lse.double() - expected_lse).abs().max()) <= 1e-6 * float(expected_lse.abs().max())
+    assert float((lse.double() - expected_lse).abs().max()) <= 1e-6 * float(
+        expected_lse.abs().max()
+    )

@@ -18,7 +18,9 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float64 else dtype
 
 
-def _upstream(case: Case, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _upstream(
+    case: Case, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random output and lse cotangents; lse's are float32-exact (it is a float32 tensor), and 0
     where the lse is -inf."""
     g = torch.Generator().manual_seed(case.seed + 1)
@@ -27,7 +29,9 @@ def _upstream(case: Case, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.T
     return dout, dlse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _loss(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
+def _loss(
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor
+) -> torch.Tensor:
     finite_lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     return (out.double() * dout).sum() + (finite_lse.double() * dlse).sum()
 
@@ -37,7 +41,9 @@ def _loss(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.
 def test_forward_and_lse_match_oracle(kernel: str, case: Case) -> None:
     q, k, v = case.tensors()
     pattern = (case.segment_lengths, case.dilation_rates)
-    out, lse = ringdilated.dilated_attention(q, k, v, *pattern, **case.kwargs(), kernel=kernel, return_lse=True)
+    out, lse = ringdilated.dilated_attention(
+        q, k, v, *pattern, **case.kwargs(), kernel=kernel, return_lse=True
+    )
     assert out.dtype == case.dtype and lse.dtype == torch.float32
     assert lse.shape == (case.batch, case.num_heads, case.seq_len)
     expected_out, expected_lse = oracle(q, k, v, *pattern, **case.kwargs(), return_lse=True)
@@ -52,7 +58,9 @@ def test_forward_and_lse_match_oracle(kernel: str, case: Case) -> None:
 def test_gradients_match_oracle(kernel: str, case: Case) -> None:
     q, k, v = case.tensors(requires_grad=True)
     pattern = (case.segment_lengths, case.dilation_rates)
-    out, lse = ringdilated.dilated_attention(q, k, v, *pattern, **case.kwargs(), kernel=kernel, return_lse=True)
+    out, lse = ringdilated.dilated_attention(
+        q, k, v, *pattern, **case.kwargs(), kernel=kernel, return_lse=True
+    )
     dout, dlse = _upstream(case, out, lse)
     grads = torch.autograd.grad(_loss(out, lse, dout, dlse), (q, k, v))
 
@@ -91,7 +99,9 @@ def test_partial_last_segment_and_short_sequence(kernel: str) -> None:
 def test_unselected_positions_are_zero_with_neg_inf_lse(kernel: str) -> None:
     """head_groups: a position a group does not select gives 0 and lse -inf, never NaN."""
     q = torch.randn(1, 12, 2, 4)
-    out, lse = ringdilated.dilated_attention(q, q, q, [4, 4], [1, 2], kernel=kernel, return_lse=True)
+    out, lse = ringdilated.dilated_attention(
+        q, q, q, [4, 4], [1, 2], kernel=kernel, return_lse=True
+    )
     # Group 1 (head 1) uses rate 2, offset 1: positions 0, 2 of each segment are unselected.
     unselected = torch.tensor([p % 4 % 2 != 1 for p in range(12)])
     assert torch.all(out[0, unselected, 1] == 0)
@@ -124,7 +134,9 @@ def test_large_scores_do_not_overflow(kernel: str, mode: str, dtype: torch.dtype
         q, k, v, [8, 12], [1, 2], mode=mode, scale=1.0, kernel=kernel, return_lse=True
     )
     assert torch.isfinite(out).all()
-    expected_out, expected_lse = oracle(q, k, v, [8, 12], [1, 2], mode=mode, scale=1.0, return_lse=True)
+    expected_out, expected_lse = oracle(
+        q, k, v, [8, 12], [1, 2], mode=mode, scale=1.0, return_lse=True
+    )
     assert float(expected_lse.abs().max()) > 5e3
     base_out, base_lse = dense_attention(q, k, v, [8, 12], [1, 2], mode=mode, scale=1.0)
     assert_within_tolerance(lse, expected_lse, base_lse, dtype=dtype, what="lse")

@@ -58,7 +58,9 @@ def test_dropout_drops_probabilities_once_and_rescales(mode: str) -> None:
     dropped_terms = float((counts - multiple.round()).sum())
     assert 0.2 < dropped_terms / terms < 0.4, dropped_terms / terms
     torch.manual_seed(0)
-    assert torch.equal(dropped, ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2], mode=mode, dropout_p=p))
+    assert torch.equal(
+        dropped, ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2], mode=mode, dropout_p=p)
+    )
 
 
 @pytest.mark.parametrize("mode", ["head_groups", "longnet"])
@@ -67,7 +69,15 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
     q, k, v = (torch.randn(1, 10, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     kernel = default_resolver().kernel("reference")
     blocks = ringdilated.DilationPattern([4, 8], [1, 2], mode).blocks(10, 2, 2)
-    run = Run(kernel, blocks, exclusive=mode == "head_groups", scale=0.5, causal=True, dropout_p=0.4, dropout_seed=7)
+    run = Run(
+        kernel,
+        blocks,
+        exclusive=mode == "head_groups",
+        scale=0.5,
+        causal=True,
+        dropout_p=0.4,
+        dropout_seed=7,
+    )
 
     def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = DilatedAttentionFunction.apply(a, b, c, run)
@@ -80,7 +90,9 @@ def test_process_group_of_one_and_local_communicator(tmp_path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         q = torch.randn(1, 12, 2, 4, dtype=torch.float64)
-        out = ringdilated.dilated_attention(q, q, q, [4], [2], process_group=dist.group.WORLD, communicator="local")
+        out = ringdilated.dilated_attention(
+            q, q, q, [4], [2], process_group=dist.group.WORLD, communicator="local"
+        )
         assert torch.allclose(out, oracle(q, q, q, [4], [2]), atol=1e-12, rtol=0)
         attn = ringdilated.DilatedAttention([4], [2], process_group=dist.group.WORLD)
         assert torch.equal(attn(q, q, q), out)
@@ -96,7 +108,17 @@ def test_chunked_execution_equals_unchunked() -> None:
         blocks = ringdilated.DilationPattern([4, 8], [1, 2], mode).blocks(37, 4, 4)
         outs = [
             DilatedAttentionFunction.apply(
-                q, k, v, Run(kernel, blocks, exclusive=mode == "head_groups", scale=0.3, causal=True, chunk_elements=n)
+                q,
+                k,
+                v,
+                Run(
+                    kernel,
+                    blocks,
+                    exclusive=mode == "head_groups",
+                    scale=0.3,
+                    causal=True,
+                    chunk_elements=n,
+                ),
             )[0]
             for n in (1, 40, 1 << 23)
         ]

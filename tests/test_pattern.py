@@ -1,4 +1,4 @@
-"""The dilation pattern: validation, head groups, offsets, coverage, and blocks == SPEC.md's rule."""
+"""The dilation pattern: validation, head groups, offsets, coverage; blocks == SPEC.md's rule."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def test_longnet_offsets_follow_the_rule_and_cover(pattern: tuple, num_heads: in
     heads=st.integers(1, 8),
     kv_divisor=st.integers(1, 8),
 )
-def test_blocks_select_exactly_the_rule(pattern: tuple, mode: str, seq_len: int, heads: int, kv_divisor: int) -> None:
+def test_blocks_select_exactly_the_rule(
+    pattern: tuple, mode: str, seq_len: int, heads: int, kv_divisor: int
+) -> None:
     p = DilationPattern(*pattern, mode=mode)
     if mode == "head_groups" and heads < p.num_patterns:
         return
@@ -62,7 +64,9 @@ def test_blocks_select_exactly_the_rule(pattern: tuple, mode: str, seq_len: int,
         assert run.num_heads % run.num_kv_heads == 0
         group = heads // kv
         for h in range(run.q_start, run.q_stop):
-            assert h // group == run.kv_start + (h - run.q_start) // (run.num_heads // run.num_kv_heads)
+            assert h // group == run.kv_start + (h - run.q_start) // (
+                run.num_heads // run.num_kv_heads
+            )
         selected = block.selection.view(positions.expand(1, seq_len, 1, 1)).flatten()
         counts[block.index, run.q_start : run.q_stop, selected] += 1
     expected = torch.zeros_like(counts)
@@ -85,13 +89,25 @@ def test_selection_views_do_not_copy() -> None:
     ("segments", "rates", "mode", "error", "match"),
     [
         ((4, 8), (1,), "head_groups", ValueError, "same length"),
-        ((4,), (5,), "head_groups", ValueError, r"dilation_rates\[0\] = 5 exceeds segment_lengths\[0\] = 4"),
+        (
+            (4,),
+            (5,),
+            "head_groups",
+            ValueError,
+            r"dilation_rates\[0\] = 5 exceeds segment_lengths\[0\] = 4",
+        ),
         ((0,), (1,), "head_groups", ValueError, "segment_lengths must be positive, got 0"),
         ((4,), (-1,), "head_groups", ValueError, "dilation_rates must be positive, got -1"),
         ((), (), "head_groups", ValueError, "at least one value"),
         ((4.0,), (1,), "head_groups", TypeError, "segment_lengths must hold ints, got 4.0"),
         ((True,), (1,), "head_groups", TypeError, "must hold ints, got True"),
-        (4, (1,), "head_groups", TypeError, "segment_lengths must be a sequence of positive ints, got 4"),
+        (
+            4,
+            (1,),
+            "head_groups",
+            TypeError,
+            "segment_lengths must be a sequence of positive ints, got 4",
+        ),
         ((4,), (1,), "dense", ValueError, "mode must be one of .* got 'dense'"),
     ],
 )
@@ -112,5 +128,8 @@ def test_flops_counts_only_the_pattern() -> None:
     p = DilationPattern((2048, 4096, 8192), (1, 2, 4))
     # Each group: L / w segments of 2048 selected positions; heads 3, 3, 2.
     L, D = 65536, 64
-    expected = sum(h * (L // w) * 4 * 2048 * 2048 * D for h, w in zip((3, 3, 2), (2048, 4096, 8192), strict=True))
+    expected = sum(
+        h * (L // w) * 4 * 2048 * 2048 * D
+        for h, w in zip((3, 3, 2), (2048, 4096, 8192), strict=True)
+    )
     assert p.flops(L, 8, D) == expected

@@ -71,10 +71,23 @@ def _raise_in_hook() -> list[KernelSpec]:
 @pytest.mark.parametrize(
     ("ep", "message"),
     [
-        (FakeEntryPoint("broken", _raise_import), "plugin 'broken' skipped: import of 'fake.module' failed: ImportError"),
-        (FakeEntryPoint("raiser", lambda: _plugin(_raise_in_hook)), "plugin 'raiser' skipped: ringdilated_kernels() raised RuntimeError: boom"),
-        (FakeEntryPoint("liar", lambda: _plugin(lambda: ["not a spec"])), "plugin 'liar' skipped: ringdilated_kernels() must return a list of KernelSpec"),
-        (FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])), "plugin 'dup' skipped: kernel name 'sdpa' is already provided by ringdilated.backends.sdpa"),
+        (
+            FakeEntryPoint("broken", _raise_import),
+            "plugin 'broken' skipped: import of 'fake.module' failed: ImportError",
+        ),
+        (
+            FakeEntryPoint("raiser", lambda: _plugin(_raise_in_hook)),
+            "plugin 'raiser' skipped: ringdilated_kernels() raised RuntimeError: boom",
+        ),
+        (
+            FakeEntryPoint("liar", lambda: _plugin(lambda: ["not a spec"])),
+            "plugin 'liar' skipped: ringdilated_kernels() must return a list of KernelSpec",
+        ),
+        (
+            FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])),
+            "plugin 'dup' skipped: kernel name 'sdpa' is already provided by "
+            "ringdilated.backends.sdpa",
+        ),
     ],
 )
 def test_failing_plugin_is_isolated_and_reported(ep: FakeEntryPoint, message: str) -> None:

@@ -15,7 +15,13 @@ FLASH_LIKE = KernelSpec(
     factory=ReferenceKernel,
     capabilities=Capabilities(
         targets=(
-            Target("cuda", frozenset({torch.float16, torch.bfloat16}), min_capability=(8, 0), max_head_dim=256, head_dim_multiple=8),
+            Target(
+                "cuda",
+                frozenset({torch.float16, torch.bfloat16}),
+                min_capability=(8, 0),
+                max_head_dim=256,
+                head_dim_multiple=8,
+            ),
         ),
         requires=("flash_attn",),
     ),
@@ -27,7 +33,9 @@ def _resolver(packages: frozenset[str] = frozenset()) -> Resolver:
     return Resolver([SDPA_SPEC, REFERENCE_SPEC, FLASH_LIKE], env=Environment(packages=packages))
 
 
-def cuda(cc: tuple[int, int], dtype: torch.dtype = torch.float16, head_dim: int = 64, **kw: bool) -> Request:
+def cuda(
+    cc: tuple[int, int], dtype: torch.dtype = torch.float16, head_dim: int = 64, **kw: bool
+) -> Request:
     return Request(device_type="cuda", compute_capability=cc, dtype=dtype, head_dim=head_dim, **kw)
 
 
@@ -72,7 +80,7 @@ def test_cpu_reasons() -> None:
 def test_forced_unfit_kernel_raises_with_reasons() -> None:
     with pytest.raises(ResolutionError, match=r"kernel 'sdpa' .* does not support dropout_p > 0"):
         _resolver().resolve(Request(dropout=True), "sdpa")
-    with pytest.raises(ResolutionError, match="needs compute capability >= 8.0"):
+    with pytest.raises(ResolutionError, match=r"needs compute capability >= 8\.0"):
         _resolver({"flash_attn"}).resolve(cuda((7, 0)), "fakeflash")
 
 
@@ -82,7 +90,9 @@ def test_forced_fit_kernel_is_used() -> None:
 
 
 def test_unknown_kernel() -> None:
-    with pytest.raises(ValueError, match="unknown kernel 'triton'.*known kernels: fakeflash, reference, sdpa"):
+    with pytest.raises(
+        ValueError, match=r"unknown kernel 'triton'.*known kernels: fakeflash, reference, sdpa"
+    ):
         _resolver().resolve(Request(), "triton")
     with pytest.raises(TypeError, match="kernel must be 'auto' or a backend name"):
         _resolver().resolve(Request(), None)  # type: ignore[arg-type]
@@ -128,4 +138,6 @@ def test_request_from_tensors() -> None:
     q = torch.randn(1, 4, 4, 16, dtype=torch.bfloat16)
     k = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
     r = Request.for_tensors(q, k, causal=True, dropout=False, backward=False)
-    assert r == Request(device_type="cpu", dtype=torch.bfloat16, head_dim=16, causal=True, backward=False, gqa=True)
+    assert r == Request(
+        device_type="cpu", dtype=torch.bfloat16, head_dim=16, causal=True, backward=False, gqa=True
+    )

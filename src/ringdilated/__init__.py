@@ -1,9 +1,9 @@
 """ringdilated: exact dilated attention (LongNet) on pluggable kernels.
 
-    import ringdilated
-    out = ringdilated.dilated_attention(q, k, v, [2048, 4096], [1, 2])
-    attn = ringdilated.DilatedAttention([2048, 4096], [1, 2], causal=True)
-    print(attn.plan.explain())
+import ringdilated
+out = ringdilated.dilated_attention(q, k, v, [2048, 4096], [1, 2])
+attn = ringdilated.DilatedAttention([2048, 4096], [1, 2], causal=True)
+print(attn.plan.explain())
 """
 
 from importlib.metadata import PackageNotFoundError, version

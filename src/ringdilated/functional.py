@@ -74,7 +74,7 @@ def attend(
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)
     plan = (resolver or default_resolver()).resolve(request, kernel)
-    B, L, H, D = q.shape
+    _, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     run = Run(
         kernel=plan.kernel,
@@ -85,7 +85,9 @@ def attend(
         dropout_p=float(dropout_p),
         dropout_seed=seed,
     )
-    out, lse = DilatedAttentionFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), run)
+    out, lse = DilatedAttentionFunction.apply(  # type: ignore[no-untyped-call]
+        q.contiguous(), k.contiguous(), v.contiguous(), run
+    )
     return out, lse.float(), plan
 
 

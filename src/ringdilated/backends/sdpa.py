@@ -125,7 +125,14 @@ def _cuda_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = q.shape[1]
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        q, _repeat_kv(k, h), _repeat_kv(v, h), _cuda_bias(mask, q), True, 0.0, is_causal, scale=scale
+        q,
+        _repeat_kv(k, h),
+        _repeat_kv(v, h),
+        _cuda_bias(mask, q),
+        True,
+        0.0,
+        is_causal,
+        scale=scale,
     )
     return out, lse[..., : q.shape[-2]]
 
@@ -142,7 +149,9 @@ def _cuda_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, q_len = q.shape[1], q.shape[-2]
-    padded = torch.zeros(*lse.shape[:-1], -(-q_len // 32) * 32, dtype=torch.float32, device=q.device)
+    padded = torch.zeros(
+        *lse.shape[:-1], -(-q_len // 32) * 32, dtype=torch.float32, device=q.device
+    )
     padded[..., :q_len] = lse
     seed = torch.empty((), dtype=torch.long)
     offset = torch.empty((), dtype=torch.long)

@@ -22,7 +22,7 @@ __all__ = ["Accumulator", "accumulation_dtype", "merge_partials"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype softmax state is kept in for inputs of ``dtype``: float32, or float64 for float64."""
+    """The dtype softmax state is kept in for inputs of ``dtype``: float32 (float64 for float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

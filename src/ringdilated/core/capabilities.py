@@ -81,7 +81,9 @@ class Request:
         where = self.device_type
         if self.compute_capability is not None:
             where += f" (compute capability {_cc(self.compute_capability)})"
-        features = [name for name in ("causal", "backward", "dropout", "gqa") if getattr(self, name)]
+        features = [
+            name for name in ("causal", "backward", "dropout", "gqa") if getattr(self, name)
+        ]
         head_dim = "unknown" if self.head_dim is None else str(self.head_dim)
         return (
             f"{where}, {dtype_name(self.dtype)}, head_dim {head_dim}, "
@@ -124,12 +126,18 @@ class Target:
         out: list[str] = []
         label = f" ({self.note})" if self.note else ""
         capability = request.compute_capability
-        if self.min_capability is not None and (capability is None or capability < self.min_capability):
+        if self.min_capability is not None and (
+            capability is None or capability < self.min_capability
+        ):
             out.append(
                 f"needs compute capability >= {_cc(self.min_capability)}{label}, "
                 f"device has {_cc(capability)}"
             )
-        if self.max_capability is not None and capability is not None and capability > self.max_capability:
+        if (
+            self.max_capability is not None
+            and capability is not None
+            and capability > self.max_capability
+        ):
             out.append(
                 f"supports compute capability <= {_cc(self.max_capability)}{label}, "
                 f"device has {_cc(capability)}"
@@ -164,7 +172,11 @@ class Capabilities:
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
         """Every reason this backend cannot serve ``request`` (empty: it can)."""
-        out = [f"package {name!r} is not importable" for name in self.requires if not env.has_package(name)]
+        out = [
+            f"package {name!r} is not importable"
+            for name in self.requires
+            if not env.has_package(name)
+        ]
         on_device = [t for t in self.targets if t.device_type == request.device_type]
         if not on_device:
             devices = ", ".join(sorted({t.device_type for t in self.targets}))

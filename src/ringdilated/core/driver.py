@@ -54,7 +54,9 @@ class Run:
         index = 0
         for block in self.blocks:
             per_segment = block.selection.count * block.heads.num_heads * head_dim
-            for batches, selection in _split(block.selection, batch, seq_len, per_segment, self.chunk_elements):
+            for batches, selection in _split(
+                block.selection, batch, seq_len, per_segment, self.chunk_elements
+            ):
                 options = BlockOptions(
                     scale=self.scale,
                     causal_offset=0 if self.causal else None,
@@ -74,9 +76,7 @@ def _split(
     segments tile the whole sequence (or there is one segment); otherwise go one batch at a time.
     """
     segments = max(1, budget // max(1, per_segment))
-    tiles = selection.num_segments == 1 or (
-        selection.start == 0 and selection.stop == seq_len
-    )
+    tiles = selection.num_segments == 1 or (selection.start == 0 and selection.stop == seq_len)
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)
         for b in range(0, batch, step):
@@ -110,35 +110,82 @@ class _Chunk:
         return self.view(x, kv).flatten(0, 1)
 
 
-def _forward(run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(
+    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, L, H, D = q.shape
     lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     if run.exclusive:
-        out = torch.empty_like(q)
-        # A rate-1 block covers every position of its heads; every other head has gaps.
-        covered = torch.zeros(H, dtype=torch.bool)
-        for block in run.blocks:
-            if block.selection.rate == 1:
-                covered[block.heads.q_start : block.heads.q_stop] = True
-        if not covered.all():
-            out[:, :, ~covered] = 0
+        out = _result_buffer(q.shape, q.dtype, q.device, run.blocks, exclusive=True)
     else:
         state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
     for chunk in run.chunks(B, L, D):
         out_b, lse_b = run.kernel.forward(
-            chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True), chunk.options
+            chunk.kernel_input(q),
+            chunk.kernel_input(k, True),
+            chunk.kernel_input(v, True),
+            chunk.options,
         )
         shape = (-1, chunk.selection.num_segments)
         if run.exclusive:
-            chunk.view(out).copy_(out_b.unflatten(0, shape))
-            chunk.lse_view(lse).copy_(lse_b.unflatten(0, shape))
+            chunk.view(out).copy_(torch.unflatten(out_b, 0, shape))
+            chunk.lse_view(lse).copy_(torch.unflatten(lse_b, 0, shape))
         else:
             Accumulator.add(
-                chunk.view(state.out), chunk.lse_view(lse), out_b.unflatten(0, shape), lse_b.unflatten(0, shape)
+                chunk.view(state.out),
+                chunk.lse_view(lse),
+                torch.unflatten(out_b, 0, shape),
+                torch.unflatten(lse_b, 0, shape),
             )
     if not run.exclusive:
         out = state.out.to(q.dtype)
     return out, lse
+
+
+def _kv_exclusive(blocks: tuple[Block, ...]) -> bool:
+    """Whether each key/value head is read by one pattern only (its gradient is written once)."""
+    owner: dict[int, int] = {}
+    return all(
+        owner.setdefault(h, block.index) == block.index
+        for block in blocks
+        for h in range(block.heads.kv_start, block.heads.kv_stop)
+    )
+
+
+def _result_buffer(
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    blocks: tuple[Block, ...],
+    *,
+    exclusive: bool,
+    kv: bool = False,
+) -> torch.Tensor:
+    """A ``(B, L, heads, D)`` buffer for results written by the blocks.
+
+    Written once per element (``exclusive``): uninitialised, except heads that some position of
+    is never written (no rate-1 block covers them), which are zeroed. Otherwise zeros to add into.
+    """
+    if not exclusive:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    covered = [False] * shape[2]
+    for block in blocks:
+        if block.selection.rate == 1:
+            first = block.heads.kv_start if kv else block.heads.q_start
+            stop = block.heads.kv_stop if kv else block.heads.q_stop
+            covered[first:stop] = [True] * (stop - first)
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    h = 0
+    while h < shape[2]:
+        if covered[h]:
+            h += 1
+            continue
+        stop = h
+        while stop < shape[2] and not covered[stop]:
+            stop += 1
+        buffer[:, :, h:stop].zero_()
+        h = stop
+    return buffer
 
 
 def _backward(
@@ -152,10 +199,16 @@ def _backward(
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, L, _, D = q.shape
-    grad_dtype = accumulation_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=grad_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=grad_dtype, device=q.device)
-    dv = torch.zeros(v.shape, dtype=grad_dtype, device=q.device)
+    # A gradient written once per element is written in the input dtype (the kernel's result,
+    # no second rounding); one that sums several contributions accumulates in float32/float64.
+    kv_once = run.exclusive and _kv_exclusive(run.blocks)
+    q_once, k_once = run.exclusive and dlse is None, kv_once and dlse is None
+
+    def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
+        dtype = like.dtype if once else accumulation_dtype(like.dtype)
+        return _result_buffer(like.shape, dtype, like.device, run.blocks, exclusive=once, kv=kv)
+
+    dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, kv_once, True)
     for chunk in run.chunks(B, L, D):
         qc, kc, vc = chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True)
         lse_c = chunk.lse_view(lse).flatten(0, 1)
@@ -163,14 +216,21 @@ def _backward(
             chunk.kernel_input(dout), qc, kc, vc, chunk.kernel_input(out), lse_c, chunk.options
         )
         shape = (-1, chunk.selection.num_segments)
-        chunk.view(dq).add_(dq_b.unflatten(0, shape))
-        chunk.view(dk, True).add_(dk_b.unflatten(0, shape))
-        chunk.view(dv, True).add_(dv_b.unflatten(0, shape))
+        _write(chunk.view(dq), torch.unflatten(dq_b, 0, shape), run.exclusive)
+        _write(chunk.view(dk, True), torch.unflatten(dk_b, 0, shape), kv_once)
+        _write(chunk.view(dv, True), torch.unflatten(dv_b, 0, shape), kv_once)
         if dlse is not None:
             dq_l, dk_l = _lse_gradient(run.kernel, chunk, dlse, qc, kc, vc, lse_c)
-            chunk.view(dq).add_(dq_l.unflatten(0, shape))
-            chunk.view(dk, True).add_(dk_l.unflatten(0, shape))
+            chunk.view(dq).add_(torch.unflatten(dq_l, 0, shape))
+            chunk.view(dk, True).add_(torch.unflatten(dk_l, 0, shape))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _write(target: torch.Tensor, value: torch.Tensor, once: bool) -> None:
+    if once:
+        target.copy_(value)
+    else:
+        target.add_(value)
 
 
 def _lse_gradient(
@@ -206,7 +266,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -220,7 +280,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx,
         dout: torch.Tensor | None,
         dlse: torch.Tensor | None,

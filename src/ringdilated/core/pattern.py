@@ -2,9 +2,9 @@
 
 A :class:`DilationPattern` is a frozen value. For a sequence length and head counts it answers with
 :class:`Block` descriptions: a run of query heads, the key/value heads they read, and a
-:class:`Selection` of positions. A selection is always a *stride* (every ``rate``-th position of each
-segment, starting at ``offset``), so the driver turns it into a strided view of ``(B, L, H, D)``
-tensors: no index tensors, no gathers, nothing device-specific to cache.
+:class:`Selection` of positions. A selection is always a *stride* (every ``rate``-th position
+of each segment, starting at ``offset``), so the driver turns it into a strided view of
+``(B, L, H, D)`` tensors: no index tensors, no gathers, nothing device-specific to cache.
 
 Call flow::
 
@@ -28,10 +28,6 @@ Mode: TypeAlias = Literal["head_groups", "longnet"]
 MODES: tuple[Mode, ...] = ("head_groups", "longnet")
 
 
-def _positive_int_tuple(name: str) -> functools.partial[tuple[int, ...]]:
-    return functools.partial(_to_positive_ints, name)
-
-
 def _to_positive_ints(name: str, value: object) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a sequence of positive ints, got {value!r}")
@@ -45,6 +41,14 @@ def _to_positive_ints(name: str, value: object) -> tuple[int, ...]:
         if item < 1:
             raise ValueError(f"{name} must be positive, got {item} in {value!r}")
     return items
+
+
+def _segment_lengths(value: object) -> tuple[int, ...]:
+    return _to_positive_ints("segment_lengths", value)
+
+
+def _dilation_rates(value: object) -> tuple[int, ...]:
+    return _to_positive_ints("dilation_rates", value)
 
 
 def _check_mode(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -80,19 +84,21 @@ class Selection:
     def segments(self, first: int, count: int) -> Selection:
         """The sub-selection of ``count`` segments starting at segment ``first``."""
         if not 0 <= first < first + count <= self.num_segments:
-            raise ValueError(f"segments [{first}, {first + count}) outside [0, {self.num_segments})")
+            raise ValueError(
+                f"segments [{first}, {first + count}) outside [0, {self.num_segments})"
+            )
         return attrs.evolve(
             self, start=self.start + first * self.segment_length, num_segments=count
         )
 
     def view(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """A strided view of ``x`` with ``dim`` (the sequence) replaced by ``(num_segments, count)``.
+        """A strided view of ``x``, ``dim`` (the sequence) replaced by ``(num_segments, count)``.
 
         For ``(B, L, H, D)`` and ``dim=1`` this is ``(B, num_segments, count, H, D)``; for an
         ``lse`` of ``(B, H, L)`` and ``dim=2`` it is ``(B, H, num_segments, count)``. No copy.
         """
         region = x.narrow(dim, self.start, self.num_segments * self.segment_length)
-        segmented = region.unflatten(dim, (self.num_segments, self.segment_length))
+        segmented = torch.unflatten(region, dim, (self.num_segments, self.segment_length))
         return segmented.narrow(dim + 1, self.offset, self.segment_length - self.offset)[
             (slice(None),) * (dim + 1) + (slice(None, None, self.rate),)
         ]
@@ -139,8 +145,8 @@ class DilationPattern:
     ``"longnet"``.
     """
 
-    segment_lengths: tuple[int, ...] = attrs.field(converter=_positive_int_tuple("segment_lengths"))
-    dilation_rates: tuple[int, ...] = attrs.field(converter=_positive_int_tuple("dilation_rates"))
+    segment_lengths: tuple[int, ...] = attrs.field(converter=_segment_lengths)
+    dilation_rates: tuple[int, ...] = attrs.field(converter=_dilation_rates)
     mode: Mode = attrs.field(default="head_groups", validator=_check_mode)
 
     def __attrs_post_init__(self) -> None:
@@ -181,7 +187,7 @@ class DilationPattern:
             )
 
     def group_sizes(self, num_heads: int) -> tuple[int, ...]:
-        """Heads per pattern in ``head_groups`` mode: ``H // G``, plus one for the first ``H % G``."""
+        """Heads per pattern (``head_groups``): ``H // G``, one more for the first ``H % G``."""
         base, extra = divmod(num_heads, self.num_patterns)
         return tuple(base + (i < extra) for i in range(self.num_patterns))
 

@@ -16,20 +16,20 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_inputs(
     q: object, k: object, v: object, pattern: DilationPattern
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` against SPEC.md section 1."""
+    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` (SPEC.md section 1)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    assert (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    )
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
             )
         if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}"
-            )
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
         if 0 in x.shape:
             raise ValueError(f"{name} must have no empty dimension, got shape {tuple(x.shape)}")
     if not q.dtype == k.dtype == v.dtype:
@@ -37,7 +37,9 @@ def check_inputs(
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     B, L, H, D = q.shape
     if k.shape[0] != B or k.shape[1] != L:
         raise ValueError(

@@ -147,15 +147,16 @@ def _collect_kernels(
         except Exception as exc:  # a plugin's hook may raise anything
             fail(name, f"ringdilated_kernels() raised {type(exc).__name__}: {exc}")
             continue
-        if not isinstance(specs, (list, tuple)) or not all(isinstance(s, KernelSpec) for s in specs):
+        if not isinstance(specs, (list, tuple)) or not all(
+            isinstance(s, KernelSpec) for s in specs
+        ):
             fail(name, f"ringdilated_kernels() must return a list of KernelSpec, got {specs!r}")
             continue
         for spec in specs:
             if spec.name in kernels:
                 fail(
                     name,
-                    f"kernel name {spec.name!r} is already provided by "
-                    f"{kernel_origins[spec.name]}",
+                    f"kernel name {spec.name!r} is already provided by {kernel_origins[spec.name]}",
                 )
                 continue
             kernels[spec.name] = spec

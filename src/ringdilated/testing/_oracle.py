@@ -80,7 +80,7 @@ def dense_attention(
     oracle (``dtype=float64``) and the baseline whose error sets a dtype's tolerance.
     """
     dtype = dtype or q.dtype
-    B, L, H, D = q.shape
+    _, L, H, D = q.shape
     group = H // k.shape[2]
     scale = D**-0.5 if scale is None else scale
     qd = q.to(dtype).transpose(1, 2)

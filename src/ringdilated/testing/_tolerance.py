@@ -48,7 +48,9 @@ def assert_within_tolerance(
     """
     dtype = dtype or actual.dtype
     if actual.shape != expected.shape:
-        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != oracle {tuple(expected.shape)}")
+        raise AssertionError(
+            f"{what}: shape {tuple(actual.shape)} != oracle {tuple(expected.shape)}"
+        )
     error = max_error(actual, expected)
     finite = expected.detach().double().masked_fill(torch.isneginf(expected), 0.0)
     magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
