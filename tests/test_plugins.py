@@ -49,8 +49,12 @@ def test_builtins_register_through_the_hooks() -> None:
     assert set(registry.kernels) == {"sdpa", "reference"}
     assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
     assert registry.failures == ()
+    assert set(registry.communicators) == {"local", "ringpass"}
+    assert registry.communicator_origins["ringpass"] == "ringdilated.backends.ringpass (built-in)"
     names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
-    assert names == {"ringdilated.backends.sdpa", "ringdilated.backends.reference"}
+    assert names == {
+        f"ringdilated.backends.{m}" for m in ("sdpa", "reference", "local", "ringpass")
+    }
 
 
 def test_entry_point_plugin_is_loaded_with_its_origin() -> None:
@@ -85,7 +89,7 @@ def _raise_in_hook() -> list[KernelSpec]:
         ),
         (
             FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])),
-            "plugin 'dup' skipped: kernel name 'sdpa' is already provided by "
+            "plugin 'dup' skipped: KernelSpec name 'sdpa' is already provided by "
             "ringdilated.backends.sdpa",
         ),
     ],

@@ -148,7 +148,7 @@ CASES = [
         (Q, KV, KV),
         {"communicator": "mpi"},
         ValueError,
-        "communicator must be one of .*'mpi'",
+        "unknown communicator 'mpi'; known communicators: local, ringpass",
     ),
     (
         "forced unfit kernel",

@@ -13,21 +13,26 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
+import torch.distributed as dist
 
 from ringdilated.core.capabilities import Request
+from ringdilated.core.communicator import Communicator
 from ringdilated.core.driver import DilatedAttentionFunction, Run
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
+from ringdilated.core.shard import shard_plan
+from ringdilated.core.sharded import ShardedAttentionFunction, ShardedRun
 from ringdilated.core.validation import check_inputs, check_options
 from ringdilated.plugins.manager import load_registry
 
-__all__ = ["COMMUNICATORS", "default_resolver", "dilated_attention"]
+__all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
-COMMUNICATORS = ("auto", "local")
+RANK_CHECK_ENV_VAR = "RINGDILATED_RANK_CHECK"
 
 
 @functools.lru_cache(maxsize=1)
@@ -35,19 +40,87 @@ def default_resolver() -> Resolver:
     """The resolver over every loaded plugin's kernels. ``default_resolver.cache_clear()`` and
     ``load_registry.cache_clear()`` rebuild it (after changing plugin environment variables)."""
     registry = load_registry()
-    return Resolver(registry.kernels.values(), plugin_failures=registry.failures)
+    return Resolver(
+        registry.kernels.values(),
+        plugin_failures=registry.failures,
+        communicators=registry.communicators.values(),
+    )
 
 
-def check_distribution(process_group: object, communicator: object) -> None:
-    """Single-process only for now: a group of one rank, or none; communicator 'auto'/'local'."""
-    if not isinstance(communicator, str) or communicator not in COMMUNICATORS:
-        raise ValueError(f"communicator must be one of {COMMUNICATORS}, got {communicator!r}")
-    if process_group is not None:
-        size = torch.distributed.get_world_size(process_group)  # type: ignore[arg-type]
-        if size != 1:
-            raise NotImplementedError(
-                f"process_group of {size} ranks: sharded dilated attention is not implemented yet; "
-                "pass process_group=None or a group of one rank"
+def world_size(process_group: object) -> int:
+    """Ranks in ``process_group`` (``None``: one process)."""
+    if process_group is None:
+        return 1
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got {process_group!r}"
+        )
+    return dist.get_world_size(process_group)
+
+
+def _validate(
+    pattern: DilationPattern,
+    q: object,
+    k: object,
+    v: object,
+    *,
+    causal: object,
+    scale: object,
+    dropout_p: object,
+    kernel: str,
+    communicator: str,
+    ranks: int,
+    resolver: Resolver,
+) -> tuple[Plan, Communicator]:
+    q, k, v = check_inputs(q, k, v, pattern)
+    check_options(scale, dropout_p)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)  # type: ignore[operator]
+    plan = resolver.resolve(request, kernel)
+    return plan, resolver.communicator_for(ranks, causal, communicator)
+
+
+def _agree(group: dist.ProcessGroup, error: Exception | None, metadata: tuple[object, ...]) -> None:
+    """Raise the same failure on every rank if any rank rejected its input or ranks disagree."""
+    if os.environ.get(RANK_CHECK_ENV_VAR, "1").strip() == "0":
+        if error is not None:
+            raise error
+        return
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(
+        gathered,
+        (None if error is None else f"{type(error).__name__}: {error}", metadata),
+        group=group,
+    )
+    failures = [(r, item[0]) for r, item in enumerate(gathered) if item[0] is not None]  # type: ignore[index]
+    if failures:
+        if error is not None:
+            raise error
+        rank, message = failures[0]
+        raise ValueError(f"rank {rank} rejected its input, so every rank stops: {message}")
+    reference = gathered[0][1]  # type: ignore[index]
+    for rank, item in enumerate(gathered):
+        if item[1] != reference:  # type: ignore[index]
+            names = (
+                "pattern",
+                "causal",
+                "scale",
+                "dropout_p",
+                "dtype",
+                "q shape",
+                "k shape",
+                "kernel",
+                "communicator",
+            )
+            diffs = [
+                f"{name}: rank 0 {a!r}, rank {rank} {b!r}"
+                for name, a, b in zip(names, reference, item[1], strict=True)  # type: ignore[index,arg-type]
+                if a != b
+            ]
+            raise ValueError(
+                "ranks disagree on the call (every rank must pass the same): " + "; ".join(diffs)
             )
 
 
@@ -65,29 +138,65 @@ def attend(
     communicator: str = "auto",
     resolver: Resolver | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan]:
-    """Validate, resolve and run; returns ``(out, lse float32, plan)``."""
-    q, k, v = check_inputs(q, k, v, pattern)
-    check_options(scale, dropout_p)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    check_distribution(process_group, communicator)
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)
-    plan = (resolver or default_resolver()).resolve(request, kernel)
-    _, L, H, D = q.shape
+    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``."""
+    resolver = resolver or default_resolver()
+    ranks = world_size(process_group)
+    kwargs = dict(
+        causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel, communicator=communicator
+    )
+    if ranks == 1:
+        plan, comm = _validate(pattern, q, k, v, **kwargs, ranks=1, resolver=resolver)  # type: ignore[arg-type]
+    else:
+        assert isinstance(process_group, dist.ProcessGroup)
+        error: Exception | None = None
+        plan = comm = None  # type: ignore[assignment]
+        try:
+            plan, comm = _validate(pattern, q, k, v, **kwargs, ranks=ranks, resolver=resolver)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            error = exc
+        metadata = (
+            (pattern.segment_lengths, pattern.dilation_rates, pattern.mode),
+            causal,
+            scale,
+            dropout_p,
+            str(getattr(q, "dtype", None)),
+            tuple(getattr(q, "shape", ())),
+            tuple(getattr(k, "shape", ())),
+            None if plan is None else plan.kernel_name,
+            None if comm is None else type(comm).__name__,
+        )
+        _agree(process_group, error, metadata)
+    B, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
-    run = Run(
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    if ranks == 1:
+        run = Run(
+            kernel=plan.kernel,
+            blocks=pattern.blocks(L, H, k.shape[2]),
+            exclusive=pattern.mode == "head_groups",
+            scale=scale_value,
+            causal=causal,
+            dropout_p=float(dropout_p),
+            dropout_seed=seed,
+        )
+        out, lse = DilatedAttentionFunction.apply(q, k, v, run)  # type: ignore[no-untyped-call]
+        return out, lse.float(), plan
+    assert isinstance(process_group, dist.ProcessGroup)
+    rank = dist.get_rank(process_group)
+    shards = shard_plan(pattern, L * ranks, H, k.shape[2], rank, ranks)
+    inner = Run(
         kernel=plan.kernel,
-        blocks=pattern.blocks(L, H, k.shape[2]),
+        blocks=shards.inner,
         exclusive=pattern.mode == "head_groups",
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(D),
+        scale=scale_value,
         causal=causal,
         dropout_p=float(dropout_p),
         dropout_seed=seed,
+        complete=False,
     )
-    out, lse = DilatedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-        q.contiguous(), k.contiguous(), v.contiguous(), run
-    )
+    sharded = ShardedRun(inner=inner, plan=shards, communicator=comm, group=process_group)
+    out, lse = ShardedAttentionFunction.apply(q, k, v, sharded)  # type: ignore[no-untyped-call]
     return out, lse.float(), plan
 
 
@@ -160,7 +269,10 @@ def dilated_attention(
       Gradients flow through ``out`` and ``lse``.
     - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``) or a backend name,
       which must fit the request or a :class:`~ringdilated.core.ResolutionError` is raised.
-    - ``process_group``/``communicator``: ``None``/``"auto"`` run on this process.
+    - ``process_group``: ``None`` (one process) or a ``torch.distributed`` group whose ranks each
+      pass their contiguous shard ``(B, L / P, H, D)`` of the sequence and get back their slice of
+      the single-process result; ``communicator``: ``"auto"``, ``"ringpass"`` or ``"local"``
+      (one process). Inputs are checked on every rank and a rejection raises on every rank.
 
     Raises ``TypeError``/``ValueError`` naming the offending value before any work starts.
     """

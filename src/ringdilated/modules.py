@@ -11,7 +11,7 @@ from ringdilated.core.capabilities import Request
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_options
-from ringdilated.functional import attend, check_distribution, default_resolver
+from ringdilated.functional import attend, default_resolver, world_size
 
 __all__ = ["DilatedAttention"]
 
@@ -46,7 +46,7 @@ class DilatedAttention(nn.Module):
         check_options(scale, dropout)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
-        check_distribution(process_group, communicator)
+        default_resolver().communicator_for(world_size(process_group), causal, communicator)
         self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)

@@ -27,7 +27,7 @@ from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.pattern import Block, Selection
 
-__all__ = ["DilatedAttentionFunction", "Run"]
+__all__ = ["DilatedAttentionFunction", "Run", "lse_gradient"]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
@@ -38,6 +38,8 @@ class Run:
 
     ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
     so results are copied rather than merged. ``causal`` selects the diagonal mask in every block.
+    ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
+    sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     """
 
     kernel: Kernel = attrs.field(eq=False)
@@ -48,6 +50,7 @@ class Run:
     dropout_p: float = 0.0
     dropout_seed: int = 0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    complete: bool = True
 
     def chunks(self, batch: int, seq_len: int, head_dim: int) -> Iterator[_Chunk]:
         """Every kernel call of the pattern, in a fixed order (backward replays the same one)."""
@@ -111,8 +114,9 @@ class _Chunk:
 
 
 def _forward(
-    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_state: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state."""
     B, L, H, D = q.shape
     lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     if run.exclusive:
@@ -138,7 +142,7 @@ def _forward(
                 torch.unflatten(lse_b, 0, shape),
             )
     if not run.exclusive:
-        out = state.out.to(q.dtype)
+        out = state.out if keep_state else state.out.to(q.dtype)
     return out, lse
 
 
@@ -197,18 +201,22 @@ def _backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    cast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold."""
     B, L, _, D = q.shape
     # A gradient written once per element is written in the input dtype (the kernel's result,
     # no second rounding); one that sums several contributions accumulates in float32/float64.
     kv_once = run.exclusive and _kv_exclusive(run.blocks)
-    q_once, k_once = run.exclusive and dlse is None, kv_once and dlse is None
+    q_once = run.exclusive and run.complete and dlse is None
+    k_once = kv_once and run.complete and dlse is None
+    v_once = kv_once and run.complete
 
     def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
         dtype = like.dtype if once else accumulation_dtype(like.dtype)
         return _result_buffer(like.shape, dtype, like.device, run.blocks, exclusive=once, kv=kv)
 
-    dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, kv_once, True)
+    dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
     for chunk in run.chunks(B, L, D):
         qc, kc, vc = chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True)
         lse_c = chunk.lse_view(lse).flatten(0, 1)
@@ -220,9 +228,12 @@ def _backward(
         _write(chunk.view(dk, True), torch.unflatten(dk_b, 0, shape), kv_once)
         _write(chunk.view(dv, True), torch.unflatten(dv_b, 0, shape), kv_once)
         if dlse is not None:
-            dq_l, dk_l = _lse_gradient(run.kernel, chunk, dlse, qc, kc, vc, lse_c)
+            dlse_c = chunk.lse_view(dlse).flatten(0, 1)
+            dq_l, dk_l = lse_gradient(run.kernel, chunk.options, dlse_c, qc, kc, vc, lse_c)
             chunk.view(dq).add_(torch.unflatten(dq_l, 0, shape))
             chunk.view(dk, True).add_(torch.unflatten(dk_l, 0, shape))
+    if not cast:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -233,28 +244,29 @@ def _write(target: torch.Tensor, value: torch.Tensor, once: bool) -> None:
         target.add_(value)
 
 
-def _lse_gradient(
+def lse_gradient(
     kernel: Kernel,
-    chunk: _Chunk,
+    options: BlockOptions,
     dlse: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient of ``lse`` through this block, from the kernel's own backward.
+    """``(dq, dk)`` of ``sum(dlse * lse)`` through one block, from the kernel's own backward.
 
     ``d lse_i / d s_ij = P_ij``. A kernel backward computes ``dS = P * (dout . v_j - D_i)`` with
     ``D_i = rowsum(dout * out)``; passing ``v_j = e_0``, ``dout_i = dlse_i e_0`` and ``out = 0``
     makes that ``P_ij * dlse_i``, so any kernel that meets the contract gives it exactly. The lse
-    does not depend on dropout, so the call runs without it.
+    does not depend on dropout, so the call runs without it. ``dlse`` is ``(N, H, Lq)``.
     """
     e0 = torch.zeros_like(v)
     e0[..., 0] = 1
     grad = torch.zeros_like(q)
-    grad[..., 0] = chunk.lse_view(dlse).flatten(0, 1).to(q.dtype)
-    options = attrs.evolve(chunk.options, dropout_p=0.0)
-    dq, dk, _ = kernel.backward(grad, q, k, e0, torch.zeros_like(q), lse, options)
+    grad[..., 0] = dlse.to(q.dtype)
+    dq, dk, _ = kernel.backward(
+        grad, q, k, e0, torch.zeros_like(q), lse, attrs.evolve(options, dropout_p=0.0)
+    )
     return dq, dk
 
 

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import attrs
 
 from ringdilated.core.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.communicator import Communicator
+from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.kernel import Kernel
 
 __all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
@@ -65,8 +67,11 @@ class Resolver:
         specs: Iterable[KernelSpec],
         env: Environment | None = None,
         plugin_failures: Iterable[str] = (),
+        communicators: Iterable[CommunicatorSpec] = (),
     ) -> None:
         self.specs = {spec.name: spec for spec in specs}
+        self.communicator_specs = {spec.name: spec for spec in communicators}
+        self._communicators: dict[str, Communicator] = {}
         self.env = env if env is not None else Environment()
         self.plugin_failures = tuple(plugin_failures)
         self._kernels: dict[str, Kernel] = {}
@@ -120,6 +125,41 @@ class Resolver:
             forced_by=forced_by,
             plugin_failures=self.plugin_failures,
         )
+
+    def communicator_for(self, world_size: int, causal: bool, name: str = "auto") -> Communicator:
+        """The communicator for a group of ``world_size`` ranks: ``name`` forced, or the
+        highest-priority one that fits. A forced one that does not fit raises with its reasons."""
+        if not isinstance(name, str):
+            raise TypeError(
+                f"communicator must be 'auto' or a communicator name (str), got {name!r}"
+            )
+        if name != "auto" and name not in self.communicator_specs:
+            known = ", ".join(sorted(self.communicator_specs)) or "none"
+            raise ValueError(
+                f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
+            )
+        ranked = sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name))
+        verdicts = [(spec, spec.reasons(world_size, causal)) for spec in ranked]
+        if name != "auto":
+            spec = self.communicator_specs[name]
+            reasons = spec.reasons(world_size, causal)
+            if reasons:
+                raise ResolutionError(
+                    f"communicator {name!r} cannot serve {world_size} rank(s): "
+                    + "; ".join(reasons)
+                )
+        else:
+            fitting = [s for s, r in verdicts if not r]
+            if not fitting:
+                detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in verdicts)
+                raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
+            spec = fitting[0]
+        if spec.name not in self._communicators:
+            instance = spec.factory()
+            if not isinstance(instance, Communicator):
+                raise TypeError(f"communicator {spec.name!r}: factory returned {instance!r}")
+            self._communicators[spec.name] = instance
+        return self._communicators[spec.name]
 
     def kernel(self, name: str) -> Kernel:
         """The kernel instance of backend ``name``, built once; no capability check."""

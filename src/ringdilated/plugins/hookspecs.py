@@ -24,6 +24,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from ringdilated.core.capabilities import KernelSpec
+    from ringdilated.core.communicator_spec import CommunicatorSpec
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -40,4 +41,13 @@ def ringdilated_kernels() -> list[KernelSpec]:  # type: ignore[empty-body]
     Called once when the plugin registry is built. Must not import heavy optional packages:
     a spec declares the packages it needs in ``Capabilities.requires`` and its factory imports
     them only once the resolver has chosen it.
+    """
+
+
+@hookspec
+def ringdilated_communicators() -> list[CommunicatorSpec]:  # type: ignore[empty-body]
+    """Return the communicators this plugin offers, as
+    :class:`~ringdilated.core.communicator_spec.CommunicatorSpec`.
+
+    Called once when the plugin registry is built, like :func:`ringdilated_kernels`.
     """

@@ -29,6 +29,7 @@ import attrs
 import pluggy
 
 from ringdilated.core.capabilities import KernelSpec
+from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.plugins import hookspecs
 
 __all__ = [
@@ -42,7 +43,12 @@ __all__ = [
 
 AUTOLOAD_ENV_VAR = "RINGDILATED_DISABLE_PLUGIN_AUTOLOAD"
 BLOCK_ENV_VAR = "RINGDILATED_BLOCK_PLUGINS"
-BUILTIN_PLUGINS = ("ringdilated.backends.sdpa", "ringdilated.backends.reference")
+BUILTIN_PLUGINS = (
+    "ringdilated.backends.sdpa",
+    "ringdilated.backends.reference",
+    "ringdilated.backends.local",
+    "ringdilated.backends.ringpass",
+)
 
 
 class PluginWarning(UserWarning):
@@ -51,12 +57,14 @@ class PluginWarning(UserWarning):
 
 @attrs.frozen
 class PluginRegistry:
-    """What the plugins offered: kernel specs by name, their origins, and the failures."""
+    """What the plugins offered: kernel and communicator specs by name, origins, failures."""
 
     kernels: dict[str, KernelSpec]
     origins: dict[str, str]
     failures: tuple[str, ...]
     manager: pluggy.PluginManager = attrs.field(eq=False, repr=False)
+    communicators: dict[str, CommunicatorSpec] = attrs.field(factory=dict)
+    communicator_origins: dict[str, str] = attrs.field(factory=dict)
 
 
 def _env_flag(name: str) -> bool:
@@ -116,8 +124,11 @@ def build_registry(
             dist = getattr(ep, "dist", None)
             where = f"{dist.name} {dist.version}" if dist is not None else ep.value
             register(plugin, ep.name, f"entry point {ep.name!r} ({where})")
-    kernels, kernel_origins = _collect_kernels(pm, origins, fail)
-    return PluginRegistry(kernels, kernel_origins, tuple(failures), pm)
+    kernels, kernel_origins = _collect(pm, "ringdilated_kernels", KernelSpec, origins, fail)
+    communicators, comm_origins = _collect(
+        pm, "ringdilated_communicators", CommunicatorSpec, origins, fail
+    )
+    return PluginRegistry(kernels, kernel_origins, tuple(failures), pm, communicators, comm_origins)
 
 
 def _entry_points_safely(
@@ -131,37 +142,40 @@ def _entry_points_safely(
         return ()
 
 
-def _collect_kernels(
-    pm: pluggy.PluginManager, origins: dict[str, str], fail: Callable[[str, str], None]
-) -> tuple[dict[str, KernelSpec], dict[str, str]]:
-    kernels: dict[str, KernelSpec] = {}
-    kernel_origins: dict[str, str] = {}
-    impls = {impl.plugin_name: impl for impl in pm.hook.ringdilated_kernels.get_hookimpls()}
+def _collect(
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    spec_type: type[Any],
+    origins: dict[str, str],
+    fail: Callable[[str, str], None],
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Call ``hook_name`` of every plugin on its own, keeping what is a list of ``spec_type``."""
+    specs_by_name: dict[str, Any] = {}
+    spec_origins: dict[str, str] = {}
+    impls = {impl.plugin_name: impl for impl in getattr(pm.hook, hook_name).get_hookimpls()}
     # Registration order (built-ins first), so an earlier plugin keeps a contested name.
     for name in origins:
         if name not in impls:
             continue
-        impl = impls[name]
         try:
-            specs: Any = impl.function()
+            specs: Any = impls[name].function()
         except Exception as exc:  # a plugin's hook may raise anything
-            fail(name, f"ringdilated_kernels() raised {type(exc).__name__}: {exc}")
+            fail(name, f"{hook_name}() raised {type(exc).__name__}: {exc}")
             continue
-        if not isinstance(specs, (list, tuple)) or not all(
-            isinstance(s, KernelSpec) for s in specs
-        ):
-            fail(name, f"ringdilated_kernels() must return a list of KernelSpec, got {specs!r}")
+        if not isinstance(specs, (list, tuple)) or not all(isinstance(s, spec_type) for s in specs):
+            fail(name, f"{hook_name}() must return a list of {spec_type.__name__}, got {specs!r}")
             continue
         for spec in specs:
-            if spec.name in kernels:
+            if spec.name in specs_by_name:
                 fail(
                     name,
-                    f"kernel name {spec.name!r} is already provided by {kernel_origins[spec.name]}",
+                    f"{spec_type.__name__} name {spec.name!r} is already provided by "
+                    f"{spec_origins[spec.name]}",
                 )
                 continue
-            kernels[spec.name] = spec
-            kernel_origins[spec.name] = f"{name} ({origins.get(name, 'registered')})"
-    return kernels, kernel_origins
+            specs_by_name[spec.name] = spec
+            spec_origins[spec.name] = f"{name} ({origins.get(name, 'registered')})"
+    return specs_by_name, spec_origins
 
 
 @functools.lru_cache(maxsize=1)

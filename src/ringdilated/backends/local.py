@@ -1,0 +1,51 @@
+"""The ``local`` communicator: one process, nothing moves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ringdilated.core.communicator import TransferStats
+from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.plugins.hookspecs import hookimpl
+
+__all__ = ["LocalCommunicator"]
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+class LocalCommunicator:
+    """The communicator of a single process: no steps, no peers."""
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+
+    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        return ()
+
+    def exchange(
+        self, group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
+    ) -> _Done:
+        if sends or recvs:
+            raise RuntimeError(
+                f"local communicator asked to move data to/from ranks {sorted({*sends, *recvs})}"
+            )
+        return _Done()
+
+
+LOCAL_SPEC = CommunicatorSpec(
+    name="local",
+    factory=LocalCommunicator,
+    priority=0,
+    distributed=False,
+    description="one process; no communication",
+)
+
+
+@hookimpl
+def ringdilated_communicators() -> list[CommunicatorSpec]:
+    return [LOCAL_SPEC]

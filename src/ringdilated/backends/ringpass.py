@@ -1,0 +1,71 @@
+"""The ``ringpass`` communicator: point-to-point rotation over ``torch.distributed``.
+
+At step ``t`` (``t = 1 .. P-1``) rank ``r`` exchanges with ``r + t`` and ``r - t`` (when they
+exist): each piece goes straight from its owner to a rank that needs it, never forwarded through
+ranks that do not, so the bytes sent are the shard plan's minimum. The driver starts step
+``t + 1`` before computing step ``t`` (double buffering: separate send and receive buffers per
+step, at most two steps alive), so transfers overlap compute. Works on gloo (CPU) and NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ringdilated.core.communicator import TransferStats
+from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.plugins.hookspecs import hookimpl
+
+__all__ = ["RingPassCommunicator"]
+
+
+@attrs.frozen
+class _Works:
+    works: tuple[object, ...]
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()  # type: ignore[attr-defined]
+
+
+class RingPassCommunicator:
+    """Point-to-point exchange with partners at growing distance."""
+
+    def __init__(self) -> None:
+        self.stats = TransferStats()
+
+    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        steps = []
+        for t in range(1, world_size):
+            steps.append(tuple(p for p in (rank + t, rank - t) if 0 <= p < world_size))
+        return tuple(s for s in steps if s)
+
+    def exchange(
+        self,
+        group: object,
+        sends: Mapping[int, torch.Tensor],
+        recvs: Mapping[int, torch.Tensor],
+    ) -> _Works:
+        self.stats.record(sends, recvs)
+        ops = [dist.P2POp(dist.isend, t, peer, group=group) for peer, t in sends.items()]  # type: ignore[arg-type]
+        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for peer, t in recvs.items()]  # type: ignore[arg-type]
+        if not ops:
+            return _Works(())
+        return _Works(tuple(dist.batch_isend_irecv(ops)))
+
+
+RINGPASS_SPEC = CommunicatorSpec(
+    name="ringpass",
+    factory=RingPassCommunicator,
+    priority=100,
+    distributed=True,
+    description="point-to-point rotation (isend/irecv), overlapped with compute",
+)
+
+
+@hookimpl
+def ringdilated_communicators() -> list[CommunicatorSpec]:
+    return [RINGPASS_SPEC]

@@ -1,0 +1,71 @@
+"""The communicator interface: moves key/value pieces (and their gradients) between ranks.
+
+The sharded driver (:mod:`ringdilated.core.sharded`) decides *what* moves from the pattern
+(:mod:`ringdilated.core.shard`); a communicator decides *how*: in which steps a rank meets which
+peers, and with which transport. Call flow, per step::
+
+    pending = communicator.exchange(group, sends={peer: flat tensor}, recvs={peer: flat buffer})
+    ... compute the previous step's blocks ...
+    pending.wait()          # recvs are filled; sends may be reused
+
+Every rank calls ``exchange`` for the same steps in the same order; a peer with nothing to send
+or receive is simply absent from the mappings. ``stats`` counts the bytes each call moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+__all__ = ["Communicator", "Pending", "TransferStats"]
+
+
+@attrs.define
+class TransferStats:
+    """Bytes this rank sent and received, and exchanges started, since the last :meth:`reset`."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    exchanges: int = 0
+
+    def record(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
+        self.bytes_received += sum(t.numel() * t.element_size() for t in recvs.values())
+        self.exchanges += 1
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = self.exchanges = 0
+
+
+@runtime_checkable
+class Pending(Protocol):
+    def wait(self) -> None:
+        """Block until this exchange's receives are complete and its send buffers are free."""
+        ...
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Moves flat tensors between ranks of a process group."""
+
+    stats: TransferStats
+
+    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        """The peers ``rank`` exchanges with at each step; every peer appears exactly once."""
+        ...
+
+    def exchange(
+        self,
+        group: object,
+        sends: Mapping[int, torch.Tensor],
+        recvs: Mapping[int, torch.Tensor],
+    ) -> Pending:
+        """Start sending ``sends[peer]`` to each peer and receiving into ``recvs[peer]``.
+
+        Ranks are global ranks of ``group``'s members as seen by ``torch.distributed``. Sizes
+        agree between the two ends by construction (both derive them from the shard plan).
+        """
+        ...

@@ -1,0 +1,35 @@
+"""How a communicator plugin describes itself to the resolver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+__all__ = ["CommunicatorSpec"]
+
+
+@attrs.frozen
+class CommunicatorSpec:
+    """A communicator as a plugin offers it.
+
+    ``distributed``: serves process groups of more than one rank (``False``: one process only).
+    ``causal``: honours the causal rule of sending only toward later ranks.
+    """
+
+    name: str
+    factory: Callable[[], object]
+    priority: int = 0
+    distributed: bool = True
+    causal: bool = True
+    description: str = ""
+
+    def reasons(self, world_size: int, causal: bool) -> tuple[str, ...]:
+        out = []
+        if world_size > 1 and not self.distributed:
+            out.append(f"serves one process only, the group has {world_size} ranks")
+        if world_size == 1 and self.distributed:
+            out.append("a group of one rank needs no communication (local serves it)")
+        if causal and not self.causal:
+            out.append("cannot restrict sends to later ranks under causal=True")
+        return tuple(out)

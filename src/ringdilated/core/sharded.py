@@ -1,0 +1,366 @@
+"""Dilated attention over a sequence sharded across ranks (SPEC.md section 3).
+
+Call flow on rank ``r`` (every rank runs the same steps)::
+
+    forward:
+        exchange step 1 starts                  pieces of crossing segments, straight to the
+                                                ranks whose queries see them (shard plan)
+        inner blocks -> out, lse                local, exactly the single-process driver
+        own piece of each crossing -> partial   merged by the Accumulator (float32)
+        for each step: start step + 1; wait step; each received piece -> partial -> merge
+        crossing results written into out / merged into the longnet state
+    backward:
+        inner blocks -> dq, dk, dv              the single-process backward
+        own pieces -> gradients                 with the final out and lse
+        for each step: pieces re-received (prefetched one step ahead); their dk, dv go back
+        to their owners in the same step; each rank adds what comes back to its own pieces
+
+Memory per rank is O(L / P): inner work is chunked as on one process, and at most two steps'
+pieces are alive at a time. Nothing here validates inputs: :mod:`ringdilated.functional` did,
+identically on every rank, before any communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import torch
+
+from ringdilated.core.accumulator import Accumulator, accumulation_dtype
+from ringdilated.core.communicator import Communicator, Pending
+from ringdilated.core.driver import Run, _backward, _forward, lse_gradient
+from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.shard import Crossing, ShardPlan
+
+__all__ = ["ShardedAttentionFunction", "ShardedRun"]
+
+
+@attrs.frozen
+class ShardedRun:
+    """A sharded call's fixed parts. ``inner`` is the single-process run of the inner blocks."""
+
+    inner: Run
+    plan: ShardPlan
+    communicator: Communicator = attrs.field(eq=False)
+    group: object = attrs.field(eq=False)
+
+    @property
+    def kernel(self) -> Kernel:
+        return self.inner.kernel
+
+    def options(self, seed_index: int, own: bool) -> BlockOptions:
+        """A crossing partial's options: the diagonal for a rank's own piece under causal; no
+        mask for another rank's (only earlier ranks send under causal, and all their keys are
+        visible)."""
+        return BlockOptions(
+            scale=self.inner.scale,
+            causal_offset=0 if (own and self.inner.causal) else None,
+            dropout_p=self.inner.dropout_p,
+            dropout_seed=self.inner.dropout_seed + (1 << 40) + seed_index,
+        )
+
+
+def _q_heads(crossing: Crossing) -> slice:
+    return slice(crossing.block.heads.q_start, crossing.block.heads.q_stop)
+
+
+def _kv_heads(crossing: Crossing) -> slice:
+    return slice(crossing.block.heads.kv_start, crossing.block.heads.kv_stop)
+
+
+def _piece(x: torch.Tensor, crossing: Crossing, rank: int, heads: slice) -> torch.Tensor:
+    """``(B, heads, count, D)`` kernel-layout view of ``rank``'s piece of a local tensor."""
+    piece = crossing.piece(rank)
+    assert piece is not None
+    return piece.selection.view(x)[:, 0, :, heads].transpose(1, 2)
+
+
+def _lse_piece(lse: torch.Tensor, crossing: Crossing, rank: int) -> torch.Tensor:
+    piece = crossing.piece(rank)
+    assert piece is not None
+    return piece.selection.view(lse, dim=2)[:, _q_heads(crossing), 0]
+
+
+def _shapes(
+    run: ShardedRun, crossings: tuple[Crossing, ...], src: int, batch: int, head_dim: int
+) -> list[tuple[int, ...]]:
+    shapes = []
+    for c in crossings:
+        piece = c.piece(src)
+        assert piece is not None
+        shapes.append((batch, c.block.heads.num_kv_heads, piece.count, head_dim))
+    return shapes
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    sizes = [n for shape in shapes for n in (_numel(shape),) * 2]
+    parts = flat.split(sizes)
+    return [p.view(shapes[i // 2]) for i, p in enumerate(parts)]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@attrs.define
+class _Step:
+    peers: tuple[int, ...]
+    pending: Pending
+    recvs: dict[int, torch.Tensor]
+
+
+class _PieceExchange:
+    """Streams other ranks' pieces step by step, the next step always in flight (double buffer)."""
+
+    def __init__(self, run: ShardedRun, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.run, self.k, self.v = run, k, v
+        self.batch, self.head_dim = k.shape[0], k.shape[3]
+        plan = run.plan
+        self.steps = run.communicator.schedule(plan.rank, plan.world_size)
+        self.causal = run.inner.causal
+        self._next: _Step | None = None
+
+    def _start(self, index: int) -> _Step:
+        plan, me = self.run.plan, self.run.plan.rank
+        peers = self.steps[index]
+        sends, recvs = {}, {}
+        for peer in peers:
+            out = plan.transfers(me, peer, self.causal)
+            if out:
+                sends[peer] = _pack(
+                    [
+                        t
+                        for c in out
+                        for t in (
+                            _piece(self.k, c, me, _kv_heads(c)),
+                            _piece(self.v, c, me, _kv_heads(c)),
+                        )
+                    ]
+                )
+            incoming = plan.transfers(peer, me, self.causal)
+            if incoming:
+                numel = 2 * sum(
+                    _numel(s) for s in _shapes(self.run, incoming, peer, self.batch, self.head_dim)
+                )
+                recvs[peer] = torch.empty(numel, dtype=self.k.dtype, device=self.k.device)
+        pending = self.run.communicator.exchange(self.run.group, sends, recvs)
+        return _Step(peers, pending, recvs)
+
+    def start(self) -> None:
+        """Put the first step in flight (call before local work, to overlap it)."""
+        if self.steps and self._next is None:
+            self._next = self._start(0)
+
+    def __iter__(
+        self,
+    ) -> Iterator[tuple[int, list[tuple[int, Crossing, torch.Tensor, torch.Tensor]]]]:
+        """Yield ``(step, [(src, crossing, k, v), ...])`` with ``k``, ``v`` in kernel layout."""
+        self.start()
+        plan, me = self.run.plan, self.run.plan.rank
+        for index in range(len(self.steps)):
+            current = self._next
+            assert current is not None
+            self._next = self._start(index + 1) if index + 1 < len(self.steps) else None
+            current.pending.wait()
+            received = []
+            for src, flat in current.recvs.items():
+                crossings = plan.transfers(src, me, self.causal)
+                tensors = _unpack(
+                    flat, _shapes(self.run, crossings, src, self.batch, self.head_dim)
+                )
+                for i, c in enumerate(crossings):
+                    k, v = tensors[2 * i], tensors[2 * i + 1]
+                    received.append((src, c, k, v))
+            yield index, received
+
+
+def _seed_index(run: ShardedRun, crossing_index: int, src: int) -> int:
+    return crossing_index * run.plan.world_size + src
+
+
+def sharded_forward(
+    run: ShardedRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    me = run.plan.rank
+    exchange = _PieceExchange(run, k, v)
+    exchange.start()
+    out, lse = _forward(run.inner, q, k, v, keep_state=True)
+    index = {c: i for i, c in enumerate(run.plan.crossings)}
+    states: dict[Crossing, Accumulator] = {}
+    for c in run.plan.crossings:
+        qc = _piece(q, c, me, _q_heads(c))
+        states[c] = Accumulator(
+            torch.empty(qc.shape, dtype=lse.dtype, device=q.device),
+            torch.empty(qc.shape[:-1], dtype=lse.dtype, device=q.device),
+        )
+        o, s = run.kernel.forward(
+            qc,
+            _piece(k, c, me, _kv_heads(c)),
+            _piece(v, c, me, _kv_heads(c)),
+            run.options(_seed_index(run, index[c], me), own=True),
+        )
+        Accumulator.add(states[c].out, states[c].lse, o, s)
+    for _, received in exchange:
+        for src, c, kr, vr in received:
+            o, s = run.kernel.forward(
+                _piece(q, c, me, _q_heads(c)),
+                kr,
+                vr,
+                run.options(_seed_index(run, index[c], src), own=False),
+            )
+            Accumulator.add(states[c].out, states[c].lse, o, s)
+    for c, state in states.items():
+        if run.inner.exclusive:
+            _piece(out, c, me, _q_heads(c)).copy_(state.out)
+            _lse_piece(lse, c, me).copy_(state.lse)
+        else:
+            Accumulator.add(
+                _piece(out, c, me, _q_heads(c)), _lse_piece(lse, c, me), state.out, state.lse
+            )
+    if not run.inner.exclusive:
+        out = out.to(q.dtype)
+    return out, lse
+
+
+def _partial_backward(
+    run: ShardedRun,
+    options: BlockOptions,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = run.kernel.backward(dout, q, k, v, out, lse, options)
+    if dlse is not None:
+        dq_l, dk_l = lse_gradient(run.kernel, options, dlse, q, k, v, lse)
+        dq, dk = dq.to(lse.dtype) + dq_l, dk.to(lse.dtype) + dk_l
+    return dq, dk, dv
+
+
+def sharded_backward(
+    run: ShardedRun,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    me, plan = run.plan.rank, run.plan
+    exchange = _PieceExchange(run, k, v)
+    exchange.start()
+    acc = accumulation_dtype(q.dtype)
+    grads = _backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
+    dq, dk, dv = (g.to(acc) for g in grads)  # run.inner.complete is False: already acc dtype
+    index = {c: i for i, c in enumerate(plan.crossings)}
+
+    def views(c: Crossing) -> tuple[torch.Tensor, ...]:
+        qh = _q_heads(c)
+        return (
+            _piece(dout, c, me, qh),
+            None if dlse is None else _lse_piece(dlse, c, me),
+            _piece(q, c, me, qh),
+            _piece(out, c, me, qh),
+            _lse_piece(lse, c, me),
+        )
+
+    for c in plan.crossings:
+        do, dl, qc, oc, lc = views(c)
+        kh = _kv_heads(c)
+        gq, gk, gv = _partial_backward(
+            run,
+            run.options(_seed_index(run, index[c], me), own=True),
+            do,
+            dl,
+            qc,
+            _piece(k, c, me, kh),
+            _piece(v, c, me, kh),
+            oc,
+            lc,
+        )
+        _piece(dq, c, me, _q_heads(c)).add_(gq)
+        _piece(dk, c, me, kh).add_(gk)
+        _piece(dv, c, me, kh).add_(gv)
+    for step, received in exchange:
+        back: dict[int, list[torch.Tensor]] = {}
+        for src, c, kr, vr in received:
+            do, dl, qc, oc, lc = views(c)
+            gq, gk, gv = _partial_backward(
+                run,
+                run.options(_seed_index(run, index[c], src), own=False),
+                do,
+                dl,
+                qc,
+                kr,
+                vr,
+                oc,
+                lc,
+            )
+            _piece(dq, c, me, _q_heads(c)).add_(gq)
+            back.setdefault(src, []).extend([gk.to(k.dtype), gv.to(v.dtype)])
+        sends = {src: _pack(tensors) for src, tensors in back.items()}
+        recvs = {}
+        for peer in exchange.steps[step]:
+            mine = plan.transfers(me, peer, run.inner.causal)
+            if mine:
+                numel = 2 * sum(_numel(s) for s in _shapes(run, mine, me, k.shape[0], k.shape[3]))
+                recvs[peer] = torch.empty(numel, dtype=k.dtype, device=k.device)
+        run.communicator.exchange(run.group, sends, recvs).wait()
+        for peer, flat in recvs.items():
+            mine = plan.transfers(me, peer, run.inner.causal)
+            grads = _unpack(flat, _shapes(run, mine, me, k.shape[0], k.shape[3]))
+            for i, c in enumerate(mine):
+                _piece(dk, c, me, _kv_heads(c)).add_(grads[2 * i])
+                _piece(dv, c, me, _kv_heads(c)).add_(grads[2 * i + 1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class ShardedAttentionFunction(torch.autograd.Function):
+    """``(q, k, v, run) -> (out, lse)`` on this rank's shard, exact gradients for its shard."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        run: ShardedRun,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = sharded_forward(run, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.run = run  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx,
+        dout: torch.Tensor | None,
+        dlse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = sharded_backward(
+            ctx.run,  # type: ignore[attr-defined]
+            dout.contiguous(),
+            None if dlse is None else dlse.to(lse.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+        )
+        return dq, dk, dv, None
