@@ -21,7 +21,9 @@ import torch.distributed as dist
 TIMEOUT_S = 120
 
 
-def _worker(rank: int, world_size: int, store: str, inbox: Any, outbox: Any) -> None:
+def _worker(
+    rank: int, world_size: int, store: str, inbox: Any, outbox: Any, timeout_s: float
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -29,7 +31,7 @@ def _worker(rank: int, world_size: int, store: str, inbox: Any, outbox: Any) -> 
         init_method=f"file://{store}",
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         while True:
@@ -48,7 +50,7 @@ def _worker(rank: int, world_size: int, store: str, inbox: Any, outbox: Any) -> 
 class Workers:
     """``world_size`` ranks of one gloo group, alive until :meth:`close`."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory()
@@ -58,7 +60,7 @@ class Workers:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, store, self._inboxes[r], self._outbox),
+                args=(r, world_size, store, self._inboxes[r], self._outbox, timeout_s),
                 daemon=True,
             )
             for r in range(world_size)
@@ -76,7 +78,8 @@ class Workers:
                 rank, ok, value = self._outbox.get(timeout=TIMEOUT_S)
             except queue.Empty:
                 raise TimeoutError(
-                    f"task {name!r}: ranks {sorted(set(range(self.world_size)) - set(results))} did not answer"
+                    f"task {name!r}: ranks {sorted(set(range(self.world_size)) - set(results))} "
+                    "did not answer"
                 ) from None
             results[rank] = (ok, value)
         return [results[r] for r in range(self.world_size)]
@@ -187,4 +190,23 @@ def mismatched_config(payload: dict[str, Any]) -> str:
         )
     except ValueError as exc:
         return str(exc)
+    return "no error"
+
+
+def rank_dies(payload: dict[str, Any]) -> str:
+    """Rank 1 exits before the exchange; the others must raise, not hang."""
+    import time
+
+    import ringdilated
+
+    if dist.get_rank() == 1:
+        os._exit(0)
+    q = torch.randn(1, 8, 2, 4)
+    start = time.monotonic()
+    try:
+        # Skip the metadata agreement so the failure happens inside the ring exchange itself.
+        os.environ["RINGDILATED_RANK_CHECK"] = "0"
+        ringdilated.dilated_attention(q, q, q, [16], [1], process_group=dist.group.WORLD)
+    except Exception as exc:
+        return f"raised {type(exc).__name__} after {time.monotonic() - start:.1f}s"
     return "no error"

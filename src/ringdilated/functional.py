@@ -141,17 +141,31 @@ def attend(
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``."""
     resolver = resolver or default_resolver()
     ranks = world_size(process_group)
-    kwargs = dict(
-        causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel, communicator=communicator
-    )
+
+    def validate() -> tuple[Plan, Communicator]:
+        return _validate(
+            pattern,
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            kernel=kernel,
+            communicator=communicator,
+            ranks=ranks,
+            resolver=resolver,
+        )
+
+    plan: Plan | None = None
+    comm: Communicator | None = None
     if ranks == 1:
-        plan, comm = _validate(pattern, q, k, v, **kwargs, ranks=1, resolver=resolver)  # type: ignore[arg-type]
+        plan, comm = validate()
     else:
         assert isinstance(process_group, dist.ProcessGroup)
         error: Exception | None = None
-        plan = comm = None  # type: ignore[assignment]
         try:
-            plan, comm = _validate(pattern, q, k, v, **kwargs, ranks=ranks, resolver=resolver)  # type: ignore[arg-type]
+            plan, comm = validate()
         except (TypeError, ValueError) as exc:
             error = exc
         metadata = (
@@ -166,7 +180,8 @@ def attend(
             None if comm is None else type(comm).__name__,
         )
         _agree(process_group, error, metadata)
-    B, L, H, D = q.shape
+    assert plan is not None and comm is not None  # validate() returned on this rank
+    _, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)

@@ -21,7 +21,7 @@ import attrs
 
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
-__all__ = ["Crossing", "Piece", "ShardPlan", "shard_plan"]
+__all__ = ["Crossing", "Payload", "Piece", "ShardPlan", "payload", "shard_plan"]
 
 
 @attrs.frozen
@@ -50,7 +50,7 @@ class Crossing:
         return None
 
     def sends(self, src: int, dst: int, causal: bool) -> bool:
-        """Whether ``src``'s piece goes to ``dst``: both participate, and ``src < dst`` if causal."""
+        """Whether ``src``'s piece goes to ``dst``: both take part, and ``src < dst`` if causal."""
         if src == dst or self.piece(src) is None or self.piece(dst) is None:
             return False
         return src < dst or not causal
@@ -72,13 +72,61 @@ class ShardPlan:
 
     def elements_sent(self, head_dim: int, batch: int, causal: bool) -> int:
         """Key plus value elements this rank sends in a forward pass: the analytic minimum."""
-        total = 0
-        for dst in range(self.world_size):
-            for crossing in self.transfers(self.rank, dst, causal):
-                piece = crossing.piece(self.rank)
-                assert piece is not None
-                total += 2 * batch * piece.count * crossing.block.heads.num_kv_heads * head_dim
-        return total
+        return sum(
+            2 * batch * head_dim * payload(self, self.rank, dst, causal).positions_count
+            for dst in range(self.world_size)
+        )
+
+
+@attrs.frozen
+class Payload:
+    """What ``src`` sends ``dst``: for each key/value head, the union of the positions (local to
+    ``src``, sorted) that any of ``crossings`` needs. A key two patterns need travels once."""
+
+    crossings: tuple[Crossing, ...]
+    heads: tuple[int, ...]
+    positions: tuple[tuple[int, ...], ...]
+    #: for each crossing, for each of its key/value heads: indices into that head's positions
+    index: tuple[tuple[tuple[int, ...], ...], ...]
+
+    @property
+    def positions_count(self) -> int:
+        return sum(len(p) for p in self.positions)
+
+    def __bool__(self) -> bool:
+        return bool(self.crossings)
+
+
+def _piece_positions(piece: Piece) -> tuple[int, ...]:
+    sel = piece.selection
+    return tuple(sel.start + sel.offset + j * sel.rate for j in range(sel.count))
+
+
+@functools.lru_cache(maxsize=1024)
+def payload(plan: ShardPlan, src: int, dst: int, causal: bool) -> Payload:
+    """The deduplicated payload from ``src`` to ``dst`` (one of them is ``plan.rank``)."""
+    crossings = plan.transfers(src, dst, causal)
+    union: dict[int, set[int]] = {}
+    for c in crossings:
+        piece = c.piece(src)
+        assert piece is not None
+        for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
+            union.setdefault(h, set()).update(_piece_positions(piece))
+    heads = tuple(sorted(union))
+    positions = tuple(tuple(sorted(union[h])) for h in heads)
+    where = {h: {p: i for i, p in enumerate(pos)} for h, pos in zip(heads, positions, strict=True)}
+    index = []
+    for c in crossings:
+        piece = c.piece(src)
+        assert piece is not None
+        own = _piece_positions(piece)
+        index.append(
+            tuple(
+                tuple(where[h][p] for p in own)
+                for h in range(c.block.heads.kv_start, c.block.heads.kv_stop)
+            )
+        )
+    return Payload(crossings, heads, positions, tuple(index))
 
 
 def _local(selection: Selection, lo: int, hi: int, shard_start: int) -> Selection | None:

@@ -31,7 +31,7 @@ from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.communicator import Communicator, Pending
 from ringdilated.core.driver import Run, _backward, _forward, lse_gradient
 from ringdilated.core.kernel import BlockOptions, Kernel
-from ringdilated.core.shard import Crossing, ShardPlan
+from ringdilated.core.shard import Crossing, Payload, ShardPlan, payload
 
 __all__ = ["ShardedAttentionFunction", "ShardedRun"]
 
@@ -82,32 +82,40 @@ def _lse_piece(lse: torch.Tensor, crossing: Crossing, rank: int) -> torch.Tensor
     return piece.selection.view(lse, dim=2)[:, _q_heads(crossing), 0]
 
 
-def _shapes(
-    run: ShardedRun, crossings: tuple[Crossing, ...], src: int, batch: int, head_dim: int
-) -> list[tuple[int, ...]]:
-    shapes = []
-    for c in crossings:
-        piece = c.piece(src)
-        assert piece is not None
-        shapes.append((batch, c.block.heads.num_kv_heads, piece.count, head_dim))
-    return shapes
+def _numel(payload: Payload, batch: int, head_dim: int) -> int:
+    return 2 * batch * head_dim * payload.positions_count
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
+def _pack(payload: Payload, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[k_h, v_h for each head]`` at the payload's positions, flat. ``k``, ``v``: ``(B, S, H, D)``
+    local tensors, or per-head ``(B, n_h, D)`` lists when sending gradients back."""
+    parts = []
+    for h, pos in zip(payload.heads, payload.positions, strict=True):
+        index = torch.tensor(pos, device=k.device)
+        parts += [k[:, index, h].reshape(-1), v[:, index, h].reshape(-1)]
+    return torch.cat(parts)
 
 
-def _unpack(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    sizes = [n for shape in shapes for n in (_numel(shape),) * 2]
-    parts = flat.split(sizes)
-    return [p.view(shapes[i // 2]) for i, p in enumerate(parts)]
+def _unpack(flat: torch.Tensor, payload: Payload, batch: int, head_dim: int) -> list[torch.Tensor]:
+    """Per head ``h`` of the payload: its keys then its values, each ``(B, n_h, D)``."""
+    sizes = [batch * len(pos) * head_dim for pos in payload.positions for _ in range(2)]
+    shapes = [(batch, len(pos), head_dim) for pos in payload.positions for _ in range(2)]
+    parts = torch.split(flat, sizes)
+    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _crossing_kv(
+    payload: Payload, i: int, tensors: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Crossing ``i``'s keys and values in kernel layout ``(B, heads, n, D)`` from a payload."""
+    c = payload.crossings[i]
+    slot = {h: j for j, h in enumerate(payload.heads)}
+    ks, vs = [], []
+    for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
+        index = torch.tensor(payload.index[i][j], device=tensors[0].device)
+        ks.append(tensors[2 * slot[h]][:, index])
+        vs.append(tensors[2 * slot[h] + 1][:, index])
+    return torch.stack(ks, 1), torch.stack(vs, 1)
 
 
 @attrs.define
@@ -128,28 +136,20 @@ class _PieceExchange:
         self.causal = run.inner.causal
         self._next: _Step | None = None
 
+    def payload(self, src: int, dst: int) -> Payload:
+        return payload(self.run.plan, src, dst, self.causal)
+
     def _start(self, index: int) -> _Step:
-        plan, me = self.run.plan, self.run.plan.rank
+        me = self.run.plan.rank
         peers = self.steps[index]
         sends, recvs = {}, {}
         for peer in peers:
-            out = plan.transfers(me, peer, self.causal)
-            if out:
-                sends[peer] = _pack(
-                    [
-                        t
-                        for c in out
-                        for t in (
-                            _piece(self.k, c, me, _kv_heads(c)),
-                            _piece(self.v, c, me, _kv_heads(c)),
-                        )
-                    ]
-                )
-            incoming = plan.transfers(peer, me, self.causal)
+            outgoing = self.payload(me, peer)
+            if outgoing:
+                sends[peer] = _pack(outgoing, self.k, self.v)
+            incoming = self.payload(peer, me)
             if incoming:
-                numel = 2 * sum(
-                    _numel(s) for s in _shapes(self.run, incoming, peer, self.batch, self.head_dim)
-                )
+                numel = _numel(incoming, self.batch, self.head_dim)
                 recvs[peer] = torch.empty(numel, dtype=self.k.dtype, device=self.k.device)
         pending = self.run.communicator.exchange(self.run.group, sends, recvs)
         return _Step(peers, pending, recvs)
@@ -161,10 +161,11 @@ class _PieceExchange:
 
     def __iter__(
         self,
-    ) -> Iterator[tuple[int, list[tuple[int, Crossing, torch.Tensor, torch.Tensor]]]]:
-        """Yield ``(step, [(src, crossing, k, v), ...])`` with ``k``, ``v`` in kernel layout."""
+    ) -> Iterator[tuple[int, list[tuple[int, int, Crossing, torch.Tensor, torch.Tensor]]]]:
+        """Yield ``(step, [(src, i, crossing, k, v), ...])``: crossing ``i`` of the payload from
+        ``src``, ``k`` and ``v`` in kernel layout."""
         self.start()
-        plan, me = self.run.plan, self.run.plan.rank
+        me = self.run.plan.rank
         for index in range(len(self.steps)):
             current = self._next
             assert current is not None
@@ -172,13 +173,11 @@ class _PieceExchange:
             current.pending.wait()
             received = []
             for src, flat in current.recvs.items():
-                crossings = plan.transfers(src, me, self.causal)
-                tensors = _unpack(
-                    flat, _shapes(self.run, crossings, src, self.batch, self.head_dim)
-                )
-                for i, c in enumerate(crossings):
-                    k, v = tensors[2 * i], tensors[2 * i + 1]
-                    received.append((src, c, k, v))
+                incoming = self.payload(src, me)
+                tensors = _unpack(flat, incoming, self.batch, self.head_dim)
+                for i, c in enumerate(incoming.crossings):
+                    k, v = _crossing_kv(incoming, i, tensors)
+                    received.append((src, i, c, k, v))
             yield index, received
 
 
@@ -209,7 +208,7 @@ def sharded_forward(
         )
         Accumulator.add(states[c].out, states[c].lse, o, s)
     for _, received in exchange:
-        for src, c, kr, vr in received:
+        for src, _, c, kr, vr in received:
             o, s = run.kernel.forward(
                 _piece(q, c, me, _q_heads(c)),
                 kr,
@@ -262,11 +261,13 @@ def sharded_backward(
     exchange = _PieceExchange(run, k, v)
     exchange.start()
     acc = accumulation_dtype(q.dtype)
-    grads = _backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
-    dq, dk, dv = (g.to(acc) for g in grads)  # run.inner.complete is False: already acc dtype
+    # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
+    dq, dk, dv = _backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
     index = {c: i for i, c in enumerate(plan.crossings)}
 
-    def views(c: Crossing) -> tuple[torch.Tensor, ...]:
+    def views(
+        c: Crossing,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         qh = _q_heads(c)
         return (
             _piece(dout, c, me, qh),
@@ -293,9 +294,11 @@ def sharded_backward(
         _piece(dq, c, me, _q_heads(c)).add_(gq)
         _piece(dk, c, me, kh).add_(gk)
         _piece(dv, c, me, kh).add_(gv)
+    batch, head_dim = k.shape[0], k.shape[3]
     for step, received in exchange:
+        # Gradients of the pieces received, in each sender's payload layout, to send back.
         back: dict[int, list[torch.Tensor]] = {}
-        for src, c, kr, vr in received:
+        for src, i, c, kr, vr in received:
             do, dl, qc, oc, lc = views(c)
             gq, gk, gv = _partial_backward(
                 run,
@@ -309,21 +312,37 @@ def sharded_backward(
                 lc,
             )
             _piece(dq, c, me, _q_heads(c)).add_(gq)
-            back.setdefault(src, []).extend([gk.to(k.dtype), gv.to(v.dtype)])
-        sends = {src: _pack(tensors) for src, tensors in back.items()}
+            incoming = exchange.payload(src, me)
+            if src not in back:
+                back[src] = [
+                    torch.zeros(batch, len(pos), head_dim, dtype=acc, device=k.device)
+                    for pos in incoming.positions
+                    for _ in range(2)
+                ]
+            slot = {h: j for j, h in enumerate(incoming.heads)}
+            for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
+                where = torch.tensor(incoming.index[i][j], device=k.device)
+                back[src][2 * slot[h]].index_add_(1, where, gk[:, j].to(acc))
+                back[src][2 * slot[h] + 1].index_add_(1, where, gv[:, j].to(acc))
+        sends = {
+            src: torch.cat([g.to(k.dtype).reshape(-1) for g in grads])
+            for src, grads in back.items()
+        }
         recvs = {}
         for peer in exchange.steps[step]:
-            mine = plan.transfers(me, peer, run.inner.causal)
+            mine = exchange.payload(me, peer)
             if mine:
-                numel = 2 * sum(_numel(s) for s in _shapes(run, mine, me, k.shape[0], k.shape[3]))
-                recvs[peer] = torch.empty(numel, dtype=k.dtype, device=k.device)
+                recvs[peer] = torch.empty(
+                    _numel(mine, batch, head_dim), dtype=k.dtype, device=k.device
+                )
         run.communicator.exchange(run.group, sends, recvs).wait()
         for peer, flat in recvs.items():
-            mine = plan.transfers(me, peer, run.inner.causal)
-            grads = _unpack(flat, _shapes(run, mine, me, k.shape[0], k.shape[3]))
-            for i, c in enumerate(mine):
-                _piece(dk, c, me, _kv_heads(c)).add_(grads[2 * i])
-                _piece(dv, c, me, _kv_heads(c)).add_(grads[2 * i + 1])
+            mine = exchange.payload(me, peer)
+            returned = _unpack(flat, mine, batch, head_dim)
+            for j, (h, pos) in enumerate(zip(mine.heads, mine.positions, strict=True)):
+                where = torch.tensor(pos, device=k.device)
+                dk[:, :, h].index_add_(1, where, returned[2 * j].to(acc))
+                dv[:, :, h].index_add_(1, where, returned[2 * j + 1].to(acc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -1,0 +1,213 @@
+"""Sharded dilated attention on real gloo process groups of 2 and 4 ranks (SPEC.md section 3).
+
+Every rank's out, lse and gradients must equal its slice of the float64 oracle's (tolerance rule
+of SPEC.md section 4), and the bytes each rank sends must equal the analytic minimum, computed
+here independently from the oracle's mask: for every other rank, the distinct (key/value head,
+key position) pairs of this rank's shard that some query of that rank sees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
+from tests.distributed_harness import Workers
+
+
+@pytest.fixture(scope="session")
+def workers2() -> Iterator[Workers]:
+    pool = Workers(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def workers4() -> Iterator[Workers]:
+    pool = Workers(4)
+    yield pool
+    pool.close()
+
+
+def _full(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The same inputs the harness draws on every rank (tests/distributed_harness.py)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, L, H, Hkv, D = (
+        case["batch"],
+        case["seq_len"],
+        case["heads"],
+        case["kv_heads"],
+        case["head_dim"],
+    )
+    dtype = getattr(torch, case["dtype"])
+    q, k, v = (
+        torch.randn(B, L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)
+    )
+    dout = torch.randn(B, L, H, D, generator=g, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(B, H, L, generator=g, dtype=torch.float64).float()
+    return q, k, v, dout, dlse
+
+
+def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int]]:
+    """Bytes each rank must send, and must receive, in a forward pass."""
+    L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
+    weights = pattern_weights(
+        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"]
+    )
+    sees = (weights > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
+    shard = L // world
+    itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
+    per_pair = 2 * case["batch"] * case["head_dim"] * itemsize
+    sent, received = [0] * world, [0] * world
+    for src in range(world):
+        for dst in range(world):
+            if dst != src:
+                block = sees[:, dst * shard : (dst + 1) * shard, src * shard : (src + 1) * shard]
+                pairs = int(block.any(1).sum())
+                sent[src] += per_pair * pairs
+                received[dst] += per_pair * pairs
+    return sent, received
+
+
+def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> None:
+    q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(_full(case)))
+    pattern = (case["segments"], case["rates"])
+    kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
+    out = torch.cat([r["out"] for r in results], 1)
+    lse = torch.cat([r["lse"] for r in results], 2)
+    grads = [torch.cat([r[name] for r in results], 1) for name in ("dq", "dk", "dv")]
+
+    def loss(o: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (o.double() * dout.double()).sum() + (
+            s.masked_fill(torch.isneginf(s), 0).double() * dlse.double()
+        ).sum()
+
+    expected_out, expected_lse = oracle(q, k, v, *pattern, **kw, return_lse=True)
+    base_out, base_lse = dense_attention(q, k, v, *pattern, **kw)
+    lse_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
+    _, base_lse = dense_attention(q, k, v, *pattern, **kw, dtype=lse_dtype)
+    assert_within_tolerance(out, expected_out, base_out, what="out")
+    assert_within_tolerance(lse, expected_lse, base_lse, dtype=lse_dtype, what="lse")
+    expected = torch.autograd.grad(loss(expected_out, expected_lse), (q, k, v))
+    baseline = torch.autograd.grad(loss(*dense_attention(q, k, v, *pattern, **kw)), (q, k, v))
+    for name, a, e, b in zip("qkv", grads, expected, baseline, strict=True):
+        assert_within_tolerance(a, e, b, what=f"d{name}")
+    sent, received = _minimum_bytes(case, world)
+    assert [r["forward_bytes_sent"] for r in results] == sent
+    # Backward sends each rank's pieces again and returns the gradients of the pieces it received.
+    assert [r["total_bytes_sent"] for r in results] == [
+        2 * s + r for s, r in zip(sent, received, strict=True)
+    ]
+
+
+@st.composite
+def sharded_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
+    shard = draw(st.integers(1, 10))
+    L = shard * world
+    count = draw(st.integers(1, 3))
+    segments = [draw(st.integers(1, 2 * L)) for _ in range(count)]
+    rates = [draw(st.integers(1, min(4, w))) for w in segments]
+    mode = draw(st.sampled_from(["head_groups", "longnet"]))
+    heads = draw(st.integers(count if mode == "head_groups" else 1, 4))
+    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    return {
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "batch": draw(st.integers(1, 2)),
+        "seq_len": L,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([4, 8])),
+        "dtype": draw(st.sampled_from(["float64", "float32"])),
+        "segments": segments,
+        "rates": rates,
+        "mode": mode,
+        "causal": draw(st.booleans()),
+        "scale": draw(st.none() | st.floats(0.1, 1.0)),
+        "communicator": draw(st.sampled_from(["ringpass", "auto"])),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "reference"])
+@given(data=st.data())
+def test_two_ranks_match_the_oracle(workers2: Workers, kernel: str, data: st.DataObject) -> None:
+    case = {**data.draw(sharded_cases(2)), "kernel": kernel}
+    _check(case, workers2.results("sharded_case", case), 2)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "reference"])
+@given(data=st.data())
+def test_four_ranks_match_the_oracle(workers4: Workers, kernel: str, data: st.DataObject) -> None:
+    case = {**data.draw(sharded_cases(4)), "kernel": kernel}
+    _check(case, workers4.results("sharded_case", case), 4)
+
+
+@pytest.mark.parametrize(
+    ("segments", "rates", "causal", "local"),
+    [
+        ([4, 8], [1, 2], False, True),  # segments tile each shard of 16: nothing moves
+        ([16], [4], True, True),  # one segment per shard exactly
+        ([32], [2], False, False),  # one segment spans both shards
+        ([6, 12], [1, 3], True, False),  # misaligned with the shard boundary
+    ],
+)
+def test_segment_and_shard_alignments(workers2: Workers, segments, rates, causal, local) -> None:
+    case = {
+        "seed": 5,
+        "batch": 1,
+        "seq_len": 32,
+        "heads": 2,
+        "kv_heads": 2,
+        "head_dim": 4,
+        "dtype": "float64",
+        "segments": segments,
+        "rates": rates,
+        "mode": "head_groups",
+        "causal": causal,
+        "scale": None,
+        "communicator": "ringpass",
+        "kernel": "sdpa",
+    }
+    results = workers2.results("sharded_case", case)
+    _check(case, results, 2)
+    sent = [r["forward_bytes_sent"] for r in results]
+    assert (sum(sent) == 0) == local
+    if causal:
+        assert sent[-1] == 0, "under causal the last rank sends nothing"
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(workers4: Workers) -> None:
+    start = time.monotonic()
+    messages = workers4.results("bad_input_on_one_rank", {"bad_rank": 2})
+    assert time.monotonic() - start < 10
+    assert messages[2] == "k and v head_dim must equal q's 8, got 4"
+    for rank in (0, 1, 3):
+        assert messages[rank].startswith(
+            "rank 2 rejected its input, so every rank stops: ValueError:"
+        )
+
+
+def test_disagreeing_ranks_raise_on_every_rank(workers2: Workers) -> None:
+    messages = workers2.results("mismatched_config", {})
+    assert all(
+        "ranks disagree on the call" in m and "causal: rank 0 False, rank 1 True" in m
+        for m in messages
+    )
+
+
+def test_a_dead_rank_makes_the_others_raise_within_the_timeout() -> None:
+    pool = Workers(2, timeout_s=5)
+    try:
+        for inbox in pool._inboxes:
+            inbox.put(("rank_dies", {}))
+        rank, ok, message = pool._outbox.get(timeout=60)
+        assert rank == 0 and ok
+        assert message.startswith("raised "), message
+        assert float(message.rsplit(" ", 1)[1].rstrip("s")) < 30
+    finally:
+        pool.close()
