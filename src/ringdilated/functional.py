@@ -116,7 +116,7 @@ def _agree(group: dist.ProcessGroup, error: Exception | None, metadata: tuple[ob
             )
             diffs = [
                 f"{name}: rank 0 {a!r}, rank {rank} {b!r}"
-                for name, a, b in zip(names, reference, item[1], strict=True)  # type: ignore[index,arg-type]
+                for name, a, b in zip(names, reference, item[1], strict=True)  # type: ignore[index]
                 if a != b
             ]
             raise ValueError(
