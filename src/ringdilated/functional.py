@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
 
+from ringdilated.core.agreement import CallSignature, agree
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.driver import DilatedAttentionFunction, Run
@@ -31,8 +31,6 @@ from ringdilated.core.validation import check_inputs, check_options
 from ringdilated.plugins.manager import load_registry
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
-
-RANK_CHECK_ENV_VAR = "RINGDILATED_RANK_CHECK"
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,48 +80,6 @@ def _validate(
     return plan, resolver.communicator_for(ranks, causal, communicator)
 
 
-def _agree(group: dist.ProcessGroup, error: Exception | None, metadata: tuple[object, ...]) -> None:
-    """Raise the same failure on every rank if any rank rejected its input or ranks disagree."""
-    if os.environ.get(RANK_CHECK_ENV_VAR, "1").strip() == "0":
-        if error is not None:
-            raise error
-        return
-    gathered: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(
-        gathered,
-        (None if error is None else f"{type(error).__name__}: {error}", metadata),
-        group=group,
-    )
-    failures = [(r, item[0]) for r, item in enumerate(gathered) if item[0] is not None]  # type: ignore[index]
-    if failures:
-        if error is not None:
-            raise error
-        rank, message = failures[0]
-        raise ValueError(f"rank {rank} rejected its input, so every rank stops: {message}")
-    reference = gathered[0][1]  # type: ignore[index]
-    for rank, item in enumerate(gathered):
-        if item[1] != reference:  # type: ignore[index]
-            names = (
-                "pattern",
-                "causal",
-                "scale",
-                "dropout_p",
-                "dtype",
-                "q shape",
-                "k shape",
-                "kernel",
-                "communicator",
-            )
-            diffs = [
-                f"{name}: rank 0 {a!r}, rank {rank} {b!r}"
-                for name, a, b in zip(names, reference, item[1], strict=True)  # type: ignore[index]
-                if a != b
-            ]
-            raise ValueError(
-                "ranks disagree on the call (every rank must pass the same): " + "; ".join(diffs)
-            )
-
-
 def attend(
     pattern: DilationPattern,
     q: torch.Tensor,
@@ -168,18 +124,18 @@ def attend(
             plan, comm = validate()
         except (TypeError, ValueError) as exc:
             error = exc
-        metadata = (
-            (pattern.segment_lengths, pattern.dilation_rates, pattern.mode),
-            causal,
-            scale,
-            dropout_p,
-            str(getattr(q, "dtype", None)),
-            tuple(getattr(q, "shape", ())),
-            tuple(getattr(k, "shape", ())),
-            None if plan is None else plan.kernel_name,
-            None if comm is None else type(comm).__name__,
+        signature = CallSignature(
+            pattern=(pattern.segment_lengths, pattern.dilation_rates, pattern.mode),
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            dtype=str(getattr(q, "dtype", None)),
+            q_shape=tuple(getattr(q, "shape", ())),
+            k_shape=tuple(getattr(k, "shape", ())),
+            kernel=None if plan is None else plan.kernel_name,
+            communicator=None if comm is None else type(comm).__name__,
         )
-        _agree(process_group, error, metadata)
+        agree(process_group, error, signature)
     assert plan is not None and comm is not None  # validate() returned on this rank
     _, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0

@@ -1,0 +1,74 @@
+"""Every rank checks its call, then all ranks agree before any data moves (SPEC.md section 3).
+
+Call flow::
+
+    error = None
+    try: validate locally                  # shapes, dtypes, pattern, kernel, communicator
+    except (TypeError, ValueError) as exc: error = exc
+    agree(group, error, CallSignature(...))    # one small all_gather_object
+
+If any rank rejected its input, every rank raises (that rank its own error, the others a
+``ValueError`` naming it); if the ranks' signatures differ, every rank raises a ``ValueError``
+naming each differing field. No rank is left waiting in an exchange. ``RINGDILATED_RANK_CHECK=0``
+skips the gather (then a local error raises on its rank only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import cast
+
+import attrs
+import torch.distributed as dist
+
+__all__ = ["RANK_CHECK_ENV_VAR", "CallSignature", "agree"]
+
+RANK_CHECK_ENV_VAR = "RINGDILATED_RANK_CHECK"
+
+
+@attrs.frozen
+class CallSignature:
+    """What every rank must pass identically."""
+
+    pattern: tuple[object, ...]
+    causal: object
+    scale: object
+    dropout_p: object
+    dtype: str
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    kernel: str | None
+    communicator: str | None
+
+    def differences(self, other: CallSignature, rank: int) -> list[str]:
+        return [
+            f"{field.name}: rank 0 {getattr(self, field.name)!r}, rank {rank} "
+            f"{getattr(other, field.name)!r}"
+            for field in attrs.fields(CallSignature)
+            if getattr(self, field.name) != getattr(other, field.name)
+        ]
+
+
+def agree(group: dist.ProcessGroup, error: Exception | None, signature: CallSignature) -> None:
+    """Raise on every rank if any rank failed validation or the ranks' signatures differ."""
+    if os.environ.get(RANK_CHECK_ENV_VAR, "1").strip() == "0":
+        if error is not None:
+            raise error
+        return
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    mine = (None if error is None else f"{type(error).__name__}: {error}", signature)
+    dist.all_gather_object(gathered, mine, group=group)
+    reports = cast(list[tuple[str | None, CallSignature]], gathered)
+    failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
+    if failures:
+        if error is not None:
+            raise error
+        rank, message = failures[0]
+        raise ValueError(f"rank {rank} rejected its input, so every rank stops: {message}")
+    reference = reports[0][1]
+    for rank, (_, other) in enumerate(reports):
+        diffs = reference.differences(other, rank)
+        if diffs:
+            raise ValueError(
+                "ranks disagree on the call (every rank must pass the same): " + "; ".join(diffs)
+            )
