@@ -133,3 +133,22 @@ def test_flops_counts_only_the_pattern() -> None:
         for h, w in zip((3, 3, 2), (2048, 4096, 8192), strict=True)
     )
     assert p.flops(L, 8, D) == expected
+
+
+def test_shard_plan_splits_inner_and_crossing_segments() -> None:
+    from ringdilated.core.shard import payload, shard_plan
+
+    p = DilationPattern((4, 12), (1, 2))
+    # L = 16 over 2 ranks (shard 8): w=4 segments tile the shards; the w=12 segment [0, 12)
+    # crosses; the partial last segment [12, 16) lies inside rank 1.
+    plan0, plan1 = (shard_plan(p, 16, 2, 2, r, 2) for r in (0, 1))
+    assert [b.index for b in plan0.inner] == [0] and len(plan0.crossings) == 1
+    assert sorted(b.index for b in plan1.inner) == [0, 1] and len(plan1.crossings) == 1
+    crossing = plan0.crossings[0]
+    # Group 1 (head 1) uses offset 1: positions 1, 3, 5, 7 on rank 0 and 9, 11 on rank 1.
+    assert [piece.count for piece in crossing.pieces] == [4, 2]
+    assert payload(plan0, 0, 1, False).positions == ((1, 3, 5, 7),)
+    assert payload(plan1, 1, 0, False).positions == ((1, 3),)
+    assert not payload(plan1, 1, 0, True), "causal: nothing goes to an earlier rank"
+    with pytest.raises(ValueError, match="must be a multiple of the world size 3"):
+        shard_plan(p, 16, 2, 2, 0, 3)

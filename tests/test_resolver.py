@@ -141,3 +141,44 @@ def test_request_from_tensors() -> None:
     assert r == Request(
         device_type="cpu", dtype=torch.bfloat16, head_dim=16, causal=True, backward=False, gqa=True
     )
+
+
+def _with_communicators() -> Resolver:
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+
+    return Resolver([REFERENCE_SPEC], communicators=[LOCAL_SPEC, RINGPASS_SPEC])
+
+
+def test_communicator_choice() -> None:
+    from ringdilated.backends.local import LocalCommunicator
+    from ringdilated.backends.ringpass import RingPassCommunicator
+
+    resolver = _with_communicators()
+    assert isinstance(resolver.communicator_for(1, False), LocalCommunicator)
+    assert isinstance(resolver.communicator_for(4, True), RingPassCommunicator)
+    assert resolver.communicator_for(4, True) is resolver.communicator_for(2, False), "built once"
+
+
+def test_forced_unfit_communicator_raises_with_reasons() -> None:
+    resolver = _with_communicators()
+    with pytest.raises(
+        ResolutionError, match=r"communicator 'local' cannot serve 4 rank.*one process only"
+    ):
+        resolver.communicator_for(4, False, "local")
+    with pytest.raises(ResolutionError, match="communicator 'ringpass' cannot serve 1 rank"):
+        resolver.communicator_for(1, False, "ringpass")
+    with pytest.raises(
+        ValueError, match="unknown communicator 'allgather'; known communicators: local, ringpass"
+    ):
+        resolver.communicator_for(2, False, "allgather")
+
+
+def test_ringpass_schedule_meets_every_peer_once() -> None:
+    from ringdilated.backends.ringpass import RingPassCommunicator
+
+    ring = RingPassCommunicator()
+    for world in (1, 2, 3, 4, 7):
+        for rank in range(world):
+            peers = [p for step in ring.schedule(rank, world) for p in step]
+            assert sorted(peers) == [p for p in range(world) if p != rank]
