@@ -103,6 +103,19 @@ class Workers:
         self._dir.cleanup()
 
 
+def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, dout, dlse)`` of the whole sequence, drawn from ``case['seed']``."""
+    g = torch.Generator().manual_seed(case["seed"])
+    B, L, H, Hkv, D = (case[n] for n in ("batch", "seq_len", "heads", "kv_heads", "head_dim"))
+    dtype = getattr(torch, case["dtype"])
+    q, k, v = (
+        torch.randn(B, L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)
+    )
+    dout = torch.randn(B, L, H, D, generator=g, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(B, H, L, generator=g, dtype=torch.float64).float()
+    return q, k, v, dout, dlse
+
+
 # ---- tasks (run on every rank) -------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
-from tests.distributed_harness import Workers
+from tests.distributed_harness import Workers, full_inputs
 
 
 @pytest.fixture(scope="session")
@@ -33,25 +33,6 @@ def workers4() -> Iterator[Workers]:
     pool = Workers(4)
     yield pool
     pool.close()
-
-
-def _full(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """The same inputs the harness draws on every rank (tests/distributed_harness.py)."""
-    g = torch.Generator().manual_seed(case["seed"])
-    B, L, H, Hkv, D = (
-        case["batch"],
-        case["seq_len"],
-        case["heads"],
-        case["kv_heads"],
-        case["head_dim"],
-    )
-    dtype = getattr(torch, case["dtype"])
-    q, k, v = (
-        torch.randn(B, L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)
-    )
-    dout = torch.randn(B, L, H, D, generator=g, dtype=torch.float64).to(dtype)
-    dlse = torch.randn(B, H, L, generator=g, dtype=torch.float64).float()
-    return q, k, v, dout, dlse
 
 
 def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int]]:
@@ -76,7 +57,7 @@ def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[in
 
 
 def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> None:
-    q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(_full(case)))
+    q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
     out = torch.cat([r["out"] for r in results], 1)

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from ringdilated.core.agreement import CallSignature, agree
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator
-from ringdilated.core.driver import DilatedAttentionFunction, Run
+from ringdilated.core.driver import DilatedAttentionFunction, Executor, Run
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard import shard_plan
-from ringdilated.core.sharded import ShardedAttentionFunction, ShardedRun
+from ringdilated.core.sharded import ShardedRun
 from ringdilated.core.validation import check_inputs, check_options
 from ringdilated.plugins.manager import load_registry
 
@@ -140,34 +140,24 @@ def attend(
     _, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    scale_value = float(scale) if scale is not None else 1.0 / math.sqrt(D)
-    if ranks == 1:
-        run = Run(
-            kernel=plan.kernel,
-            blocks=pattern.blocks(L, H, k.shape[2]),
-            exclusive=pattern.mode == "head_groups",
-            scale=scale_value,
-            causal=causal,
-            dropout_p=float(dropout_p),
-            dropout_seed=seed,
-        )
-        out, lse = DilatedAttentionFunction.apply(q, k, v, run)  # type: ignore[no-untyped-call]
-        return out, lse.float(), plan
-    assert isinstance(process_group, dist.ProcessGroup)
-    rank = dist.get_rank(process_group)
-    shards = shard_plan(pattern, L * ranks, H, k.shape[2], rank, ranks)
-    inner = Run(
+    shards = None
+    if ranks > 1:
+        assert isinstance(process_group, dist.ProcessGroup)
+        shards = shard_plan(pattern, L * ranks, H, k.shape[2], dist.get_rank(process_group), ranks)
+    run = Run(
         kernel=plan.kernel,
-        blocks=shards.inner,
+        blocks=pattern.blocks(L, H, k.shape[2]) if shards is None else shards.inner,
         exclusive=pattern.mode == "head_groups",
-        scale=scale_value,
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(D),
         causal=causal,
         dropout_p=float(dropout_p),
         dropout_seed=seed,
-        complete=False,
+        complete=shards is None,
     )
-    sharded = ShardedRun(inner=inner, plan=shards, communicator=comm, group=process_group)
-    out, lse = ShardedAttentionFunction.apply(q, k, v, sharded)  # type: ignore[no-untyped-call]
+    executor: Executor = run
+    if shards is not None:
+        executor = ShardedRun(inner=run, plan=shards, communicator=comm, group=process_group)
+    out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
     return out, lse.float(), plan
 
 

@@ -19,6 +19,7 @@ input validation ran before.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import attrs
 import torch
@@ -27,7 +28,7 @@ from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.pattern import Block, Selection
 
-__all__ = ["DilatedAttentionFunction", "Run", "lse_gradient"]
+__all__ = ["DilatedAttentionFunction", "Executor", "Run", "lse_gradient"]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
@@ -68,6 +69,23 @@ class Run:
                 )
                 yield _Chunk(block, batches, selection, options)
                 index += 1
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(self, q, k, v)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(self, dout, dlse, q, k, v, out, lse)
 
 
 def _split(
@@ -270,11 +288,33 @@ def lse_gradient(
     return dq, dk
 
 
-class DilatedAttentionFunction(torch.autograd.Function):
-    """``(q, k, v, run) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+class Executor(Protocol):
+    """Runs one attention call's forward and backward: :class:`Run` on one process,
+    :class:`~ringdilated.core.sharded.ShardedRun` on a shard."""
 
-    ``q``, ``k``, ``v`` are contiguous ``(B, L, H, D)``/``(B, L, Hkv, D)``. ``lse`` is
-    ``(B, H, L)`` in the accumulation dtype; gradients flow through it too.
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class DilatedAttentionFunction(torch.autograd.Function):
+    """``(q, k, v, executor) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+
+    ``q``, ``k``, ``v`` are contiguous ``(B, L, H, D)``/``(B, L, Hkv, D)`` (a shard of them for a
+    sharded executor). ``lse`` is ``(B, H, L)`` in the accumulation dtype; gradients flow through
+    it too. No autograd runs through in-place state: backward recomputes from the saved inputs
+    and the final ``out`` and ``lse``.
     """
 
     @staticmethod
@@ -283,11 +323,11 @@ class DilatedAttentionFunction(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        run: Run,
+        executor: Executor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _forward(run, q, k, v)
+        out, lse = executor.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.run = run  # type: ignore[attr-defined]
+        ctx.executor = executor  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -300,8 +340,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(
-            ctx.run,  # type: ignore[attr-defined]
+        dq, dk, dv = ctx.executor.backward(  # type: ignore[attr-defined]
             dout.contiguous(),
             None if dlse is None else dlse.to(lse.dtype).contiguous(),
             q,

@@ -33,7 +33,7 @@ from ringdilated.core.driver import Run, _backward, _forward, lse_gradient
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.shard import Crossing, Payload, ShardPlan, payload
 
-__all__ = ["ShardedAttentionFunction", "ShardedRun"]
+__all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 
 
 @attrs.frozen
@@ -48,6 +48,23 @@ class ShardedRun:
     @property
     def kernel(self) -> Kernel:
         return self.inner.kernel
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sharded_forward(self, q, k, v)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return sharded_backward(self, dout, dlse, q, k, v, out, lse)
 
     def options(self, seed_index: int, own: bool) -> BlockOptions:
         """A crossing partial's options: the diagonal for a rank's own piece under causal; no
@@ -344,42 +361,3 @@ def sharded_backward(
                 dk[:, :, h].index_add_(1, where, returned[2 * j].to(acc))
                 dv[:, :, h].index_add_(1, where, returned[2 * j + 1].to(acc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class ShardedAttentionFunction(torch.autograd.Function):
-    """``(q, k, v, run) -> (out, lse)`` on this rank's shard, exact gradients for its shard."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        run: ShardedRun,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = sharded_forward(run, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.run = run  # type: ignore[attr-defined]
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx,
-        dout: torch.Tensor | None,
-        dlse: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = sharded_backward(
-            ctx.run,  # type: ignore[attr-defined]
-            dout.contiguous(),
-            None if dlse is None else dlse.to(lse.dtype).contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-        )
-        return dq, dk, dv, None
