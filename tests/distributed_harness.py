@@ -223,3 +223,21 @@ def rank_dies(payload: dict[str, Any]) -> str:
     except Exception as exc:
         return f"raised {type(exc).__name__} after {time.monotonic() - start:.1f}s"
     return "no error"
+
+
+def module_on_shards(payload: dict[str, Any]) -> dict[str, Any]:
+    """DilatedAttention with a process group gives the same shard as the functional form."""
+    import ringdilated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = torch.randn(1, 32, 4, 8, dtype=torch.float64)
+    local = full[:, rank * 32 // world : (rank + 1) * 32 // world]
+    attn = ringdilated.DilatedAttention(
+        [8, 32], [1, 4], causal=True, process_group=dist.group.WORLD
+    )
+    out = attn(local, local, local)
+    expected = ringdilated.dilated_attention(
+        local, local, local, [8, 32], [1, 4], causal=True, process_group=dist.group.WORLD
+    )
+    return {"equal": bool(torch.equal(out, expected)), "explain": attn.explain(), "out": out}

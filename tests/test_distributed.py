@@ -192,3 +192,15 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout() -> None:
         assert float(message.rsplit(" ", 1)[1].rstrip("s")) < 30
     finally:
         pool.close()
+
+
+def test_module_on_shards(workers2: Workers) -> None:
+    results = workers2.results("module_on_shards", {})
+    assert all(r["equal"] for r in results)
+    assert (
+        "communicator: ringpass (highest priority that fits) for 2 rank(s)" in results[0]["explain"]
+    )
+    torch.manual_seed(0)
+    full = torch.randn(1, 32, 4, 8, dtype=torch.float64)
+    expected = oracle(full, full, full, [8, 32], [1, 4], causal=True)
+    assert torch.allclose(torch.cat([r["out"] for r in results], 1), expected, atol=1e-12, rtol=0)

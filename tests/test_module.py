@@ -125,3 +125,9 @@ def test_chunked_execution_equals_unchunked() -> None:
         expected = oracle(q, k, v, [4, 8], [1, 2], mode=mode, causal=True, scale=0.3)
         for out in outs:
             assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+
+
+def test_module_explains_kernel_and_communicator() -> None:
+    attn = ringdilated.DilatedAttention([8], [2])
+    text = attn.explain()
+    assert "kernel: sdpa" in text and "communicator: local" in text

@@ -182,3 +182,15 @@ def test_ringpass_schedule_meets_every_peer_once() -> None:
         for rank in range(world):
             peers = [p for step in ring.schedule(rank, world) for p in step]
             assert sorted(peers) == [p for p in range(world) if p != rank]
+
+
+def test_communicator_explanation() -> None:
+    resolver = _with_communicators()
+    text = resolver.explain_communicator(4, True)
+    assert (
+        text.splitlines()[0] == "communicator: ringpass (highest priority that fits) for 4 rank(s)"
+    )
+    assert "rejected local: serves one process only, the group has 4 ranks" in text
+    single = resolver.explain_communicator(1, False)
+    assert single.startswith("communicator: local")
+    assert "rejected ringpass: a group of one rank needs no communication" in single

@@ -75,6 +75,15 @@ class DilatedAttention(nn.Module):
         )
         return (out, lse) if return_lse else out
 
+    def explain(self) -> str:
+        """The kernel plan and the communicator choice for this module's process group."""
+        ranks = world_size(self.process_group)
+        return (
+            self.plan.explain()
+            + "\n"
+            + default_resolver().explain_communicator(ranks, self.causal, self.communicator)
+        )
+
     def extra_repr(self) -> str:
         p = self.pattern
         return (

@@ -126,6 +126,19 @@ class Resolver:
             plugin_failures=self.plugin_failures,
         )
 
+    def explain_communicator(self, world_size: int, causal: bool, name: str = "auto") -> str:
+        """Which communicator serves ``world_size`` ranks, and why each other one was rejected."""
+        chosen = self.communicator_for(world_size, causal, name)
+        chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
+        how = f"forced by communicator={name!r}" if name != "auto" else "highest priority that fits"
+        lines = [f"communicator: {chosen_name} ({how}) for {world_size} rank(s)"]
+        for spec in sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name)):
+            if spec.name != chosen_name:
+                reasons = spec.reasons(world_size, causal)
+                detail = "; ".join(reasons) if reasons else "fits, lower priority"
+                lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
+        return "\n".join(lines)
+
     def communicator_for(self, world_size: int, causal: bool, name: str = "auto") -> Communicator:
         """The communicator for a group of ``world_size`` ranks: ``name`` forced, or the
         highest-priority one that fits. A forced one that does not fit raises with its reasons."""
