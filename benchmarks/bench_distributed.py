@@ -63,7 +63,16 @@ class ComputeOnly:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return self._ring.schedule(rank, world_size)
 
-    def exchange(self, group: object, sends: Mapping[int, Any], recvs: Mapping[int, Any]) -> _Done:
+    def prepare(self, group: object, plans: Any, causal: bool) -> None:
+        return None
+
+    def exchange(
+        self,
+        group: object,
+        sends: Mapping[int, Any],
+        recvs: Mapping[int, Any],
+        uniform: bool = False,
+    ) -> _Done:
         for buffer in recvs.values():
             buffer.zero_()
         return _Done()
@@ -100,7 +109,7 @@ def _rank(rank: int, world: int, store: str, length: int, backward: bool, out: A
     q, k, v = (torch.randn(1, shard, H, D, requires_grad=backward) for _ in range(3))
     dout = torch.randn(1, shard, H, D) if backward else None
     results: dict[str, Any] = {}
-    for communicator in ("ringpass", "compute-only") if world > 1 else ("local",):
+    for communicator in ("ringpass", "allgather", "compute-only") if world > 1 else ("local",):
 
         def call(communicator: str = communicator) -> None:
             o = ringdilated.dilated_attention(
@@ -124,8 +133,8 @@ def _rank(rank: int, world: int, store: str, length: int, backward: bool, out: A
             call()
             times.append(time.perf_counter() - start)
         results[f"{communicator}_seconds"] = min(times)
-        if communicator == "ringpass":
-            results["bytes_sent"] = comm.stats.bytes_sent // repeats
+        if communicator in ("ringpass", "allgather"):
+            results[f"{communicator}_bytes_sent"] = comm.stats.bytes_sent // repeats
     pattern = ringdilated.DilationPattern(segments, rates)
     plan = shard_plan(pattern, length, H, H, rank, world)
     results["minimum_sent"] = plan.elements_sent(D, 1, causal=False) * 4
@@ -165,10 +174,10 @@ def main() -> None:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     rows = []
     print(
-        "| L | pass | P | rank | peak MiB | peak / P=1 | bytes sent | minimum | time (s) "
-        "| compute only (s) | ratio |"
+        "| L | pass | P | rank | peak MiB | peak / P=1 | minimum bytes | ringpass bytes "
+        "| allgather bytes | compute only (s) | ringpass (s) | ratio | allgather (s) | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for length in args.lengths:
         for backward in (False, True):
             single_peak = None
@@ -177,8 +186,6 @@ def main() -> None:
                     if world == 1:
                         single_peak = r["peak_bytes"]
                     compute = r.get("compute-only_seconds", r.get("local_seconds"))
-                    seconds = r.get("ringpass_seconds", r.get("local_seconds"))
-                    sent = r.get("bytes_sent", 0)
                     # Backward re-sends a rank's pieces and returns the gradients of those it got.
                     minimum = r["minimum_sent"] * (2 if backward else 1)
                     minimum += r["minimum_received"] if backward else 0
@@ -192,10 +199,15 @@ def main() -> None:
                     rows.append(row)
                     ratio = f"{r['peak_bytes'] / single_peak:.2f}" if single_peak else "-"
                     peak = r["peak_bytes"] / 2**20
+                    cells = []
+                    for name in ("ringpass", "allgather"):
+                        seconds = r.get(f"{name}_seconds", r.get("local_seconds"))
+                        cells.append(f"{seconds:.3f} | {seconds / compute:.2f}")
                     print(
                         f"| {length} | {row['pass']} | {world} | {rank} | {peak:.0f} | {ratio} | "
-                        f"{sent} | {minimum if world > 1 else 0} | {seconds:.3f} | {compute:.3f} | "
-                        f"{seconds / compute:.2f} |",
+                        f"{minimum if world > 1 else 0} | {r.get('ringpass_bytes_sent', 0)} | "
+                        f"{r.get('allgather_bytes_sent', 0)} | {compute:.3f} | "
+                        f"{' | '.join(cells)} |",
                         flush=True,
                     )
     if args.json:

@@ -87,6 +87,19 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     ]
 
 
+def _run_and_check(pool: Workers, case: dict[str, Any], world: int) -> None:
+    """Run on every rank; a communicator may decline a plan it cannot move exactly, but then
+    every rank must decline it with the same reasons."""
+    outcomes = pool.run("sharded_case", case)
+    if all(ok for ok, _ in outcomes):
+        _check(case, [value for _, value in outcomes], world)
+        return
+    assert case["communicator"] == "allgather", outcomes
+    messages = {value[1] for ok, value in outcomes if not ok}
+    assert all(not ok for ok, _ in outcomes) and len(messages) == 1, outcomes
+    assert all(value[0] == "ResolutionError" for _, value in outcomes)
+
+
 @st.composite
 def sharded_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
     shard = draw(st.integers(1, 10))
@@ -110,22 +123,20 @@ def sharded_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         "mode": mode,
         "causal": draw(st.booleans()),
         "scale": draw(st.none() | st.floats(0.1, 1.0)),
-        "communicator": draw(st.sampled_from(["ringpass", "auto"])),
+        "communicator": draw(st.sampled_from(["ringpass", "auto", "allgather"])),
     }
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "reference"])
 @given(data=st.data())
 def test_two_ranks_match_the_oracle(workers2: Workers, kernel: str, data: st.DataObject) -> None:
-    case = {**data.draw(sharded_cases(2)), "kernel": kernel}
-    _check(case, workers2.results("sharded_case", case), 2)
+    _run_and_check(workers2, {**data.draw(sharded_cases(2)), "kernel": kernel}, 2)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "reference"])
 @given(data=st.data())
 def test_four_ranks_match_the_oracle(workers4: Workers, kernel: str, data: st.DataObject) -> None:
-    case = {**data.draw(sharded_cases(4)), "kernel": kernel}
-    _check(case, workers4.results("sharded_case", case), 4)
+    _run_and_check(workers4, {**data.draw(sharded_cases(4)), "kernel": kernel}, 4)
 
 
 @pytest.mark.parametrize(
@@ -204,3 +215,45 @@ def test_module_on_shards(workers2: Workers) -> None:
     full = torch.randn(1, 32, 4, 8, dtype=torch.float64)
     expected = oracle(full, full, full, [8, 32], [1, 4], causal=True)
     assert torch.allclose(torch.cat([r["out"] for r in results], 1), expected, atol=1e-12, rtol=0)
+
+
+def _aligned_case(world: int, **overrides: Any) -> dict[str, Any]:
+    case = {
+        "seed": 11,
+        "batch": 2,
+        "seq_len": 8 * world,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 4,
+        "dtype": "float64",
+        "segments": [4, 8 * world],
+        "rates": [1, 2],
+        "mode": "head_groups",
+        "causal": False,
+        "scale": None,
+        "communicator": "allgather",
+        "kernel": "sdpa",
+    }
+    return {**case, **overrides}
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_allgather_is_exact_where_it_fits(workers2: Workers, workers4: Workers, mode: str) -> None:
+    for world, pool in ((2, workers2), (4, workers4)):
+        case = _aligned_case(world, mode=mode)
+        _check(case, pool.results("sharded_case", case), world)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"causal": True}, "cannot restrict sends to later ranks under causal=True"),
+        ({"segments": [6, 16], "rates": [1, 1]}, "uneven size in segment group"),
+    ],
+)
+def test_allgather_rejects_what_it_cannot_move_exactly(
+    workers2: Workers, overrides: dict[str, Any], reason: str
+) -> None:
+    for ok, value in workers2.run("sharded_case", _aligned_case(2, seq_len=16, **overrides)):
+        assert not ok and value[0] == "ResolutionError"
+        assert "communicator 'allgather' cannot serve 2 rank(s)" in value[1] and reason in value[1]

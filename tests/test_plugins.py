@@ -49,11 +49,11 @@ def test_builtins_register_through_the_hooks() -> None:
     assert set(registry.kernels) == {"sdpa", "reference"}
     assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
     assert registry.failures == ()
-    assert set(registry.communicators) == {"local", "ringpass"}
+    assert set(registry.communicators) == {"local", "ringpass", "allgather"}
     assert registry.communicator_origins["ringpass"] == "ringdilated.backends.ringpass (built-in)"
     names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
     assert names == {
-        f"ringdilated.backends.{m}" for m in ("sdpa", "reference", "local", "ringpass")
+        f"ringdilated.backends.{m}" for m in ("sdpa", "reference", "local", "ringpass", "allgather")
     }
 
 

@@ -148,7 +148,7 @@ CASES = [
         (Q, KV, KV),
         {"communicator": "mpi"},
         ValueError,
-        "unknown communicator 'mpi'; known communicators: local, ringpass",
+        "unknown communicator 'mpi'; known communicators: allgather, local, ringpass",
     ),
     (
         "forced unfit kernel",

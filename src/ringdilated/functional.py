@@ -25,7 +25,7 @@ from ringdilated.core.communicator import Communicator
 from ringdilated.core.driver import DilatedAttentionFunction, Executor, Run
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
-from ringdilated.core.shard import shard_plan
+from ringdilated.core.shard import ShardPlan, shard_plan
 from ringdilated.core.sharded import ShardedRun
 from ringdilated.core.validation import check_inputs, check_options
 from ringdilated.plugins.manager import load_registry
@@ -69,7 +69,9 @@ def _validate(
     communicator: str,
     ranks: int,
     resolver: Resolver,
-) -> tuple[Plan, Communicator]:
+) -> tuple[Plan, Communicator, tuple[ShardPlan, ...]]:
+    """Every check of a call; returns the kernel plan, the communicator and every rank's shard
+    plan (empty on one process)."""
     q, k, v = check_inputs(q, k, v, pattern)
     check_options(scale, dropout_p)
     if not isinstance(causal, bool):
@@ -77,7 +79,13 @@ def _validate(
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)  # type: ignore[operator]
     plan = resolver.resolve(request, kernel)
-    return plan, resolver.communicator_for(ranks, causal, communicator)
+    _, L, H, _ = q.shape
+    shards = (
+        tuple(shard_plan(pattern, L * ranks, H, k.shape[2], rank, ranks) for rank in range(ranks))
+        if ranks > 1
+        else ()
+    )
+    return plan, resolver.communicator_for(ranks, causal, communicator, shards), shards
 
 
 def attend(
@@ -98,7 +106,7 @@ def attend(
     resolver = resolver or default_resolver()
     ranks = world_size(process_group)
 
-    def validate() -> tuple[Plan, Communicator]:
+    def validate() -> tuple[Plan, Communicator, tuple[ShardPlan, ...]]:
         return _validate(
             pattern,
             q,
@@ -115,13 +123,14 @@ def attend(
 
     plan: Plan | None = None
     comm: Communicator | None = None
+    plans: tuple[ShardPlan, ...] = ()
     if ranks == 1:
-        plan, comm = validate()
+        plan, comm, _ = validate()
     else:
         assert isinstance(process_group, dist.ProcessGroup)
         error: Exception | None = None
         try:
-            plan, comm = validate()
+            plan, comm, plans = validate()
         except (TypeError, ValueError) as exc:
             error = exc
         signature = CallSignature(
@@ -143,7 +152,8 @@ def attend(
     shards = None
     if ranks > 1:
         assert isinstance(process_group, dist.ProcessGroup)
-        shards = shard_plan(pattern, L * ranks, H, k.shape[2], dist.get_rank(process_group), ranks)
+        shards = plans[dist.get_rank(process_group)]
+        comm.prepare(process_group, plans, causal)
     run = Run(
         kernel=plan.kernel,
         blocks=pattern.blocks(L, H, k.shape[2]) if shards is None else shards.inner,

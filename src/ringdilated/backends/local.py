@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.shard import ShardPlan
 from ringdilated.plugins.hookspecs import hookimpl
 
 __all__ = ["LocalCommunicator"]
@@ -27,8 +28,15 @@ class LocalCommunicator:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return ()
 
+    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+        return None
+
     def exchange(
-        self, group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
+        self,
+        group: object,
+        sends: Mapping[int, torch.Tensor],
+        recvs: Mapping[int, torch.Tensor],
+        uniform: bool = False,
     ) -> _Done:
         if sends or recvs:
             raise RuntimeError(

@@ -9,7 +9,7 @@ step, at most two steps alive), so transfers overlap compute. Works on gloo (CPU
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.shard import ShardPlan
 from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["RingPassCommunicator"]
+__all__ = ["RingPassCommunicator", "point_to_point"]
 
 
 @attrs.frozen
@@ -43,18 +44,34 @@ class RingPassCommunicator:
             steps.append(tuple(p for p in (rank + t, rank - t) if 0 <= p < world_size))
         return tuple(s for s in steps if s)
 
+    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+        return None
+
     def exchange(
         self,
         group: object,
         sends: Mapping[int, torch.Tensor],
         recvs: Mapping[int, torch.Tensor],
+        uniform: bool = False,
     ) -> _Works:
         self.stats.record(sends, recvs)
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for peer, t in sends.items()]  # type: ignore[arg-type]
-        ops += [dist.P2POp(dist.irecv, t, peer, group=group) for peer, t in recvs.items()]  # type: ignore[arg-type]
-        if not ops:
-            return _Works(())
-        return _Works(tuple(dist.batch_isend_irecv(ops)))
+        return point_to_point(group, sends, recvs)
+
+
+def point_to_point(
+    group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
+) -> _Works:
+    """``isend`` each ``sends[peer]``, ``irecv`` each ``recvs[peer]`` (group ranks), batched."""
+    pg = group if isinstance(group, dist.ProcessGroup) else None
+
+    def global_rank(peer: int) -> int:
+        return peer if pg is None else dist.get_global_rank(pg, peer)
+
+    ops = [dist.P2POp(dist.isend, t, global_rank(p), group=pg) for p, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(p), group=pg) for p, t in recvs.items()]
+    if not ops:
+        return _Works(())
+    return _Works(tuple(dist.batch_isend_irecv(ops)))
 
 
 RINGPASS_SPEC = CommunicatorSpec(

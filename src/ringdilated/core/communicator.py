@@ -14,11 +14,14 @@ or receive is simply absent from the mappings. ``stats`` counts the bytes each c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from ringdilated.core.shard import ShardPlan
 
 __all__ = ["Communicator", "Pending", "TransferStats"]
 
@@ -57,15 +60,22 @@ class Communicator(Protocol):
         """The peers ``rank`` exchanges with at each step; every peer appears exactly once."""
         ...
 
+    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+        """Called on every rank, with every rank's plan, before the first exchange of a call
+        (a collective communicator creates its subgroups here, once, in the same order)."""
+        ...
+
     def exchange(
         self,
         group: object,
         sends: Mapping[int, torch.Tensor],
         recvs: Mapping[int, torch.Tensor],
+        uniform: bool = False,
     ) -> Pending:
         """Start sending ``sends[peer]`` to each peer and receiving into ``recvs[peer]``.
 
-        Ranks are global ranks of ``group``'s members as seen by ``torch.distributed``. Sizes
-        agree between the two ends by construction (both derive them from the shard plan).
+        Ranks are ranks within ``group``. Sizes agree between the two ends by construction (both
+        derive them from the shard plan). ``uniform``: every tensor in ``sends`` holds the same
+        data (a collective may serve the exchange).
         """
         ...

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -24,6 +25,9 @@ from ringdilated.core.capabilities import Environment, KernelSpec, Request
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.kernel import Kernel
+
+if TYPE_CHECKING:
+    from ringdilated.core.shard import ShardPlan
 
 __all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
 
@@ -126,22 +130,35 @@ class Resolver:
             plugin_failures=self.plugin_failures,
         )
 
-    def explain_communicator(self, world_size: int, causal: bool, name: str = "auto") -> str:
+    def explain_communicator(
+        self,
+        world_size: int,
+        causal: bool,
+        name: str = "auto",
+        plans: Sequence[ShardPlan] = (),
+    ) -> str:
         """Which communicator serves ``world_size`` ranks, and why each other one was rejected."""
-        chosen = self.communicator_for(world_size, causal, name)
+        chosen = self.communicator_for(world_size, causal, name, plans)
         chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
         how = f"forced by communicator={name!r}" if name != "auto" else "highest priority that fits"
         lines = [f"communicator: {chosen_name} ({how}) for {world_size} rank(s)"]
         for spec in sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name)):
             if spec.name != chosen_name:
-                reasons = spec.reasons(world_size, causal)
+                reasons = spec.reasons(world_size, causal, plans)
                 detail = "; ".join(reasons) if reasons else "fits, lower priority"
                 lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
         return "\n".join(lines)
 
-    def communicator_for(self, world_size: int, causal: bool, name: str = "auto") -> Communicator:
+    def communicator_for(
+        self,
+        world_size: int,
+        causal: bool,
+        name: str = "auto",
+        plans: Sequence[ShardPlan] = (),
+    ) -> Communicator:
         """The communicator for a group of ``world_size`` ranks: ``name`` forced, or the
-        highest-priority one that fits. A forced one that does not fit raises with its reasons."""
+        highest-priority one that fits. A forced one that does not fit raises with its reasons.
+        ``plans`` (every rank's shard plan) lets a communicator check that it can move them."""
         if not isinstance(name, str):
             raise TypeError(
                 f"communicator must be 'auto' or a communicator name (str), got {name!r}"
@@ -152,10 +169,10 @@ class Resolver:
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
         ranked = sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name))
-        verdicts = [(spec, spec.reasons(world_size, causal)) for spec in ranked]
+        verdicts = [(spec, spec.reasons(world_size, causal, plans)) for spec in ranked]
         if name != "auto":
             spec = self.communicator_specs[name]
-            reasons = spec.reasons(world_size, causal)
+            reasons = spec.reasons(world_size, causal, plans)
             if reasons:
                 raise ResolutionError(
                     f"communicator {name!r} cannot serve {world_size} rank(s): "

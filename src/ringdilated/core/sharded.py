@@ -168,7 +168,10 @@ class _PieceExchange:
             if incoming:
                 numel = _numel(incoming, self.batch, self.head_dim)
                 recvs[peer] = torch.empty(numel, dtype=self.k.dtype, device=self.k.device)
-        pending = self.run.communicator.exchange(self.run.group, sends, recvs)
+        contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
+        pending = self.run.communicator.exchange(
+            self.run.group, sends, recvs, uniform=len(contents) == 1
+        )
         return _Step(peers, pending, recvs)
 
     def start(self) -> None:

@@ -48,6 +48,7 @@ BUILTIN_PLUGINS = (
     "ringdilated.backends.reference",
     "ringdilated.backends.local",
     "ringdilated.backends.ringpass",
+    "ringdilated.backends.allgather",
 )
 
 
