@@ -241,3 +241,47 @@ def module_on_shards(payload: dict[str, Any]) -> dict[str, Any]:
         local, local, local, [8, 32], [1, 4], causal=True, process_group=dist.group.WORLD
     )
     return {"equal": bool(torch.equal(out, expected)), "explain": attn.explain(), "out": out}
+
+
+def dropout_directional_derivative(payload: dict[str, Any]) -> dict[str, float]:
+    """With each call's dropout masks fixed by seeding, the sharded function is deterministic:
+    its analytic directional derivative must match central finite differences of the global loss."""
+    import ringdilated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    L = 8 * world
+    full = [torch.randn(1, L, 4, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    weight = torch.randn(1, L, 4, 4, generator=g, dtype=torch.float64)
+    direction = [torch.randn(1, L, 4, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    sl = slice(rank * 8, (rank + 1) * 8)
+
+    def loss(inputs: list[torch.Tensor]) -> torch.Tensor:
+        torch.manual_seed(100 + rank)  # the same masks on every evaluation
+        out = ringdilated.dilated_attention(
+            *inputs,
+            [4, 16],
+            [1, 2],
+            mode=payload["mode"],
+            causal=payload["causal"],
+            dropout_p=0.3,
+            process_group=dist.group.WORLD,
+        )
+        local = (out * weight[:, sl]).sum()
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        return local, total
+
+    inputs = [x[:, sl].clone().requires_grad_() for x in full]
+    local, _ = loss(inputs)
+    local.backward()
+    analytic = torch.tensor(
+        sum(float((x.grad * d[:, sl]).sum()) for x, d in zip(inputs, direction, strict=True))
+    )
+    dist.all_reduce(analytic)
+    eps = 1e-6
+    with torch.no_grad():
+        _, plus = loss([x[:, sl] + eps * d[:, sl] for x, d in zip(full, direction, strict=True)])
+        _, minus = loss([x[:, sl] - eps * d[:, sl] for x, d in zip(full, direction, strict=True)])
+    numeric = float(plus - minus) / (2 * eps)
+    return {"analytic": float(analytic), "numeric": numeric}

@@ -257,3 +257,13 @@ def test_allgather_rejects_what_it_cannot_move_exactly(
     for ok, value in workers2.run("sharded_case", _aligned_case(2, seq_len=16, **overrides)):
         assert not ok and value[0] == "ResolutionError"
         assert "communicator 'allgather' cannot serve 2 rank(s)" in value[1] and reason in value[1]
+
+
+@pytest.mark.parametrize(("mode", "causal"), [("head_groups", False), ("longnet", True)])
+def test_dropout_across_ranks_has_exact_gradients(
+    workers2: Workers, mode: str, causal: bool
+) -> None:
+    results = workers2.results("dropout_directional_derivative", {"mode": mode, "causal": causal})
+    for r in results:
+        assert r["analytic"] == pytest.approx(r["numeric"], rel=1e-6, abs=1e-8)
+    assert results[0]["analytic"] == results[1]["analytic"]
