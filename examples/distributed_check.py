@@ -41,13 +41,17 @@ def main() -> None:
     out.backward(dout[:, shard])
 
     errors = [float((out - expected[:, shard]).detach().abs().max())]
-    errors += [float((x.grad - r.grad[:, shard]).abs().max()) for x, r in zip(local, reference)]
+    errors += [
+        float((x.grad - r.grad[:, shard]).abs().max())
+        for x, r in zip(local, reference, strict=True)
+    ]
     report: list[object] = [None] * world
     dist.all_gather_object(report, (max(errors), communicator.stats.bytes_sent))
     if rank == 0:
         for r, (error, sent) in enumerate(report):  # type: ignore[misc]
             print(
-                f"rank {r}: max |sharded - single process| = {error:.2e}, sent {sent} bytes (forward + backward)"
+                f"rank {r}: max |sharded - single process| = {error:.2e}, "
+                f"sent {sent} bytes (forward + backward)"
             )
         worst = max(e for e, _ in report)  # type: ignore[misc]
         print("PASS" if worst < 1e-10 else "FAIL")

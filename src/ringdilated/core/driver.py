@@ -28,7 +28,14 @@ from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.pattern import Block, Selection
 
-__all__ = ["DilatedAttentionFunction", "Executor", "Run", "lse_gradient"]
+__all__ = [
+    "DilatedAttentionFunction",
+    "Executor",
+    "Run",
+    "lse_gradient",
+    "run_backward",
+    "run_forward",
+]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
@@ -73,7 +80,7 @@ class Run:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(self, q, k, v)
+        return run_forward(self, q, k, v)
 
     def backward(
         self,
@@ -85,7 +92,7 @@ class Run:
         out: torch.Tensor,
         lse: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(self, dout, dlse, q, k, v, out, lse)
+        return run_backward(self, dout, dlse, q, k, v, out, lse)
 
 
 def _split(
@@ -131,7 +138,7 @@ class _Chunk:
         return self.view(x, kv).flatten(0, 1)
 
 
-def _forward(
+def run_forward(
     run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_state: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state."""
@@ -210,7 +217,7 @@ def _result_buffer(
     return buffer
 
 
-def _backward(
+def run_backward(
     run: Run,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,

@@ -29,7 +29,7 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.communicator import Communicator, Pending
-from ringdilated.core.driver import Run, _backward, _forward, lse_gradient
+from ringdilated.core.driver import Run, lse_gradient, run_backward, run_forward
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.shard import Crossing, Payload, ShardPlan, payload
 
@@ -211,7 +211,7 @@ def sharded_forward(
     me = run.plan.rank
     exchange = _PieceExchange(run, k, v)
     exchange.start()
-    out, lse = _forward(run.inner, q, k, v, keep_state=True)
+    out, lse = run_forward(run.inner, q, k, v, keep_state=True)
     index = {c: i for i, c in enumerate(run.plan.crossings)}
     states: dict[Crossing, Accumulator] = {}
     for c in run.plan.crossings:
@@ -282,7 +282,7 @@ def sharded_backward(
     exchange.start()
     acc = accumulation_dtype(q.dtype)
     # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
-    dq, dk, dv = _backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
+    dq, dk, dv = run_backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
     index = {c: i for i, c in enumerate(plan.crossings)}
 
     def views(
