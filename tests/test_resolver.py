@@ -130,7 +130,9 @@ def test_resolution_is_cached_and_kernels_built_once() -> None:
 
 def test_factory_returning_a_non_kernel_is_rejected() -> None:
     spec = KernelSpec(name="liar", factory=object, capabilities=REFERENCE_SPEC.capabilities)
-    with pytest.raises(TypeError, match="kernel 'liar': factory returned"):
+    with pytest.raises(
+        ResolutionError, match="factory failed: TypeError: kernel 'liar': factory returned"
+    ):
         Resolver([spec]).resolve(Request())
 
 

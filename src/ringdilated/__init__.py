@@ -17,6 +17,7 @@ from ringdilated.core import (
     ResolutionError,
     Resolver,
 )
+from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
 from ringdilated.functional import default_resolver, dilated_attention
 from ringdilated.modules import DilatedAttention
 
@@ -34,7 +35,9 @@ __all__ = [
     "Request",
     "ResolutionError",
     "Resolver",
+    "SlowDtypeWarning",
     "__version__",
     "default_resolver",
     "dilated_attention",
+    "recommended_dtype",
 ]

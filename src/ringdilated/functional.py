@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.core.agreement import CallSignature, agree
-from ringdilated.core.capabilities import Request
+from ringdilated.core.capabilities import Environment, Request
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.driver import DilatedAttentionFunction, Executor, Run
+from ringdilated.core.dtypes import warn_if_slow
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard import ShardPlan, shard_plan
@@ -40,6 +41,7 @@ def default_resolver() -> Resolver:
     registry = load_registry()
     return Resolver(
         registry.kernels.values(),
+        env=Environment.from_environ(),
         plugin_failures=registry.failures,
         communicators=registry.communicators.values(),
     )
@@ -77,8 +79,16 @@ def _validate(
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    request = Request.for_tensors(q, k, causal=causal, dropout=dropout_p > 0, backward=backward)  # type: ignore[operator]
+    request = Request.for_tensors(
+        q,
+        k,
+        causal=causal,
+        dropout=dropout_p > 0,  # type: ignore[operator]
+        backward=backward,
+        env=resolver.env,
+    )
     plan = resolver.resolve(request, kernel)
+    warn_if_slow(request)
     _, L, H, _ = q.shape
     shards = (
         tuple(shard_plan(pattern, L * ranks, H, k.shape[2], rank, ranks) for rank in range(ranks))

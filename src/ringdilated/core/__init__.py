@@ -2,7 +2,14 @@
 the resolver and the single-process driver. Imports torch and attrs only, never a backend."""
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype, merge_partials
-from ringdilated.core.capabilities import Capabilities, Environment, KernelSpec, Request, Target
+from ringdilated.core.capabilities import (
+    Capabilities,
+    Environment,
+    KernelSpec,
+    PriorityRule,
+    Request,
+    Target,
+)
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.pattern import MODES, Block, DilationPattern, HeadRun, Mode, Selection
 from ringdilated.core.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
@@ -21,6 +28,7 @@ __all__ = [
     "KernelSpec",
     "Mode",
     "Plan",
+    "PriorityRule",
     "Request",
     "ResolutionError",
     "Resolver",

@@ -11,12 +11,22 @@ come from an :class:`Environment`, which tests replace with a fake one.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterable
 
 import attrs
 import torch
 
-__all__ = ["Capabilities", "Environment", "KernelSpec", "Request", "Target"]
+__all__ = [
+    "CAPABILITY_ENV_VAR",
+    "PACKAGES_ENV_VAR",
+    "Capabilities",
+    "Environment",
+    "KernelSpec",
+    "PriorityRule",
+    "Request",
+    "Target",
+]
 
 _DTYPE_NAMES = {
     torch.float16: "float16",
@@ -60,12 +70,11 @@ class Request:
         causal: bool,
         dropout: bool,
         backward: bool,
+        env: Environment | None = None,
     ) -> Request:
         """The request for attention over ``q`` ``(B, L, H, D)`` and ``k`` ``(B, L, Hkv, D)``."""
         device = q.device
-        capability = None
-        if device.type == "cuda":
-            capability = torch.cuda.get_device_capability(device)
+        capability = (env or Environment()).capability(device)
         return cls(
             device_type=device.type,
             dtype=q.dtype,
@@ -91,19 +100,53 @@ class Request:
         )
 
 
+PACKAGES_ENV_VAR = "RINGDILATED_PACKAGES"
+CAPABILITY_ENV_VAR = "RINGDILATED_COMPUTE_CAPABILITY"
+
+
+def _parse_capability(text: str) -> tuple[int, int]:
+    major, _, minor = text.strip().partition(".")
+    if not major.isdigit() or (minor and not minor.isdigit()):
+        raise ValueError(f"{CAPABILITY_ENV_VAR} must look like '8.0', got {text!r}")
+    return int(major), int(minor or 0)
+
+
 @attrs.frozen
 class Environment:
     """Facts about the machine that requests do not carry. Replace it in tests.
 
     ``packages``: importable top-level package names; ``None`` asks ``importlib`` each time.
+    ``compute_capability``: reported for every CUDA device instead of the real one (``None``:
+    ask the device). :meth:`from_environ` reads both from ``RINGDILATED_PACKAGES``
+    (comma-separated names) and ``RINGDILATED_COMPUTE_CAPABILITY`` (e.g. ``8.0``).
     """
 
     packages: frozenset[str] | None = None
+    compute_capability: tuple[int, int] | None = None
+
+    @classmethod
+    def from_environ(cls) -> Environment:
+        packages = os.environ.get(PACKAGES_ENV_VAR)
+        capability = os.environ.get(CAPABILITY_ENV_VAR)
+        return cls(
+            packages=None
+            if packages is None
+            else frozenset(p.strip() for p in packages.split(",") if p.strip()),
+            compute_capability=None if not capability else _parse_capability(capability),
+        )
 
     def has_package(self, name: str) -> bool:
         if self.packages is not None:
             return name in self.packages
         return importlib.util.find_spec(name) is not None
+
+    def capability(self, device: torch.device) -> tuple[int, int] | None:
+        """The compute capability of a CUDA ``device`` (``None`` for other devices)."""
+        if device.type != "cuda":
+            return None
+        if self.compute_capability is not None:
+            return self.compute_capability
+        return torch.cuda.get_device_capability(device)
 
 
 @attrs.frozen
@@ -204,12 +247,36 @@ def _unique(items: Iterable[str]) -> list[str]:
 
 
 @attrs.frozen
+class PriorityRule:
+    """A backend's priority on matching hardware: the first rule that matches a request wins.
+
+    ``device_type`` and the inclusive compute-capability bounds are ``None`` when they do not
+    matter. Hardware preferences are data here, not branches in the resolver.
+    """
+
+    priority: int
+    device_type: str | None = None
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+
+    def matches(self, request: Request) -> bool:
+        if self.device_type is not None and request.device_type != self.device_type:
+            return False
+        cc = request.compute_capability
+        if self.min_capability is not None and (cc is None or cc < self.min_capability):
+            return False
+        return self.max_capability is None or (cc is not None and cc <= self.max_capability)
+
+
+@attrs.frozen
 class KernelSpec:
     """A kernel backend as a plugin offers it: a name, a priority, capabilities and a factory.
 
     ``factory`` builds the kernel (it may import optional packages; it is called only after the
-    capabilities accepted a request). ``extra_reasons`` adds checks that are not expressible as
-    data; it returns reasons, never raises. Higher ``priority`` wins among backends that fit.
+    capabilities accepted a request; if it raises, the resolver records why and moves on).
+    ``extra_reasons`` adds checks that are not expressible as data; it returns reasons, never
+    raises. Higher priority wins among backends that fit: the first of ``priority_rules`` that
+    matches the request, else ``priority``.
     """
 
     name: str
@@ -218,6 +285,13 @@ class KernelSpec:
     priority: int = 0
     description: str = ""
     extra_reasons: Callable[[Request, Environment], Iterable[str]] | None = None
+    priority_rules: tuple[PriorityRule, ...] = ()
+
+    def priority_for(self, request: Request) -> int:
+        for rule in self.priority_rules:
+            if rule.matches(request):
+                return rule.priority
+        return self.priority
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
         reasons = list(self.capabilities.reasons(request, env))

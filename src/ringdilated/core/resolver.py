@@ -48,17 +48,21 @@ class Plan:
     rejected: tuple[tuple[str, tuple[str, ...]], ...] = ()
     forced_by: str | None = None
     plugin_failures: tuple[str, ...] = ()
+    priorities: tuple[tuple[str, int], ...] = ()
 
     def explain(self) -> str:
         """A human-readable account: the request, the choice and why each other one lost."""
+        priority = dict(self.priorities)
         lines = [f"request: {self.request.describe()}"]
         how = f"forced by {self.forced_by}" if self.forced_by else "highest priority that fits"
-        lines.append(f"kernel: {self.kernel_name} ({how})")
+        lines.append(
+            f"kernel: {self.kernel_name} (priority {priority.get(self.kernel_name)}, {how})"
+        )
         for name, reasons in self.rejected:
             if reasons:
                 lines.append(f"  rejected {name}: " + "; ".join(reasons))
             else:
-                lines.append(f"  not chosen {name}: fits, lower priority")
+                lines.append(f"  not chosen {name}: fits, priority {priority.get(name)}")
         lines.extend(f"  plugin failed: {failure}" for failure in self.plugin_failures)
         return "\n".join(lines)
 
@@ -102,32 +106,37 @@ class Resolver:
         return self._resolve(request, kernel, forced_by)
 
     def _resolve_uncached(self, request: Request, kernel: str, forced_by: str | None) -> Plan:
-        ranked = sorted(self.specs.values(), key=lambda s: (-s.priority, s.name))
-        verdicts = [(spec, spec.reasons(request, self.env)) for spec in ranked]
-        if kernel != "auto":
-            reasons = dict((s.name, r) for s, r in verdicts)[kernel]
-            if reasons:
+        ranked = sorted(self.specs.values(), key=lambda s: (-s.priority_for(request), s.name))
+        verdicts = {spec.name: spec.reasons(request, self.env) for spec in ranked}
+        candidates = [self.specs[kernel]] if kernel != "auto" else ranked
+        chosen: tuple[KernelSpec, Kernel] | None = None
+        for spec in candidates:
+            if verdicts[spec.name]:
+                continue
+            try:
+                chosen = (spec, self._kernel(spec))
+                break
+            except Exception as exc:  # a backend's factory (an import) may fail in any way
+                verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
+        if chosen is None:
+            if kernel != "auto":
                 raise ResolutionError(
                     f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
-                    + "; ".join(reasons)
+                    + "; ".join(verdicts[kernel])
                 )
-            chosen = self.specs[kernel]
-        else:
-            fitting = [spec for spec, reasons in verdicts if not reasons]
-            if not fitting:
-                detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in verdicts)
-                raise ResolutionError(
-                    f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
-                )
-            chosen = fitting[0]
-        rejected = tuple((s.name, r) for s, r in verdicts if s.name != chosen.name)
+            detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
+            raise ResolutionError(
+                f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
+            )
+        spec, instance = chosen
         return Plan(
             request=request,
-            kernel_name=chosen.name,
-            kernel=self._kernel(chosen),
-            rejected=rejected,
+            kernel_name=spec.name,
+            kernel=instance,
+            rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
             forced_by=forced_by,
             plugin_failures=self.plugin_failures,
+            priorities=tuple((s.name, s.priority_for(request)) for s in ranked),
         )
 
     def explain_communicator(
