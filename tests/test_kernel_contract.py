@@ -15,27 +15,9 @@ from hypothesis import strategies as st
 from ringdilated.core import BlockOptions, merge_partials
 from ringdilated.functional import default_resolver
 from ringdilated.testing import FLOORS
+from ringdilated.testing.conformance import dense
 
 KERNELS = ["sdpa", "reference"]
-
-
-def _dense(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 dense attention in kernel layout with the contract's causal rule; differentiable."""
-    group = q.shape[1] // k.shape[1]
-    kd = k.double().repeat_interleave(group, 1)
-    vd = v.double().repeat_interleave(group, 1)
-    s = q.double() @ kd.transpose(-1, -2) * scale
-    lq, lk = s.shape[-2:]
-    visible = torch.ones(lq, lk, dtype=torch.bool)
-    if offset is not None:
-        visible = torch.arange(lk).unsqueeze(0) <= torch.arange(lq).unsqueeze(1) + offset
-    empty = ~visible.any(-1, keepdim=True)
-    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
-    lse = torch.logsumexp(s, -1).masked_fill(empty.squeeze(-1), float("-inf"))
-    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
-    return p @ vd, lse
 
 
 @st.composite
@@ -59,7 +41,7 @@ def test_forward_with_any_causal_offset(name: str, block: tuple) -> None:
     q, k, v, scale, offset = block
     kernel = default_resolver().kernel(name)
     out, lse = kernel.forward(q, k, v, BlockOptions(scale=scale, causal_offset=offset))
-    expected_out, expected_lse = _dense(q, k, v, scale, offset)
+    expected_out, expected_lse = dense(q, k, v, scale, offset)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))
     finite = ~torch.isneginf(expected_lse)
@@ -89,7 +71,7 @@ def test_split_keys_merge_exactly_forward_and_backward(
         out, lse = merge_partials(out, lse, *other)
 
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    expected_out, expected_lse = _dense(qr, kr, vr, scale, offset)
+    expected_out, expected_lse = dense(qr, kr, vr, scale, offset)
     assert torch.allclose(out, expected_out, rtol=0, atol=1e-10)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))
 
@@ -121,7 +103,7 @@ def test_low_precision_lse_is_float32(name: str, dtype: torch.dtype) -> None:
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert torch.isneginf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
     assert torch.all(out[..., :3, :] == 0)
-    expected_out, expected_lse = _dense(q, q[:, :2], q[:, :2], 0.3, -3)
+    expected_out, expected_lse = dense(q, q[:, :2], q[:, :2], 0.3, -3)
     assert float((out.double() - expected_out).abs().max()) < 50 * FLOORS[dtype]
     # The inputs are exact in every dtype, so the float32 lse is good to float32 accumulation.
     assert torch.allclose(lse[..., 3:].double(), expected_lse[..., 3:], rtol=0, atol=1e-4)

@@ -1,0 +1,377 @@
+"""The kernel conformance kit: prove a kernel backend meets the kernel contract, exactly.
+
+    from ringdilated.testing import check_kernel
+    report = check_kernel("mykernel")            # a registered name, or a KernelSpec
+    report = check_kernel(spec, expected_failures={"dropout": "not implemented yet"})
+
+Each check has an id and draws, with hypothesis, only problems the backend *declares* it
+supports (device, dtypes, head dims, causal, grouped-query heads), comparing with a float64 dense
+evaluation under SPEC.md's tolerance rule:
+
+- ``forward``: ``out`` and ``lse`` of one block, any causal offset the backend declares;
+- ``empty-rows``: a query that sees no key gives ``out = 0`` and ``lse = -inf``, never NaN;
+- ``split-merge``: keys split into two blocks, merged by the accumulator, equal the whole block,
+  and the two backwards with the merged ``out``/``lse`` sum to the whole gradient (the property
+  rings and pattern mixing rely on);
+- ``no-mutation``: inputs are never modified.
+
+A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ringdilated.core.accumulator import merge_partials
+from ringdilated.core.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.testing._tolerance import FLOORS, max_error
+
+__all__ = [
+    "CHECKS",
+    "ConformanceError",
+    "ConformanceReport",
+    "KernelCase",
+    "check_kernel",
+    "kernel_cases",
+]
+
+CHECKS = ("forward", "empty-rows", "split-merge", "no-mutation")
+
+
+class ConformanceError(AssertionError):
+    """A kernel failed a conformance check."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(f"[{check}] {message}")
+        self.check = check
+
+
+@attrs.frozen
+class ConformanceReport:
+    """What ran: the checks that passed and the expected failures that did fail."""
+
+    kernel: str
+    passed: tuple[str, ...]
+    expected_failures: tuple[str, ...]
+
+
+@attrs.frozen
+class KernelCase:
+    """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``."""
+
+    n: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+    causal_offset: int | None
+    seed: int
+    device: str = "cpu"
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed)
+        shapes = (
+            (self.n, self.heads, self.q_len, self.head_dim),
+            (self.n, self.kv_heads, self.k_len, self.head_dim),
+            (self.n, self.kv_heads, self.k_len, self.head_dim),
+        )
+        q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+        return tuple(x.to(self.device, self.dtype) for x in (q, k, v))  # type: ignore[return-value]
+
+    def options(self) -> BlockOptions:
+        return BlockOptions(scale=self.scale, causal_offset=self.causal_offset)
+
+
+def kernel_cases(
+    spec: KernelSpec, device: str = "cpu", env: Environment | None = None
+) -> st.SearchStrategy[KernelCase]:
+    """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them)."""
+    env = env or Environment.from_environ()
+    capability = env.capability(torch.device(device))
+    targets = [t for t in spec.capabilities.targets if t.device_type == device]
+    if not targets:
+        raise ValueError(f"kernel {spec.name!r} declares no target on {device!r}")
+
+    @st.composite
+    def draw(d: st.DrawFn) -> KernelCase:
+        dtype = d(st.sampled_from(sorted({dt for t in targets for dt in t.dtypes}, key=str)))
+        multiple = max(t.head_dim_multiple for t in targets)
+        limit = min((t.max_head_dim for t in targets if t.max_head_dim), default=64)
+        head_dim = multiple * d(st.integers(1, max(1, min(64, limit) // multiple)))
+        kv_heads = d(st.integers(1, 3))
+        heads = kv_heads * (d(st.integers(1, 3)) if spec.capabilities.gqa else 1)
+        q_len, k_len = d(st.integers(1, 24)), d(st.integers(1, 24))
+        offset = (
+            d(st.none() | st.integers(-q_len - 1, k_len + 1)) if spec.capabilities.causal else None
+        )
+        case = KernelCase(
+            n=d(st.integers(1, 2)),
+            heads=heads,
+            kv_heads=kv_heads,
+            q_len=q_len,
+            k_len=k_len,
+            head_dim=head_dim,
+            dtype=dtype,
+            scale=d(st.floats(0.05, 1.0)),
+            causal_offset=offset,
+            seed=d(st.integers(0, 2**31 - 1)),
+            device=device,
+        )
+        request = Request(
+            device_type=device,
+            dtype=dtype,
+            head_dim=head_dim,
+            compute_capability=capability,
+            causal=offset is not None,
+            gqa=heads != kv_heads,
+        )
+        d(st.just(None).filter(lambda _: not spec.reasons(request, env)))
+        return case
+
+    return draw()
+
+
+def dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    offset: int | None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd)."""
+    group = q.shape[1] // k.shape[1]
+    qd = q.to(dtype)
+    kd = k.to(dtype).repeat_interleave(group, 1)
+    vd = v.to(dtype).repeat_interleave(group, 1)
+    s = qd @ kd.transpose(-1, -2) * scale
+    lq, lk = s.shape[-2:]
+    visible = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+    if offset is not None:
+        cols = torch.arange(lk, device=q.device).unsqueeze(0)
+        visible = cols <= torch.arange(lq, device=q.device).unsqueeze(1) + offset
+    empty = ~visible.any(-1, keepdim=True)
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(empty.squeeze(-1), float("-inf"))
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    return p @ vd, lse
+
+
+def _within(
+    check: str,
+    what: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    baseline: torch.Tensor,
+    dtype: torch.dtype,
+    case: KernelCase,
+) -> None:
+    error = max_error(actual, expected)
+    finite = expected.double().masked_fill(torch.isneginf(expected), 0.0)
+    magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    allowed = 2 * max_error(baseline, expected) + FLOORS[dtype] * magnitude
+    if not error <= allowed:
+        raise ConformanceError(
+            check, f"{what}: max error {error:.3e} vs float64 exceeds {allowed:.3e} for {case}"
+        )
+
+
+def _check_forward(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = case.tensors()
+    out, lse = kernel.forward(q, k, v, case.options())
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ConformanceError(
+            "forward", f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"
+        )
+    if lse.shape != q.shape[:-1] or lse.dtype not in (torch.float32, torch.float64):
+        raise ConformanceError(
+            "forward",
+            f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} float32",
+        )
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
+    # The baseline is plain dense attention in the inputs' dtype, for out and lse alike.
+    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
+    _within("forward", "out", out, expected_out, base_out, q.dtype, case)
+    _within("forward", "lse", lse, expected_lse, base_lse, q.dtype, case)
+
+
+def _check_empty_rows(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = case.tensors()
+    offset = -min(case.q_len, 3)
+    out, lse = kernel.forward(q, k, v, attrs.evolve(case, causal_offset=offset).options())
+    rows = -offset
+    if not bool(torch.isneginf(lse[..., :rows]).all()):
+        raise ConformanceError(
+            "empty-rows",
+            f"lse of rows with no key is {lse[..., :rows].flatten()[:4].tolist()}, "
+            f"expected -inf, for {case}",
+        )
+    if not bool((out[..., :rows, :] == 0).all()):
+        raise ConformanceError(
+            "empty-rows",
+            f"out of rows with no key is not 0 (NaN: {bool(out.isnan().any())}) for {case}",
+        )
+
+
+def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = case.tensors()
+    split = max(1, case.k_len // 2)
+    if split >= case.k_len:
+        return
+    parts = [(0, split), (split, case.k_len)]
+
+    def opts(start: int) -> BlockOptions:
+        offset = None if case.causal_offset is None else case.causal_offset - start
+        return BlockOptions(scale=case.scale, causal_offset=offset)
+
+    out, lse = kernel.forward(q, k[:, :, :split], v[:, :, :split], opts(0))
+    out, lse = merge_partials(
+        out, lse, *kernel.forward(q, k[:, :, split:], v[:, :, split:], opts(split))
+    )
+    whole_out, whole_lse = kernel.forward(q, k, v, case.options())
+    tol = 1e-9 if q.dtype == torch.float64 else 50 * FLOORS[q.dtype]
+    if max_error(out, whole_out) > tol * max(1.0, float(whole_out.abs().max())):
+        raise ConformanceError(
+            "split-merge",
+            f"merged forward differs from the whole block by {max_error(out, whole_out):.3e} "
+            f"for {case}",
+        )
+    if max_error(lse, whole_lse) > tol * max(
+        1.0, float(whole_lse.masked_fill(torch.isneginf(whole_lse), 0).abs().max())
+    ):
+        raise ConformanceError(
+            "split-merge",
+            f"merged lse differs from the whole block's by {max_error(lse, whole_lse):.3e} "
+            f"for {case}",
+        )
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    expected_out, _ = dense(qr, kr, vr, case.scale, case.causal_offset)
+    dout = torch.randn(
+        q.shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64
+    )
+    expected = torch.autograd.grad((expected_out * dout).sum(), (qr, kr, vr))
+    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
+    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
+    dq = torch.zeros_like(q, dtype=torch.float64)
+    dk = torch.zeros_like(k, dtype=torch.float64)
+    dv = torch.zeros_like(v, dtype=torch.float64)
+    for start, stop in parts:
+        gq, gk, gv = kernel.backward(
+            dout.to(q.dtype),
+            q,
+            k[:, :, start:stop],
+            v[:, :, start:stop],
+            out.to(q.dtype),
+            lse,
+            opts(start),
+        )
+        dq += gq.double()
+        dk[:, :, start:stop] += gk.double()
+        dv[:, :, start:stop] += gv.double()
+    for name, actual, exp, b in zip(
+        ("dq", "dk", "dv"), (dq, dk, dv), expected, baseline, strict=True
+    ):
+        _within(
+            "split-merge",
+            f"{name} from two blocks with the merged out/lse",
+            actual.to(q.dtype),
+            exp,
+            b,
+            q.dtype,
+            case,
+        )
+
+
+def _check_no_mutation(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = case.tensors()
+    before = [x.clone() for x in (q, k, v)]
+    out, lse = kernel.forward(q, k, v, case.options())
+    kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
+    for name, x, b in zip("qkv", (q, k, v), before, strict=True):
+        if not torch.equal(x, b):
+            raise ConformanceError("no-mutation", f"{name} was modified in place for {case}")
+
+
+_RUNNERS: dict[str, Callable[[Kernel, KernelCase], None]] = {
+    "forward": _check_forward,
+    "empty-rows": _check_empty_rows,
+    "split-merge": _check_split_merge,
+    "no-mutation": _check_no_mutation,
+}
+
+
+def _runner(
+    check: Callable[[Kernel, KernelCase], None],
+    kernel: Kernel,
+    spec: KernelSpec,
+    device: str,
+    env: Environment | None,
+    max_examples: int,
+) -> Callable[[], None]:
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    @given(case=kernel_cases(spec, device, env))
+    def run(case: KernelCase) -> None:
+        check(kernel, case)
+
+    return run
+
+
+def check_kernel(
+    kernel: str | KernelSpec,
+    *,
+    device: str = "cpu",
+    max_examples: int = 30,
+    checks: Sequence[str] = CHECKS,
+    expected_failures: Mapping[str, str] | None = None,
+    env: Environment | None = None,
+) -> ConformanceReport:
+    """Run the conformance checks on a registered kernel name or a :class:`KernelSpec`.
+
+    ``expected_failures`` maps check ids to the reason they are known to fail; such a check must
+    fail (an unexpected pass raises, so a fixed bug is noticed). Raises :class:`ConformanceError`
+    on the first unexpected failure.
+    """
+    from ringdilated.functional import default_resolver
+
+    spec = default_resolver().specs[kernel] if isinstance(kernel, str) else kernel
+    unknown = set(checks) - set(CHECKS) | set(expected_failures or ()) - set(CHECKS)
+    if unknown:
+        raise ValueError(
+            f"unknown conformance checks {sorted(unknown)}; known: {', '.join(CHECKS)}"
+        )
+    instance = spec.factory()
+    if not isinstance(instance, Kernel):
+        raise ConformanceError(
+            "interface", f"{spec.name!r}: factory returned {instance!r}, not a Kernel"
+        )
+    passed, failed_as_expected = [], []
+    for check in checks:
+        run = _runner(_RUNNERS[check], instance, spec, device, env, max_examples)
+        if expected_failures and check in expected_failures:
+            try:
+                run()
+            except ConformanceError:
+                failed_as_expected.append(check)
+                continue
+            raise ConformanceError(
+                check, f"expected to fail ({expected_failures[check]}) but passed"
+            )
+        run()
+        passed.append(check)
+    return ConformanceReport(spec.name, tuple(passed), tuple(failed_as_expected))

@@ -1,0 +1,120 @@
+"""The conformance kit passes the built-in kernels and rejects wrong ones for the right reason."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target
+from ringdilated.testing import ConformanceError, check_kernel
+
+
+@pytest.mark.parametrize("name", ["sdpa", "reference"])
+def test_builtin_kernels_conform(name: str) -> None:
+    report = check_kernel(name, max_examples=20)
+    assert report.passed == ("forward", "empty-rows", "split-merge", "no-mutation")
+
+
+class IgnoresScale(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        return super().forward(q, k, v, attrs.evolve(options, scale=1.0))
+
+
+class LseOffByConstant(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out, lse + 0.5
+
+
+class CausalWrongSign(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        if options.causal_offset is None:
+            return super().forward(q, k, v, options)
+        # Sees the keys at or after the diagonal instead of at or before it.
+        flipped = super().forward(q.flip(-2), k.flip(-2), v.flip(-2), options)
+        return flipped[0].flip(-2), flipped[1].flip(-1)
+
+
+class IgnoresOffset(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        if options.causal_offset is not None:
+            options = attrs.evolve(options, causal_offset=0)
+        return super().forward(q, k, v, options)
+
+
+class NanOnEmptyRows(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return torch.where(torch.isneginf(lse).unsqueeze(-1), float("nan"), out), lse
+
+
+class LiesAboutFloat64(ReferenceKernel):
+    """Declares float64 but computes and returns float32."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q.float(), k.float(), v.float(), options)
+        return out, lse
+
+
+def _spec(kernel: type, dtypes: frozenset[torch.dtype] | None = None) -> KernelSpec:
+    capabilities = REFERENCE_SPEC.capabilities
+    if dtypes is not None:
+        capabilities = attrs.evolve(capabilities, targets=(Target("cpu", dtypes),))
+    return KernelSpec(name=kernel.__name__, factory=kernel, capabilities=capabilities)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtypes", "check", "message"),
+    [
+        (IgnoresScale, None, "forward", "max error"),
+        (LseOffByConstant, None, "forward", "lse: max error"),
+        (CausalWrongSign, None, "forward", "max error"),
+        (IgnoresOffset, None, "forward", "max error"),
+        (NanOnEmptyRows, None, "empty-rows", "out of rows with no key is not 0 (NaN: True)"),
+        (LiesAboutFloat64, frozenset({torch.float64}), "forward", "expected"),
+    ],
+)
+def test_wrong_kernels_are_rejected_for_the_right_reason(kernel, dtypes, check, message) -> None:
+    with pytest.raises(ConformanceError) as info:
+        check_kernel(_spec(kernel, dtypes), max_examples=30, checks=(check,))
+    assert info.value.check == check, str(info.value)
+    assert message in str(info.value)
+
+
+def test_lying_dtype_message_names_the_dtype() -> None:
+    with pytest.raises(
+        ConformanceError, match=r"out is .* torch\.float32, expected .* torch\.float64"
+    ):
+        check_kernel(_spec(LiesAboutFloat64, frozenset({torch.float64})), max_examples=10)
+
+
+def test_expected_failures() -> None:
+    report = check_kernel(
+        _spec(NanOnEmptyRows),
+        max_examples=10,
+        checks=("empty-rows", "no-mutation"),
+        expected_failures={"empty-rows": "known: NaN rows"},
+    )
+    assert report.expected_failures == ("empty-rows",)
+    assert report.passed == ("no-mutation",)
+    with pytest.raises(
+        ConformanceError, match=r"\[empty-rows\] expected to fail \(fixed\?\) but passed"
+    ):
+        check_kernel("reference", max_examples=5, expected_failures={"empty-rows": "fixed?"})
+    with pytest.raises(ValueError, match="unknown conformance checks"):
+        check_kernel("reference", checks=("speed",))
+
+
+def test_kernel_without_causal_is_checked_without_offsets() -> None:
+    spec = attrs.evolve(
+        _spec(ReferenceKernel), capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, causal=False)
+    )
+    report = check_kernel(spec, max_examples=10, checks=("forward", "split-merge"))
+    assert report.passed == ("forward", "split-merge")
+
+
+def test_options_type_is_the_contract() -> None:
+    assert BlockOptions(scale=0.5).causal_offset is None
+    assert isinstance(Capabilities(targets=()), Capabilities)
