@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.backends.ringpass import point_to_point
+from ringdilated.backends.ringpass import Works, point_to_point
 from ringdilated.core.communicator import Pending, TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan, payload
@@ -72,15 +71,6 @@ def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
     return tuple(dict.fromkeys(reasons))
 
 
-@attrs.frozen
-class _Works:
-    works: tuple[object, ...]
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()  # type: ignore[attr-defined]
-
-
 class AllGatherCommunicator:
     """One ``all_gather`` per segment group for pieces; point to point for gradients."""
 
@@ -117,7 +107,7 @@ class AllGatherCommunicator:
         work = dist.all_gather(
             outputs, payload_tensor, group=self._groups[(group, members)], async_op=True
         )
-        return _Works((work,))
+        return Works((work,))
 
 
 ALLGATHER_SPEC = CommunicatorSpec(

@@ -20,11 +20,13 @@ from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan
 from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["RingPassCommunicator", "point_to_point"]
+__all__ = ["RingPassCommunicator", "Works", "point_to_point"]
 
 
 @attrs.frozen
-class _Works:
+class Works:
+    """Pending ``torch.distributed`` work handles, waited on together."""
+
     works: tuple[object, ...]
 
     def wait(self) -> None:
@@ -53,14 +55,14 @@ class RingPassCommunicator:
         sends: Mapping[int, torch.Tensor],
         recvs: Mapping[int, torch.Tensor],
         uniform: bool = False,
-    ) -> _Works:
+    ) -> Works:
         self.stats.record(sends, recvs)
         return point_to_point(group, sends, recvs)
 
 
 def point_to_point(
     group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
-) -> _Works:
+) -> Works:
     """``isend`` each ``sends[peer]``, ``irecv`` each ``recvs[peer]`` (group ranks), batched."""
     pg = group if isinstance(group, dist.ProcessGroup) else None
 
@@ -70,8 +72,8 @@ def point_to_point(
     ops = [dist.P2POp(dist.isend, t, global_rank(p), group=pg) for p, t in sends.items()]
     ops += [dist.P2POp(dist.irecv, t, global_rank(p), group=pg) for p, t in recvs.items()]
     if not ops:
-        return _Works(())
-    return _Works(tuple(dist.batch_isend_irecv(ops)))
+        return Works(())
+    return Works(tuple(dist.batch_isend_irecv(ops)))
 
 
 RINGPASS_SPEC = CommunicatorSpec(
