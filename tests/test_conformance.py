@@ -118,3 +118,17 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
 def test_options_type_is_the_contract() -> None:
     assert BlockOptions(scale=0.5).causal_offset is None
     assert isinstance(Capabilities(targets=()), Capabilities)
+
+
+def test_oracle_needs_no_hypothesis_and_the_kit_says_what_it_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    import ringdilated.testing as testing
+
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "ringdilated.testing.conformance")
+    assert callable(testing.oracle)
+    with pytest.raises(ImportError, match=r"needs 'hypothesis': pip install 'ringdilated\[test\]'"):
+        testing.check_kernel  # noqa: B018

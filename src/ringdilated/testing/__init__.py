@@ -1,15 +1,20 @@
 """Testing helpers for ringdilated and its plugin authors: the float64 oracle, SPEC.md's
-tolerance rule and the kernel conformance kit."""
+tolerance rule and the kernel conformance kit.
+
+The oracle and the tolerance rule need only torch. The conformance kit (``check_kernel`` and
+friends) needs hypothesis, installed with ``pip install 'ringdilated[test]'``; it is imported on
+first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from ringdilated.testing._oracle import dense_attention, oracle, pattern_weights
 from ringdilated.testing._tolerance import FLOORS, assert_within_tolerance, max_error
-from ringdilated.testing.conformance import (
-    CHECKS,
-    ConformanceError,
-    ConformanceReport,
-    check_kernel,
-    kernel_cases,
-)
+
+_KIT = ("CHECKS", "ConformanceError", "ConformanceReport", "check_kernel", "kernel_cases")
 
 __all__ = [
     "CHECKS",
@@ -24,3 +29,16 @@ __all__ = [
     "oracle",
     "pattern_weights",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _KIT:
+        try:
+            kit = importlib.import_module("ringdilated.testing.conformance")
+        except ModuleNotFoundError as exc:
+            raise ImportError(
+                f"ringdilated.testing.{name} is the conformance kit, which needs {exc.name!r}: "
+                "pip install 'ringdilated[test]'"
+            ) from exc
+        return getattr(kit, name)
+    raise AttributeError(f"module 'ringdilated.testing' has no attribute {name!r}")
