@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from procstat import reset_peak, status_bytes
+
 SEGMENTS = [2048, 4096, 8192]
 RATES = [1, 2, 4]
 B, H, D = 1, 8, 64
@@ -51,19 +53,6 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def measure(length: int, dtype_name: str, backward: bool, repeats: int) -> dict[str, Any]:
@@ -85,12 +74,12 @@ def measure(length: int, dtype_name: str, backward: bool, repeats: int) -> dict[
 
     # Peak memory of the first call, before any allocator cache exists, outputs kept alive as a
     # user's would be; then the timed warm calls.
-    before = _rss("VmRSS")
-    _reset_peak()
+    before = status_bytes("VmRSS")
+    reset_peak()
     out = ringdilated.dilated_attention(q, k, v, SEGMENTS, RATES)
     if backward:
         out.backward(dout)
-    peak = _rss("VmHWM")
+    peak = status_bytes("VmHWM")
     del out
     q.grad = k.grad = v.grad = None
     seconds = _best(call, repeats)

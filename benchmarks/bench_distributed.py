@@ -26,23 +26,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from procstat import reset_peak, status_bytes
+
 H, D = 8, 64
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM missing")
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmRSS missing")
 
 
 class _Done:
@@ -103,9 +89,8 @@ def _rank(rank: int, world: int, store: str, length: int, backward: bool, out: A
         "compute-only", ComputeOnly, priority=-1
     )
     shard = length // world
-    before = _rss()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    before = status_bytes("VmRSS")
+    reset_peak()
     q, k, v = (torch.randn(1, shard, H, D, requires_grad=backward) for _ in range(3))
     dout = torch.randn(1, shard, H, D) if backward else None
     results: dict[str, Any] = {}
@@ -122,7 +107,7 @@ def _rank(rank: int, world: int, store: str, length: int, backward: bool, out: A
         comm = resolver.communicator_for(world, False, communicator)
         call()  # warm-up; its peak is the one reported
         if communicator in ("ringpass", "local"):
-            results["peak_bytes"] = _peak() - before
+            results["peak_bytes"] = status_bytes("VmHWM") - before
         comm.stats.reset()
         repeats = 2 if length <= 65536 else 1
         times = []

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
-from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target
+from ringdilated.core import KernelSpec, Target
 from ringdilated.testing import ConformanceError, check_kernel
 
 
@@ -113,11 +113,6 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
     )
     report = check_kernel(spec, max_examples=10, checks=("forward", "split-merge"))
     assert report.passed == ("forward", "split-merge")
-
-
-def test_options_type_is_the_contract() -> None:
-    assert BlockOptions(scale=0.5).causal_offset is None
-    assert isinstance(Capabilities(targets=()), Capabilities)
 
 
 def test_oracle_needs_no_hypothesis_and_the_kit_says_what_it_needs(

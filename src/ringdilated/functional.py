@@ -141,7 +141,7 @@ def attend(
         error: Exception | None = None
         try:
             plan, comm, plans = validate()
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         signature = CallSignature(
             pattern=(pattern.segment_lengths, pattern.dilation_rates, pattern.mode),
