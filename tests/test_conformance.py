@@ -9,12 +9,14 @@ import torch
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import KernelSpec, Target
 from ringdilated.testing import ConformanceError, check_kernel
+from ringdilated.testing.conformance import CHECKS
 
 
 @pytest.mark.parametrize("name", ["sdpa", "reference"])
 def test_builtin_kernels_conform(name: str) -> None:
     report = check_kernel(name, max_examples=20)
-    assert report.passed == ("forward", "empty-rows", "split-merge", "no-mutation")
+    assert report.passed == CHECKS
+    assert report.not_applicable == ()
 
 
 class IgnoresScale(ReferenceKernel):
@@ -50,6 +52,20 @@ class NanOnEmptyRows(ReferenceKernel):
         return torch.where(torch.isneginf(lse).unsqueeze(-1), float("nan"), out), lse
 
 
+class RaisesOnHalf(ReferenceKernel):
+    """Declares float16 (the reference does) but cannot run it."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        if q.dtype == torch.float16:
+            raise RuntimeError("no half kernel")
+        return super().forward(q, k, v, options)
+
+
+class BackwardIgnoresScale(ReferenceKernel):
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        return super().backward(dout, q, k, v, out, lse, attrs.evolve(options, scale=1.0))
+
+
 class LiesAboutFloat64(ReferenceKernel):
     """Declares float64 but computes and returns float32."""
 
@@ -70,8 +86,10 @@ def _spec(kernel: type, dtypes: frozenset[torch.dtype] | None = None) -> KernelS
     [
         (IgnoresScale, None, "forward", "max error"),
         (LseOffByConstant, None, "forward", "lse: max error"),
-        (CausalWrongSign, None, "forward", "max error"),
-        (IgnoresOffset, None, "forward", "max error"),
+        (CausalWrongSign, None, "causal", "max error"),
+        (IgnoresOffset, None, "causal", "max error"),
+        (RaisesOnHalf, None, "capabilities", "raised RuntimeError: no half kernel"),
+        (BackwardIgnoresScale, None, "gradients", "max error"),
         (NanOnEmptyRows, None, "empty-rows", "out of rows with no key is not 0 (NaN: True)"),
         (LiesAboutFloat64, frozenset({torch.float64}), "forward", "expected"),
     ],
@@ -111,8 +129,20 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
     spec = attrs.evolve(
         _spec(ReferenceKernel), capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, causal=False)
     )
-    report = check_kernel(spec, max_examples=10, checks=("forward", "split-merge"))
-    assert report.passed == ("forward", "split-merge")
+    report = check_kernel(spec, max_examples=10)
+    assert report.passed == ("capabilities", "forward", "gradients", "split-merge", "no-mutation")
+    assert report.not_applicable == ("causal", "empty-rows")
+
+
+def test_forward_only_target_is_not_checked_for_gradients() -> None:
+    forward_only = Target("cpu", frozenset({torch.float32}), backward=False)
+    spec = attrs.evolve(
+        _spec(ReferenceKernel),
+        capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, targets=(forward_only,)),
+    )
+    report = check_kernel(spec, max_examples=5)
+    assert report.not_applicable == ("gradients", "split-merge")
+    assert "no-mutation" in report.passed
 
 
 def test_oracle_needs_no_hypothesis_and_the_kit_says_what_it_needs(

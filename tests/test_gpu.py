@@ -11,7 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ringdilated
-from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
+from ringdilated.core import Environment, Request
+from ringdilated.functional import default_resolver
+from ringdilated.testing import assert_within_tolerance, check_kernel, dense_attention, oracle
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +27,28 @@ def _cuda_dtypes() -> list[torch.dtype]:
     return dtypes
 
 
+GPU_KERNELS = ["sdpa", "flash", "xformers", "flex"]
+
+
+def _skip_unless_fits(kernel: str, dtype: torch.dtype, gqa: bool = False) -> None:
+    request = Request(
+        "cuda", dtype, 16, Environment().capability(torch.device("cuda")), causal=True, gqa=gqa
+    )
+    reasons = default_resolver().specs[kernel].reasons(request, Environment())
+    if reasons:
+        pytest.skip(f"{kernel} does not serve {request.describe()}: {'; '.join(reasons)}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_gpu_kernel_conforms(kernel: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _skip_unless_fits(kernel, _cuda_dtypes()[-1])
+    report = check_kernel(kernel, device="cuda", max_examples=25)
+    assert "forward" in report.passed and "gradients" in report.passed
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("dtype", _cuda_dtypes())
 @given(
     seq_len=st.integers(1, 80),
@@ -33,9 +57,10 @@ def _cuda_dtypes() -> list[torch.dtype]:
     gqa=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_sdpa_on_cuda_matches_oracle(
-    dtype: torch.dtype, seq_len: int, causal: bool, mode: str, gqa: bool, seed: int
+def test_gpu_kernel_matches_oracle(
+    kernel: str, dtype: torch.dtype, seq_len: int, causal: bool, mode: str, gqa: bool, seed: int
 ) -> None:
+    _skip_unless_fits(kernel, dtype, gqa)
     g = torch.Generator().manual_seed(seed)
     kv_heads = 2 if gqa else 4
     q = torch.randn(2, seq_len, 4, 16, generator=g).to("cuda", dtype).requires_grad_()
@@ -43,7 +68,7 @@ def test_sdpa_on_cuda_matches_oracle(
     v = torch.randn(2, seq_len, kv_heads, 16, generator=g).to("cuda", dtype).requires_grad_()
     kwargs = {"mode": mode, "causal": causal}
     out, lse = ringdilated.dilated_attention(
-        q, k, v, [16, 32], [1, 2], **kwargs, kernel="sdpa", return_lse=True
+        q, k, v, [16, 32], [1, 2], **kwargs, kernel=kernel, return_lse=True
     )
     expected, expected_lse = oracle(q, k, v, [16, 32], [1, 2], **kwargs, return_lse=True)
     baseline, baseline_lse = dense_attention(q, k, v, [16, 32], [1, 2], **kwargs)

@@ -1,10 +1,9 @@
-"""Hardware-aware choice without hardware: fake environments, stand-in packages (issue 4's
-CPU-testable part). The real flash-attn and xformers backends are not written yet; these
-stand-in specs exercise the mechanism they will use: capabilities and priorities as data."""
+"""Hardware-aware choice without hardware: the real flash, xformers, flex, sdpa and reference
+specs under fake environments, with stand-in ``flash_attn``/``xformers`` modules (issue 4's
+CPU-testable part). The stand-ins are importable but never run here: choice is data."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 import warnings
@@ -13,96 +12,86 @@ import pytest
 import torch
 
 import ringdilated
-from ringdilated import Environment, KernelSpec, Request, ResolutionError, Resolver
-from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated import Environment, Request, ResolutionError, Resolver
+from ringdilated.backends.flash import FLASH_SPEC
+from ringdilated.backends.flex import FLEX_SPEC
+from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC
-from ringdilated.core import Capabilities, PriorityRule, Target
+from ringdilated.backends.xformers import XFORMERS_SPEC
 from ringdilated.core import dtypes as dtype_policy
+from tests.standins import install_flash_attn, install_xformers
 
-HALF = frozenset({torch.float16, torch.bfloat16})
-
-
-def _flash_factory() -> ReferenceKernel:
-    module = importlib.import_module("flash_attn")
-    module.flash_attn_func  # noqa: B018  (a broken install fails here)
-    return ReferenceKernel()
-
-
-FLASH = KernelSpec(
-    name="standin-flash",
-    factory=_flash_factory,
-    capabilities=Capabilities(
-        targets=(
-            Target("cuda", HALF, min_capability=(8, 0), max_head_dim=256, head_dim_multiple=8),
-        ),
-        requires=("flash_attn",),
-    ),
-    priority=0,
-    priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),
-)
-XFORMERS = KernelSpec(
-    name="standin-xformers",
-    factory=ReferenceKernel,
-    capabilities=Capabilities(
-        targets=(
-            Target("cuda", frozenset({torch.float16, torch.float32}), min_capability=(5, 0)),
-            Target("cuda", frozenset({torch.bfloat16}), min_capability=(8, 0)),
-        ),
-        requires=("xformers",),
-    ),
-    priority=50,
-    priority_rules=(PriorityRule(150, "cuda", min_capability=(7, 0), max_capability=(7, 5)),),
-)
-SPECS = [FLASH, XFORMERS, SDPA_SPEC, REFERENCE_SPEC]
+SPECS = [FLASH_SPEC, XFORMERS_SPEC, SDPA_SPEC, FLEX_SPEC, REFERENCE_SPEC]
 
 
 @pytest.fixture(autouse=True)
-def flash_attn_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A working stand-in ``flash_attn`` module; tests that break it replace it."""
-    stand_in = types.ModuleType("flash_attn")
-    stand_in.flash_attn_func = lambda *a, **k: None  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "flash_attn", stand_in)
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Working stand-in packages; tests that break one replace it."""
+    install_flash_attn(monkeypatch)
+    install_xformers(monkeypatch)
 
 
 BOTH = frozenset({"flash_attn", "xformers"})
 
 
-def cuda(cc: tuple[int, int], dtype: torch.dtype, head_dim: int = 64) -> Request:
-    return Request(device_type="cuda", compute_capability=cc, dtype=dtype, head_dim=head_dim)
+def cuda(
+    cc: tuple[int, int], dtype: torch.dtype, head_dim: int = 64, causal: bool = False
+) -> Request:
+    return Request("cuda", dtype, head_dim, compute_capability=cc, causal=causal)
 
 
 @pytest.mark.parametrize(
     ("cc", "dtype", "head_dim", "packages", "chosen"),
     [
+        ((6, 1), torch.float32, 64, frozenset(), "sdpa"),
         ((6, 1), torch.float32, 64, BOTH, "sdpa"),  # Pascal: sdpa in fp32, no Flash attempt
         ((6, 1), torch.float16, 64, BOTH, "sdpa"),
-        ((7, 0), torch.float16, 64, BOTH, "standin-xformers"),  # Volta
-        ((7, 5), torch.float16, 64, BOTH, "standin-xformers"),  # Turing
+        ((7, 0), torch.float16, 64, BOTH, "xformers"),  # Volta
+        ((7, 0), torch.float32, 64, BOTH, "xformers"),
+        ((7, 5), torch.float16, 64, BOTH, "xformers"),  # Turing
         ((7, 5), torch.float16, 64, frozenset(), "sdpa"),
-        ((8, 0), torch.bfloat16, 64, BOTH, "standin-flash"),  # Ampere: flash > sdpa > xformers
-        ((8, 6), torch.bfloat16, 128, BOTH, "standin-flash"),
+        ((7, 5), torch.bfloat16, 64, BOTH, "reference"),  # nothing fused takes bf16 before 8.0
+        ((8, 0), torch.bfloat16, 64, BOTH, "flash"),  # Ampere: flash > sdpa > xformers
+        ((8, 0), torch.bfloat16, 64, frozenset({"xformers"}), "sdpa"),
+        ((8, 6), torch.bfloat16, 128, BOTH, "flash"),
         ((8, 6), torch.float32, 64, BOTH, "sdpa"),  # flash has no fp32
-        ((9, 0), torch.float16, 64, BOTH, "standin-flash"),  # Hopper
-        ((9, 0), torch.float16, 64, frozenset({"xformers"}), "sdpa"),
+        ((9, 0), torch.float16, 64, BOTH, "flash"),  # Hopper
+        ((9, 0), torch.float16, 256, BOTH, "flash"),
         ((9, 0), torch.float16, 512, BOTH, "sdpa"),  # beyond flash's head dims
-        ((9, 0), torch.float16, 60, BOTH, "standin-xformers"),  # not a multiple of 8
+        ((9, 0), torch.float16, 48, frozenset(), "sdpa"),
+        ((9, 0), torch.float16, 60, BOTH, "reference"),  # no fused kernel takes 60
+        ((10, 0), torch.bfloat16, 64, frozenset({"xformers"}), "sdpa"),  # CUTLASS stops at 9.0
     ],
 )
-def test_choice_by_hardware(cc, dtype, head_dim, packages, chosen) -> None:
+@pytest.mark.parametrize("causal", [False, True])
+def test_choice_by_hardware(cc, dtype, head_dim, packages, chosen, causal) -> None:
     resolver = Resolver(SPECS, env=Environment(packages=packages))
-    plan = resolver.resolve(cuda(cc, dtype, head_dim))
+    plan = resolver.resolve(cuda(cc, dtype, head_dim, causal))
     assert plan.kernel_name == chosen, plan.explain()
+
+
+def test_choice_on_cpu() -> None:
+    resolver = Resolver(SPECS, env=Environment(packages=BOTH))
+    assert resolver.resolve(Request("cpu", torch.float32, 64)).kernel_name == "sdpa"
+    assert resolver.resolve(Request("cpu", torch.float32, 64, dropout=True)).kernel_name == (
+        "reference"
+    )
+    explained = resolver.resolve(Request("cpu", torch.float32, 64)).explain()
+    assert "rejected flash: runs on cuda, not cpu" in explained
+    assert "rejected flex: no backward (gradients) on cpu" in explained
 
 
 def test_explain_shows_priorities_and_reasons() -> None:
     plan = Resolver(SPECS, env=Environment(packages=BOTH)).resolve(cuda((8, 0), torch.bfloat16))
     text = plan.explain()
-    assert "kernel: standin-flash (priority 300, highest priority that fits)" in text
+    assert "kernel: flash (priority 300, highest priority that fits)" in text
     assert "not chosen sdpa: fits, priority 100" in text
-    assert "not chosen standin-xformers: fits, priority 50" in text
+    assert "not chosen xformers: fits, priority 50" in text
+    assert "not chosen flex: fits, priority 20" in text
     volta = Resolver(SPECS, env=Environment(packages=BOTH)).resolve(cuda((7, 0), torch.float16))
     assert (
-        "rejected standin-flash: needs compute capability >= 8.0, device has 7.0" in volta.explain()
+        "rejected flash: needs compute capability >= 8.0 (flash-attn 2 needs Ampere or newer), "
+        "device has 7.0" in volta.explain()
     )
 
 
@@ -113,15 +102,23 @@ def test_package_broken_on_import_falls_back_and_is_explained(
     resolver = Resolver(SPECS, env=Environment(packages=BOTH))
     plan = resolver.resolve(cuda((9, 0), torch.float16))
     assert plan.kernel_name == "sdpa"
-    assert "rejected standin-flash: factory failed: AttributeError" in plan.explain()
-    with pytest.raises(ResolutionError, match=r"kernel 'standin-flash' .* factory failed"):
-        Resolver(SPECS, env=Environment(packages=BOTH)).resolve(
-            cuda((9, 0), torch.float16), "standin-flash"
-        )
+    assert "rejected flash: factory failed: ImportError" in plan.explain()
+    with pytest.raises(ResolutionError, match=r"kernel 'flash' .* factory failed"):
+        resolver.resolve(cuda((9, 0), torch.float16), "flash")
+
+
+def test_forced_unfit_kernel_raises_with_its_reasons() -> None:
+    resolver = Resolver(SPECS, env=Environment(packages=BOTH))
+    with pytest.raises(ResolutionError) as info:
+        resolver.resolve(cuda((6, 1), torch.float32), "flash")
+    message = str(info.value)
+    assert "needs compute capability >= 8.0" in message
+    assert "dtype float32 not supported on cuda" in message
 
 
 def test_package_missing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "flash_attn")
+    monkeypatch.delitem(sys.modules, "flash_attn.flash_attn_interface")
     monkeypatch.setattr(sys, "path", [])  # nothing importable by name any more
     plan = Resolver(SPECS, env=Environment(packages=BOTH)).resolve(cuda((9, 0), torch.float16))
     assert plan.kernel_name == "sdpa"

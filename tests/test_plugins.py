@@ -11,6 +11,9 @@ import pytest
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.core import KernelSpec
 from ringdilated.plugins import PluginWarning, build_registry, hookimpl, load_registry
+from ringdilated.plugins.manager import BUILTIN_PLUGINS
+
+BUILTIN_KERNELS = {"sdpa", "reference", "flash", "xformers", "flex"}
 
 
 @attrs.frozen
@@ -46,15 +49,13 @@ def _registry(*eps: FakeEntryPoint, **kw: object):
 
 def test_builtins_register_through_the_hooks() -> None:
     registry = build_registry(entry_points=lambda: ())
-    assert set(registry.kernels) == {"sdpa", "reference"}
+    assert set(registry.kernels) == BUILTIN_KERNELS
     assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
     assert registry.failures == ()
     assert set(registry.communicators) == {"local", "ringpass", "allgather"}
     assert registry.communicator_origins["ringpass"] == "ringdilated.backends.ringpass (built-in)"
     names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
-    assert names == {
-        f"ringdilated.backends.{m}" for m in ("sdpa", "reference", "local", "ringpass", "allgather")
-    }
+    assert names == set(BUILTIN_PLUGINS)
 
 
 def test_entry_point_plugin_is_loaded_with_its_origin() -> None:
@@ -118,17 +119,17 @@ def test_autoload_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "1")
     registry = build_registry(entry_points=never)
-    assert set(registry.kernels) == {"sdpa", "reference"}
+    assert set(registry.kernels) == BUILTIN_KERNELS
     registry = build_registry(entry_points=never, autoload=False)
-    assert set(registry.kernels) == {"sdpa", "reference"}
+    assert set(registry.kernels) == BUILTIN_KERNELS
 
 
 def test_block_list(monkeypatch: pytest.MonkeyPatch) -> None:
     good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
     monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "good, ringdilated.backends.sdpa")
     registry = _registry(good)
-    assert set(registry.kernels) == {"reference"}
-    assert set(_registry(good, blocked=()).kernels) == {"sdpa", "reference", "extra"}
+    assert set(registry.kernels) == BUILTIN_KERNELS - {"sdpa"}
+    assert set(_registry(good, blocked=()).kernels) == BUILTIN_KERNELS | {"extra"}
 
 
 def test_default_registry_is_cached() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import Capabilities, KernelSpec, Target
 from ringdilated.core.kernel import BlockOptions
@@ -20,15 +21,6 @@ __all__ = ["ReferenceKernel"]
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    return x.repeat_interleave(num_heads // x.shape[1], dim=1)
-
-
-def _reduce_kv(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    n, h, length, d = grad.shape
-    return grad.view(n, num_kv_heads, h // num_kv_heads, length, d).sum(2)
-
-
 class ReferenceKernel:
     """Dense softmax attention per block, as the kernel contract defines it."""
 
@@ -37,7 +29,7 @@ class ReferenceKernel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(P, lse)`` with ``P = exp(scale * q k^T - lse)`` (masked entries 0)."""
         dtype = accumulation_dtype(q.dtype)
-        scores = torch.matmul(q.to(dtype), _expand_kv(k, q.shape[1]).to(dtype).transpose(-1, -2))
+        scores = torch.matmul(q.to(dtype), repeat_kv(k, q.shape[1]).to(dtype).transpose(-1, -2))
         scores = scores * options.scale
         if options.causal_offset is not None:
             lq, lk = scores.shape[-2:]
@@ -63,7 +55,7 @@ class ReferenceKernel:
         drop = self._dropout_scale(p, options)
         if drop is not None:
             p = p * drop
-        out = torch.matmul(p, _expand_kv(v, q.shape[1]).to(p.dtype))
+        out = torch.matmul(p, repeat_kv(v, q.shape[1]).to(p.dtype))
         return out.to(q.dtype), lse
 
     def backward(
@@ -79,16 +71,16 @@ class ReferenceKernel:
         p, _ = self._probabilities(q, k, options, lse)
         dtype = p.dtype
         do = dout.to(dtype)
-        dp = torch.matmul(do, _expand_kv(v, q.shape[1]).to(dtype).transpose(-1, -2))
+        dp = torch.matmul(do, repeat_kv(v, q.shape[1]).to(dtype).transpose(-1, -2))
         drop = self._dropout_scale(p, options)
         p_used = p if drop is None else p * drop
         if drop is not None:
             dp = dp * drop
         delta = (do * out.to(dtype)).sum(-1, keepdim=True)
         ds = p * (dp - delta) * options.scale
-        dq = torch.matmul(ds, _expand_kv(k, q.shape[1]).to(dtype))
-        dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q.to(dtype)), k.shape[1])
-        dv = _reduce_kv(torch.matmul(p_used.transpose(-1, -2), do), v.shape[1])
+        dq = torch.matmul(ds, repeat_kv(k, q.shape[1]).to(dtype))
+        dk = sum_kv(torch.matmul(ds.transpose(-1, -2), q.to(dtype)), k.shape[1])
+        dv = sum_kv(torch.matmul(p_used.transpose(-1, -2), do), v.shape[1])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import Capabilities, KernelSpec, Target
 from ringdilated.core.kernel import BlockOptions
@@ -93,18 +94,6 @@ class SdpaKernel:
         return _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, options.scale)
 
 
-def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    repeat = num_heads // x.shape[1]
-    return x if repeat == 1 else x.repeat_interleave(repeat, dim=1)
-
-
-def _sum_kv(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    n, h, length, d = grad.shape
-    if h == num_kv_heads:
-        return grad
-    return grad.view(n, num_kv_heads, h // num_kv_heads, length, d).sum(2)
-
-
 def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     if mask is None:
         return None
@@ -126,8 +115,8 @@ def _cuda_forward(
     h = q.shape[1]
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
         q,
-        _repeat_kv(k, h),
-        _repeat_kv(v, h),
+        repeat_kv(k, h),
+        repeat_kv(v, h),
         _cuda_bias(mask, q),
         True,
         0.0,
@@ -158,8 +147,8 @@ def _cuda_backward(
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dout,
         q,
-        _repeat_kv(k, h),
-        _repeat_kv(v, h),
+        repeat_kv(k, h),
+        repeat_kv(v, h),
         _cuda_bias(mask, q),
         out,
         padded,
@@ -170,7 +159,7 @@ def _cuda_backward(
         is_causal,
         scale=scale,
     )
-    return dq, _sum_kv(dk, k.shape[1]), _sum_kv(dv, v.shape[1])
+    return dq, sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
 
 
 SDPA_SPEC = KernelSpec(

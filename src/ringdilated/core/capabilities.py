@@ -155,6 +155,7 @@ class Target:
 
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
     ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
+    ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
     """
 
     device_type: str
@@ -164,6 +165,7 @@ class Target:
     max_head_dim: int | None = None
     head_dim_multiple: int = 1
     note: str = ""
+    backward: bool = True
 
     def reasons(self, request: Request) -> tuple[str, ...]:
         out: list[str] = []
@@ -191,6 +193,8 @@ class Target:
                 f"dtype {dtype_name(request.dtype)} not supported on {self.device_type}{label} "
                 f"(supports {names})"
             )
+        if request.backward and not self.backward:
+            out.append(f"no backward (gradients) on {self.device_type}{label}")
         if request.head_dim is not None:
             if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
                 out.append(f"head_dim {request.head_dim} exceeds {self.max_head_dim}{label}")

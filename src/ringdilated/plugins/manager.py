@@ -46,6 +46,9 @@ BLOCK_ENV_VAR = "RINGDILATED_BLOCK_PLUGINS"
 BUILTIN_PLUGINS = (
     "ringdilated.backends.sdpa",
     "ringdilated.backends.reference",
+    "ringdilated.backends.flash",
+    "ringdilated.backends.xformers",
+    "ringdilated.backends.flex",
     "ringdilated.backends.local",
     "ringdilated.backends.ringpass",
     "ringdilated.backends.allgather",

@@ -8,12 +8,21 @@ Each check has an id and draws, with hypothesis, only problems the backend *decl
 supports (device, dtypes, head dims, causal, grouped-query heads), comparing with a float64 dense
 evaluation under SPEC.md's tolerance rule:
 
-- ``forward``: ``out`` and ``lse`` of one block, any causal offset the backend declares;
+- ``capabilities``: every request the backend declares it serves runs (forward, and backward
+  where declared) without raising and returns the contract's shapes and dtypes; requests on a
+  device it does not declare are rejected with reasons;
+- ``forward``: ``out`` and ``lse`` of one unmasked block;
+- ``causal``: ``out`` and ``lse`` under any causal offset (where causal masking is declared);
 - ``empty-rows``: a query that sees no key gives ``out = 0`` and ``lse = -inf``, never NaN;
+- ``gradients``: backward of one block with its own ``out``/``lse`` against float64 autograd;
 - ``split-merge``: keys split into two blocks, merged by the accumulator, equal the whole block,
   and the two backwards with the merged ``out``/``lse`` sum to the whole gradient (the property
   rings and pattern mixing rely on);
 - ``no-mutation``: inputs are never modified.
+
+Checks that need a feature the backend does not declare on the device (``causal``,
+``empty-rows`` without causal masking; ``gradients``, ``split-merge`` on a forward-only target)
+are reported as not applicable, never as passed.
 
 A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error.
 """
@@ -41,7 +50,17 @@ __all__ = [
     "kernel_cases",
 ]
 
-CHECKS = ("forward", "empty-rows", "split-merge", "no-mutation")
+CHECKS = (
+    "capabilities",
+    "forward",
+    "causal",
+    "empty-rows",
+    "gradients",
+    "split-merge",
+    "no-mutation",
+)
+_NEEDS_CAUSAL = frozenset({"causal", "empty-rows"})
+_NEEDS_BACKWARD = frozenset({"gradients", "split-merge"})
 
 
 class ConformanceError(AssertionError):
@@ -54,11 +73,13 @@ class ConformanceError(AssertionError):
 
 @attrs.frozen
 class ConformanceReport:
-    """What ran: the checks that passed and the expected failures that did fail."""
+    """What ran: the checks that passed, the expected failures that did fail, and the checks
+    that do not apply to what the backend declares."""
 
     kernel: str
     passed: tuple[str, ...]
     expected_failures: tuple[str, ...]
+    not_applicable: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -92,9 +113,18 @@ class KernelCase:
 
 
 def kernel_cases(
-    spec: KernelSpec, device: str = "cpu", env: Environment | None = None
+    spec: KernelSpec,
+    device: str = "cpu",
+    env: Environment | None = None,
+    *,
+    causal: bool | None = None,
+    backward: bool = True,
 ) -> st.SearchStrategy[KernelCase]:
-    """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them)."""
+    """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
+
+    ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
+    ``backward``: draw only problems whose request needs (and the backend declares) gradients.
+    """
     env = env or Environment.from_environ()
     capability = env.capability(torch.device(device))
     targets = [t for t in spec.capabilities.targets if t.device_type == device]
@@ -110,9 +140,12 @@ def kernel_cases(
         kv_heads = d(st.integers(1, 3))
         heads = kv_heads * (d(st.integers(1, 3)) if spec.capabilities.gqa else 1)
         q_len, k_len = d(st.integers(1, 24)), d(st.integers(1, 24))
-        offset = (
-            d(st.none() | st.integers(-q_len - 1, k_len + 1)) if spec.capabilities.causal else None
-        )
+        offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
+        if causal is None:
+            offsets = st.none() | offsets if spec.capabilities.causal else st.none()
+        elif not causal:
+            offsets = st.none()
+        offset = d(offsets)
         case = KernelCase(
             n=d(st.integers(1, 2)),
             heads=heads,
@@ -133,6 +166,7 @@ def kernel_cases(
             compute_capability=capability,
             causal=offset is not None,
             gqa=heads != kv_heads,
+            backward=backward,
         )
         d(st.just(None).filter(lambda _: not spec.reasons(request, env)))
         return case
@@ -185,23 +219,63 @@ def _within(
         )
 
 
-def _check_forward(kernel: Kernel, case: KernelCase) -> None:
+def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> None:
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ConformanceError(
-            "forward", f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"
+            check, f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"
         )
     if lse.shape != q.shape[:-1] or lse.dtype not in (torch.float32, torch.float64):
         raise ConformanceError(
-            "forward",
+            check,
             f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} float32",
         )
     expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
     # The baseline is plain dense attention in the inputs' dtype, for out and lse alike.
     base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
-    _within("forward", "out", out, expected_out, base_out, q.dtype, case)
-    _within("forward", "lse", lse, expected_lse, base_lse, q.dtype, case)
+    _within(check, "out", out, expected_out, base_out, q.dtype, case)
+    _within(check, "lse", lse, expected_lse, base_lse, q.dtype, case)
+
+
+def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = case.tensors()
+    out, lse = kernel.forward(q, k, v, case.options())
+    dout = torch.randn(
+        q.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=torch.float64
+    )
+    grads = kernel.backward(dout.to(q.dtype), q, k, v, out, lse, case.options())
+    for name, grad, x in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
+        if grad.shape != x.shape:
+            raise ConformanceError(
+                "gradients", f"{name} is {tuple(grad.shape)}, expected {tuple(x.shape)}"
+            )
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
+    expected = torch.autograd.grad((expected_out * dout).sum(), exact)
+    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
+    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
+    for name, actual, exp, b in zip(("dq", "dk", "dv"), grads, expected, baseline, strict=True):
+        _within("gradients", name, actual, exp, b, q.dtype, case)
+
+
+def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> None:
+    """Declared means it runs: shapes and dtypes per the contract, finite where rows see keys."""
+    q, k, v = case.tensors()
+    out, lse = kernel.forward(q, k, v, case.options())
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ConformanceError(
+            "capabilities",
+            f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}",
+        )
+    if lse.shape != q.shape[:-1] or lse.dtype not in (torch.float32, torch.float64):
+        raise ConformanceError(
+            "capabilities",
+            f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} float32",
+        )
+    if backward:
+        kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
 
 
 def _check_empty_rows(kernel: Kernel, case: KernelCase) -> None:
@@ -292,32 +366,52 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
         )
 
 
-def _check_no_mutation(kernel: Kernel, case: KernelCase) -> None:
+def _check_no_mutation(kernel: Kernel, case: KernelCase, backward: bool) -> None:
     q, k, v = case.tensors()
     before = [x.clone() for x in (q, k, v)]
     out, lse = kernel.forward(q, k, v, case.options())
-    kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
+    if backward:
+        kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
     for name, x, b in zip("qkv", (q, k, v), before, strict=True):
         if not torch.equal(x, b):
             raise ConformanceError("no-mutation", f"{name} was modified in place for {case}")
 
 
-_RUNNERS: dict[str, Callable[[Kernel, KernelCase], None]] = {
-    "forward": _check_forward,
-    "empty-rows": _check_empty_rows,
-    "split-merge": _check_split_merge,
+_RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
+    "capabilities": _check_capabilities,
+    "forward": lambda kernel, case, backward: _check_forward(kernel, case),
+    "causal": lambda kernel, case, backward: _check_forward(kernel, case, "causal"),
+    "empty-rows": lambda kernel, case, backward: _check_empty_rows(kernel, case),
+    "gradients": lambda kernel, case, backward: _check_gradients(kernel, case),
+    "split-merge": lambda kernel, case, backward: _check_split_merge(kernel, case),
     "no-mutation": _check_no_mutation,
 }
+_CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
+
+
+def _has_backward(spec: KernelSpec, device: str) -> bool:
+    return spec.capabilities.backward and any(
+        t.backward for t in spec.capabilities.targets if t.device_type == device
+    )
+
+
+def _applies(check: str, spec: KernelSpec, device: str) -> bool:
+    if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
+        return False
+    return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
 
 
 def _runner(
-    check: Callable[[Kernel, KernelCase], None],
+    check: str,
     kernel: Kernel,
     spec: KernelSpec,
     device: str,
     env: Environment | None,
     max_examples: int,
 ) -> Callable[[], None]:
+    backward = _has_backward(spec, device)
+    cases = kernel_cases(spec, device, env, causal=_CAUSAL_CASES.get(check), backward=backward)
+
     @settings(
         max_examples=max_examples,
         deadline=None,
@@ -325,11 +419,30 @@ def _runner(
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    @given(case=kernel_cases(spec, device, env))
+    @given(case=cases)
     def run(case: KernelCase) -> None:
-        check(kernel, case)
+        try:
+            _RUNNERS[check](kernel, case, backward)
+        except ConformanceError:
+            raise
+        except Exception as error:
+            raise ConformanceError(
+                check,
+                f"raised {type(error).__name__}: {error} on a case it declares it supports: {case}",
+            ) from error
 
     return run
+
+
+def _check_rejects_undeclared_devices(spec: KernelSpec, env: Environment | None) -> None:
+    declared = {t.device_type for t in spec.capabilities.targets}
+    for device in sorted({"cpu", "cuda", "meta"} - declared):
+        reasons = spec.reasons(Request(device_type=device), env or Environment(frozenset()))
+        if not reasons or not all(isinstance(r, str) and r for r in reasons):
+            raise ConformanceError(
+                "capabilities",
+                f"{spec.name!r} declares no {device} target but gives reasons {reasons!r}",
+            )
 
 
 def check_kernel(
@@ -360,9 +473,16 @@ def check_kernel(
         raise ConformanceError(
             "interface", f"{spec.name!r}: factory returned {instance!r}, not a Kernel"
         )
-    passed, failed_as_expected = [], []
+    passed: list[str] = []
+    failed_as_expected: list[str] = []
+    not_applicable: list[str] = []
     for check in checks:
-        run = _runner(_RUNNERS[check], instance, spec, device, env, max_examples)
+        if not _applies(check, spec, device):
+            not_applicable.append(check)
+            continue
+        if check == "capabilities":
+            _check_rejects_undeclared_devices(spec, env)
+        run = _runner(check, instance, spec, device, env, max_examples)
         if expected_failures and check in expected_failures:
             try:
                 run()
@@ -374,4 +494,6 @@ def check_kernel(
             )
         run()
         passed.append(check)
-    return ConformanceReport(spec.name, tuple(passed), tuple(failed_as_expected))
+    return ConformanceReport(
+        spec.name, tuple(passed), tuple(failed_as_expected), tuple(not_applicable)
+    )

@@ -1,0 +1,132 @@
+"""Causal offsets for kernels whose only causal mask is "bottom-right" aligned.
+
+The kernel contract (:mod:`ringdilated.core.kernel`) asks for any ``causal_offset``: key ``j``
+is visible to query ``i`` iff ``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
+xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j`` visible iff
+``j <= i + (Lk - Lq)``. Any offset reduces to at most two such calls:
+
+- rows before ``max(0, -offset)`` see no key (output 0, lse ``-inf``);
+- rows whose limit ``i + offset`` is below the last key see a prefix of the keys, and cutting the
+  keys to ``rows + offset`` makes their mask exactly bottom-right;
+- the remaining rows see every key and need no mask.
+
+No piece contains an empty row, so a kernel's own convention for empty rows never matters.
+:func:`forward_in_pieces` and :func:`backward_in_pieces` run a native call over the pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from ringdilated.core.accumulator import accumulation_dtype
+
+__all__ = [
+    "BottomRightPiece",
+    "NativeBackward",
+    "NativeForward",
+    "backward_in_pieces",
+    "bottom_right_pieces",
+    "forward_in_pieces",
+]
+
+
+@attrs.frozen
+class BottomRightPiece:
+    """Query rows ``[row_start, row_stop)`` against keys ``[0, keys)``; ``causal``: bottom-right."""
+
+    row_start: int
+    row_stop: int
+    keys: int
+    causal: bool
+
+
+def bottom_right_pieces(q_len: int, k_len: int, offset: int | None) -> tuple[BottomRightPiece, ...]:
+    """The calls that reproduce ``causal_offset=offset`` with bottom-right masks only."""
+    if not (q_len and k_len):
+        return ()
+    if offset is None or offset >= k_len - 1:
+        return (BottomRightPiece(0, q_len, k_len, False),)
+    first = min(q_len, max(0, -offset))
+    split = min(q_len, max(first, k_len - 1 - offset))
+    pieces = []
+    if split > first:
+        pieces.append(BottomRightPiece(first, split, split + offset, True))
+    if q_len > split:
+        pieces.append(BottomRightPiece(split, q_len, k_len, False))
+    return tuple(pieces)
+
+
+NativeForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]
+]
+"""``(q, k, v, bottom_right_causal) -> (out, lse)`` in kernel layout."""
+
+NativeBackward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(dout, q, k, v, out, lse, bottom_right_causal) -> (dq, dk, dv)`` in kernel layout."""
+
+
+def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool:
+    return (
+        len(pieces) == 1
+        and pieces[0].row_start == 0
+        and pieces[0].row_stop == q_len
+        and (pieces[0].keys == k_len)
+    )
+
+
+def forward_in_pieces(
+    native: NativeForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for ``causal_offset=offset`` from bottom-right-only ``native`` calls."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    pieces = bottom_right_pieces(q_len, k_len, offset)
+    if _whole(pieces, q_len, k_len):
+        return native(q, k, v, pieces[0].causal)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse_dtype = accumulation_dtype(q.dtype)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
+    for p in pieces:
+        rows = slice(p.row_start, p.row_stop)
+        o, s = native(q[..., rows, :], k[..., : p.keys, :], v[..., : p.keys, :], p.causal)
+        out[..., rows, :] = o
+        lse[..., rows] = s
+    return out, lse
+
+
+def backward_in_pieces(
+    native: NativeBackward,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` for ``causal_offset=offset`` from bottom-right-only ``native`` calls."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    pieces = bottom_right_pieces(q_len, k_len, offset)
+    if _whole(pieces, q_len, k_len):
+        return native(dout, q, k, v, out, lse, pieces[0].causal)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for p in pieces:
+        rows, keys = slice(p.row_start, p.row_stop), slice(0, p.keys)
+        gq, gk, gv = native(
+            dout[..., rows, :],
+            q[..., rows, :],
+            k[..., keys, :],
+            v[..., keys, :],
+            out[..., rows, :],
+            lse[..., rows],
+            p.causal,
+        )
+        dq[..., rows, :] = gq
+        dk[..., keys, :] += gk
+        dv[..., keys, :] += gv
+    return dq, dk, dv
