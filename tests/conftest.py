@@ -6,10 +6,13 @@ Profiles: ``ci`` (default; fast) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from tests.distributed_harness import TASKS, Workers
 
 settings.register_profile(
     "ci",
@@ -36,3 +39,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def workers2() -> Iterator[Workers]:
+    """Two gloo ranks for the whole session (spawning costs seconds)."""
+    pool = Workers(2, tasks=TASKS)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def workers4() -> Iterator[Workers]:
+    """Four gloo ranks for the whole session."""
+    pool = Workers(4, tasks=TASKS)
+    yield pool
+    pool.close()

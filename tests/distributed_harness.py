@@ -1,180 +1,21 @@
-"""Real torch.distributed process groups (gloo, this machine only) for the tests.
-
-A :class:`Workers` pool starts ``world_size`` processes once; each joins a gloo group through a
-file store and then runs tasks (functions of this module, by name) sent to every rank alike,
-returning each rank's result. Spawning costs seconds, so pools live for the whole test session.
-"""
+"""Tasks for the distributed tests, run on every rank of a
+:class:`ringdilated.testing.workers.Workers` pool (``Workers(n, tasks=__name__)``)."""
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
-import queue
-import tempfile
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-TIMEOUT_S = 120
+from ringdilated.testing.communicators import case_inputs as full_inputs
+from ringdilated.testing.communicators import sharded_run as sharded_case
+from ringdilated.testing.workers import Workers
 
+__all__ = ["TASKS", "Workers", "full_inputs", "sharded_case"]
 
-def _worker(
-    rank: int, world_size: int, store: str, inbox: Any, outbox: Any, timeout_s: float
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        while True:
-            task = inbox.get()
-            if task is None:
-                break
-            name, payload = task
-            try:
-                outbox.put((rank, True, globals()[name](payload)))
-            except BaseException as exc:
-                outbox.put((rank, False, (type(exc).__name__, str(exc), traceback.format_exc())))
-    finally:
-        dist.destroy_process_group()
-
-
-class Workers:
-    """``world_size`` ranks of one gloo group, alive until :meth:`close`."""
-
-    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
-        self.world_size = world_size
-        ctx = mp.get_context("spawn")
-        self._dir = tempfile.TemporaryDirectory()
-        store = os.path.join(self._dir.name, "store")
-        self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._outbox = ctx.Queue()
-        self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, world_size, store, self._inboxes[r], self._outbox, timeout_s),
-                daemon=True,
-            )
-            for r in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
-
-    def run(self, name: str, payload: Any) -> list[tuple[bool, Any]]:
-        """Run task ``name`` on every rank; ``[(ok, result or (type, message, traceback))]``."""
-        for inbox in self._inboxes:
-            inbox.put((name, payload))
-        results: dict[int, tuple[bool, Any]] = {}
-        while len(results) < self.world_size:
-            try:
-                rank, ok, value = self._outbox.get(timeout=TIMEOUT_S)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"task {name!r}: ranks {sorted(set(range(self.world_size)) - set(results))} "
-                    "did not answer"
-                ) from None
-            results[rank] = (ok, value)
-        return [results[r] for r in range(self.world_size)]
-
-    def results(self, name: str, payload: Any) -> list[Any]:
-        """Like :meth:`run`, raising if any rank failed."""
-        out = []
-        for rank, (ok, value) in enumerate(self.run(name, payload)):
-            if not ok:
-                raise AssertionError(f"rank {rank} failed: {value[0]}: {value[1]}\n{value[2]}")
-            out.append(value)
-        return out
-
-    def close(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for p in self._procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-        self._dir.cleanup()
-
-
-def full_inputs(case: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    """``(q, k, v, dout, dlse)`` of the whole sequence, drawn from ``case['seed']``."""
-    g = torch.Generator().manual_seed(case["seed"])
-    B, L, H, Hkv, D = (case[n] for n in ("batch", "seq_len", "heads", "kv_heads", "head_dim"))
-    dtype = getattr(torch, case["dtype"])
-    q, k, v = (
-        torch.randn(B, L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)
-    )
-    dout = torch.randn(B, L, H, D, generator=g, dtype=torch.float64).to(dtype)
-    dlse = torch.randn(B, H, L, generator=g, dtype=torch.float64).float()
-    return q, k, v, dout, dlse
-
-
-# ---- tasks (run on every rank) -------------------------------------------------------------
-
-
-def sharded_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Each rank takes its shard of the full inputs drawn from ``case['seed']`` and runs."""
-    import ringdilated
-    from ringdilated.functional import default_resolver
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(case["seed"])
-    B, L, H, Hkv, D = (
-        case["batch"],
-        case["seq_len"],
-        case["heads"],
-        case["kv_heads"],
-        case["head_dim"],
-    )
-    dtype = getattr(torch, case["dtype"])
-    full = [
-        torch.randn(B, L, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (H, Hkv, Hkv)
-    ]
-    dout = torch.randn(B, L, H, D, generator=g, dtype=torch.float64).to(dtype)
-    dlse = torch.randn(B, H, L, generator=g, dtype=torch.float64).float()
-    shard = L // world
-    sl = slice(rank * shard, (rank + 1) * shard)
-    q, k, v = (x[:, sl].clone().requires_grad_() for x in full)
-    comm = default_resolver().communicator_for(world, case["causal"], case["communicator"])
-    comm.stats.reset()
-    out, lse = ringdilated.dilated_attention(
-        q,
-        k,
-        v,
-        case["segments"],
-        case["rates"],
-        mode=case["mode"],
-        causal=case["causal"],
-        scale=case["scale"],
-        kernel=case["kernel"],
-        return_lse=True,
-        process_group=dist.group.WORLD,
-        communicator=case["communicator"],
-    )
-    forward_bytes = comm.stats.bytes_sent
-    loss = (out.double() * dout[:, sl].double()).sum()
-    if case.get("lse_grad", True):
-        loss = (
-            loss
-            + (lse.masked_fill(torch.isneginf(lse), 0).double() * dlse[:, :, sl].double()).sum()
-        )
-    loss.backward()
-    return {
-        "out": out.detach(),
-        "lse": lse.detach(),
-        "dq": q.grad,
-        "dk": k.grad,
-        "dv": v.grad,
-        "forward_bytes_sent": forward_bytes,
-        "total_bytes_sent": comm.stats.bytes_sent,
-    }
+TASKS = __name__
 
 
 def bad_input_on_one_rank(payload: dict[str, Any]) -> str:

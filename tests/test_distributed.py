@@ -9,7 +9,6 @@ key position) pairs of this rank's shard that some query of that rank sees.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,21 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
-from tests.distributed_harness import Workers, full_inputs
-
-
-@pytest.fixture(scope="session")
-def workers2() -> Iterator[Workers]:
-    pool = Workers(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="session")
-def workers4() -> Iterator[Workers]:
-    pool = Workers(4)
-    yield pool
-    pool.close()
+from tests.distributed_harness import TASKS, Workers, full_inputs
 
 
 def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int]]:
@@ -90,14 +75,13 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
 def _run_and_check(pool: Workers, case: dict[str, Any], world: int) -> None:
     """Run on every rank; a communicator may decline a plan it cannot move exactly, but then
     every rank must decline it with the same reasons."""
-    outcomes = pool.run("sharded_case", case)
-    if all(ok for ok, _ in outcomes):
-        _check(case, [value for _, value in outcomes], world)
+    results = pool.results("sharded_case", case)
+    declined = {r.get("declined") for r in results}
+    if declined == {None}:
+        _check(case, results, world)
         return
-    assert case["communicator"] == "allgather", outcomes
-    messages = {value[1] for ok, value in outcomes if not ok}
-    assert all(not ok for ok, _ in outcomes) and len(messages) == 1, outcomes
-    assert all(value[0] == "ResolutionError" for _, value in outcomes)
+    assert case["communicator"] == "allgather", results
+    assert len(declined) == 1 and None not in declined, results
 
 
 @st.composite
@@ -193,10 +177,10 @@ def test_disagreeing_ranks_raise_on_every_rank(workers2: Workers) -> None:
 
 
 def test_a_dead_rank_makes_the_others_raise_within_the_timeout() -> None:
-    pool = Workers(2, timeout_s=5)
+    pool = Workers(2, timeout_s=5, tasks=TASKS)
     try:
         for inbox in pool._inboxes:
-            inbox.put(("rank_dies", {}))
+            inbox.put((f"{TASKS}:rank_dies", {}))
         rank, ok, message = pool._outbox.get(timeout=60)
         assert rank == 0 and ok
         assert message.startswith("raised "), message
@@ -254,9 +238,9 @@ def test_allgather_is_exact_where_it_fits(workers2: Workers, workers4: Workers, 
 def test_allgather_rejects_what_it_cannot_move_exactly(
     workers2: Workers, overrides: dict[str, Any], reason: str
 ) -> None:
-    for ok, value in workers2.run("sharded_case", _aligned_case(2, seq_len=16, **overrides)):
-        assert not ok and value[0] == "ResolutionError"
-        assert "communicator 'allgather' cannot serve 2 rank(s)" in value[1] and reason in value[1]
+    for result in workers2.results("sharded_case", _aligned_case(2, seq_len=16, **overrides)):
+        message = result["declined"]
+        assert "communicator 'allgather' cannot serve 2 rank(s)" in message and reason in message
 
 
 @pytest.mark.parametrize(("mode", "causal"), [("head_groups", False), ("longnet", True)])

@@ -10,7 +10,14 @@ import pytest
 
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.core import KernelSpec
-from ringdilated.plugins import PluginWarning, build_registry, hookimpl, load_registry
+from ringdilated.plugins import (
+    PluginError,
+    PluginInfo,
+    PluginWarning,
+    build_registry,
+    hookimpl,
+    load_registry,
+)
 from ringdilated.plugins.manager import BUILTIN_PLUGINS
 
 BUILTIN_KERNELS = {"sdpa", "reference", "flash", "xformers", "flex"}
@@ -90,8 +97,8 @@ def _raise_in_hook() -> list[KernelSpec]:
         ),
         (
             FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])),
-            "plugin 'dup' skipped: KernelSpec name 'sdpa' is already provided by "
-            "ringdilated.backends.sdpa",
+            "plugin 'dup' skipped: KernelSpec name 'sdpa' from dup (entry point 'dup' "
+            "(fake-dist 1.2.3)) is already provided by ringdilated.backends.sdpa (built-in)",
         ),
     ],
 )
@@ -135,3 +142,50 @@ def test_block_list(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_default_registry_is_cached() -> None:
     assert load_registry() is load_registry()
     assert {"sdpa", "reference"} <= set(load_registry().kernels)
+
+
+def test_duplicate_names_across_distributions_name_both() -> None:
+    first = FakeEntryPoint(
+        "a", lambda: _plugin(lambda: [_spec("fast")]), dist=FakeDist("dist-a", "1.0")
+    )
+    second = FakeEntryPoint(
+        "b", lambda: _plugin(lambda: [_spec("fast")]), dist=FakeDist("dist-b", "2.0")
+    )
+    with pytest.warns(PluginWarning) as caught:
+        registry = _registry(first, second)
+    assert registry.origins["fast"] == "a (entry point 'a' (dist-a 1.0))"
+    message = str(caught[0].message)
+    assert "dist-a 1.0" in message and "dist-b 2.0" in message
+
+
+def test_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    one = FakeEntryPoint("one", lambda: _plugin(lambda: [_spec("k1")]))
+    two = FakeEntryPoint("two", lambda: _plugin(lambda: [_spec("k2")]))
+    assert set(_registry(one, two, allowed=["two"]).kernels) == BUILTIN_KERNELS | {"k2"}
+    monkeypatch.setenv("RINGDILATED_ALLOW_PLUGINS", "one")
+    assert set(_registry(one, two).kernels) == BUILTIN_KERNELS | {"k1"}
+    assert set(_registry(one, two, allowed=()).kernels) == BUILTIN_KERNELS | {"k1", "k2"}
+
+
+def test_strict_mode_raises_instead_of_skipping(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = FakeEntryPoint("broken", _raise_import)
+    with pytest.raises(PluginError, match=r"plugin 'broken' failed \(strict mode\): import"):
+        _registry(broken, strict=True)
+    monkeypatch.setenv("RINGDILATED_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match="already provided by"):
+        _registry(FakeEntryPoint("dup", lambda: _plugin(lambda: [_spec("sdpa")])))
+    with pytest.warns(PluginWarning):
+        _registry(broken, strict=False)
+
+
+def test_listing_names_distributions_versions_and_failures() -> None:
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    with pytest.warns(PluginWarning):
+        registry = _registry(good, FakeEntryPoint("broken", _raise_import))
+    info = {p.name: p for p in registry.plugins}
+    assert info["good"] == PluginInfo("good", "entry point", "fake-dist", "1.2.3", ("extra",))
+    assert info["ringdilated.backends.ringpass"].communicators == ("ringpass",)
+    assert info["ringdilated.backends.sdpa"].distribution == "ringdilated"
+    table = registry.describe()
+    assert "good" in table and "fake-dist 1.2.3" in table and "extra" in table
+    assert "failed: plugin 'broken' skipped: import of 'fake.module' failed" in table

@@ -2,8 +2,12 @@
 
 from ringdilated.plugins.hookspecs import hookimpl, hookspec
 from ringdilated.plugins.manager import (
+    ALLOW_ENV_VAR,
     AUTOLOAD_ENV_VAR,
     BLOCK_ENV_VAR,
+    STRICT_ENV_VAR,
+    PluginError,
+    PluginInfo,
     PluginRegistry,
     PluginWarning,
     build_registry,
@@ -11,12 +15,22 @@ from ringdilated.plugins.manager import (
 )
 
 __all__ = [
+    "ALLOW_ENV_VAR",
     "AUTOLOAD_ENV_VAR",
     "BLOCK_ENV_VAR",
+    "STRICT_ENV_VAR",
+    "PluginError",
+    "PluginInfo",
     "PluginRegistry",
     "PluginWarning",
     "build_registry",
+    "describe",
     "hookimpl",
     "hookspec",
     "load_registry",
 ]
+
+
+def describe() -> str:
+    """What is loaded, from which distribution and version, and what failed and why."""
+    return load_registry().describe()

@@ -1,9 +1,9 @@
 """Testing helpers for ringdilated and its plugin authors: the float64 oracle, SPEC.md's
-tolerance rule and the kernel conformance kit.
+tolerance rule, and the conformance kits for kernels and communicators.
 
-The oracle and the tolerance rule need only torch. The conformance kit (``check_kernel`` and
-friends) needs hypothesis, installed with ``pip install 'ringdilated[test]'``; it is imported on
-first use.
+The oracle and the tolerance rule need only torch. The conformance kits (``check_kernel``,
+``check_communicator`` and friends) need hypothesis, installed with
+``pip install 'ringdilated[test]'``; they are imported on first use.
 """
 
 from __future__ import annotations
@@ -14,14 +14,26 @@ from typing import Any
 from ringdilated.testing._oracle import dense_attention, oracle, pattern_weights
 from ringdilated.testing._tolerance import FLOORS, assert_within_tolerance, max_error
 
-_KIT = ("CHECKS", "ConformanceError", "ConformanceReport", "check_kernel", "kernel_cases")
+_KIT = {
+    "CHECKS": "conformance",
+    "ConformanceError": "conformance",
+    "ConformanceReport": "conformance",
+    "check_kernel": "conformance",
+    "kernel_cases": "conformance",
+    "COMMUNICATOR_CHECKS": "communicators",
+    "CommunicatorReport": "communicators",
+    "check_communicator": "communicators",
+}
 
 __all__ = [
     "CHECKS",
+    "COMMUNICATOR_CHECKS",
     "FLOORS",
+    "CommunicatorReport",
     "ConformanceError",
     "ConformanceReport",
     "assert_within_tolerance",
+    "check_communicator",
     "check_kernel",
     "dense_attention",
     "kernel_cases",
@@ -34,7 +46,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _KIT:
         try:
-            kit = importlib.import_module("ringdilated.testing.conformance")
+            kit = importlib.import_module(f"ringdilated.testing.{_KIT[name]}")
         except ModuleNotFoundError as exc:
             raise ImportError(
                 f"ringdilated.testing.{name} is the conformance kit, which needs {exc.name!r}: "

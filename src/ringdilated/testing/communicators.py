@@ -1,0 +1,263 @@
+"""The communicator conformance kit: a communicator on real gloo groups of 2 and 4 ranks must
+give every rank exactly what one process computes (the ``local`` path) for its shard.
+
+    from ringdilated.testing import check_communicator
+    report = check_communicator("mycomm")                  # spawns 2- and 4-rank pools
+    report = check_communicator("mycomm", pools={2: pool}) # reuse a test session's pool
+
+Hypothesis draws whole problems (pattern, mode, causal, heads, grouped-query heads, dtype,
+scale) and each rank runs its shard through ``dilated_attention(..., communicator=name)``.
+Check ``matches-local``: each rank's ``out``, ``lse`` and the gradients of a loss through both
+meet SPEC.md's tolerance rule against the float64 oracle with the single-process result's own
+error as the allowance, i.e. the communicator adds nothing measurable to what ``local`` does.
+A communicator may decline a problem it cannot move exactly (a :class:`ResolutionError` with
+reasons), but then every rank must decline it alike; declining every drawn problem fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+
+from ringdilated.testing._oracle import oracle
+from ringdilated.testing._tolerance import FLOORS, max_error
+from ringdilated.testing.conformance import ConformanceError
+from ringdilated.testing.workers import Workers
+
+__all__ = [
+    "COMMUNICATOR_CHECKS",
+    "CommunicatorReport",
+    "case_inputs",
+    "check_communicator",
+    "communicator_cases",
+    "sharded_run",
+]
+
+COMMUNICATOR_CHECKS = ("matches-local",)
+_TASK = f"{__name__}:sharded_run"
+
+
+@attrs.frozen
+class CommunicatorReport:
+    """The world sizes on which ``matches-local`` passed and how many problems each ran."""
+
+    communicator: str
+    world_sizes: tuple[int, ...]
+    problems: tuple[int, ...]
+
+
+@st.composite
+def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
+    """A whole problem for ``world`` ranks as a picklable dict (see :func:`case_inputs`)."""
+    shard = draw(st.integers(1, 10))
+    seq_len = shard * world
+    count = draw(st.integers(1, 3))
+    segments = [draw(st.integers(1, 2 * seq_len)) for _ in range(count)]
+    rates = [draw(st.integers(1, min(4, w))) for w in segments]
+    mode = draw(st.sampled_from(["head_groups", "longnet"]))
+    heads = draw(st.integers(count if mode == "head_groups" else 1, 4))
+    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    return {
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "batch": draw(st.integers(1, 2)),
+        "seq_len": seq_len,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([4, 8])),
+        "dtype": draw(st.sampled_from(["float64", "float32"])),
+        "segments": segments,
+        "rates": rates,
+        "mode": mode,
+        "causal": draw(st.booleans()),
+        "scale": draw(st.none() | st.floats(0.1, 1.0)),
+    }
+
+
+def case_inputs(case: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, dout, dlse)`` of the whole sequence, drawn from ``case['seed']``."""
+    g = torch.Generator().manual_seed(case["seed"])
+    b, length, h, hkv, d = (case[n] for n in ("batch", "seq_len", "heads", "kv_heads", "head_dim"))
+    dtype = getattr(torch, case["dtype"])
+    q, k, v = (
+        torch.randn(b, length, n, d, generator=g, dtype=torch.float64).to(dtype)
+        for n in (h, hkv, hkv)
+    )
+    dout = torch.randn(b, length, h, d, generator=g, dtype=torch.float64).to(dtype)
+    dlse = torch.randn(b, h, length, generator=g, dtype=torch.float64).float()
+    return q, k, v, dout, dlse
+
+
+def _loss(
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor
+) -> torch.Tensor:
+    finite = lse.masked_fill(torch.isneginf(lse), 0).double()
+    return (out.double() * dout.double()).sum() + (finite * dlse.double()).sum()
+
+
+def _attend(
+    case: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from ringdilated.functional import dilated_attention
+
+    out, lse = dilated_attention(
+        q,
+        k,
+        v,
+        case["segments"],
+        case["rates"],
+        mode=case["mode"],
+        causal=case["causal"],
+        scale=case["scale"],
+        kernel=case.get("kernel", "auto"),
+        return_lse=True,
+        **kw,
+    )
+    return out, lse
+
+
+def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`Workers` task: this rank's shard of :func:`case_inputs`, run with
+    ``case['communicator']``; its out, lse, gradients and bytes sent, or ``{"declined": why}``."""
+    from ringdilated.core.resolver import ResolutionError
+    from ringdilated.functional import default_resolver
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout, dlse = case_inputs(case)
+    shard = slice(rank * case["seq_len"] // world, (rank + 1) * case["seq_len"] // world)
+    q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
+    try:
+        comm = default_resolver().communicator_for(world, case["causal"], case["communicator"])
+        comm.stats.reset()
+        out, lse = _attend(
+            case, q, k, v, process_group=dist.group.WORLD, communicator=case["communicator"]
+        )
+    except ResolutionError as exc:
+        return {"declined": str(exc)}
+    forward_bytes = comm.stats.bytes_sent
+    if case.get("lse_grad", True):
+        loss = _loss(out, lse, dout[:, shard], dlse[:, :, shard])
+    else:
+        loss = (out.double() * dout[:, shard].double()).sum()
+    torch.autograd.backward(loss)
+    return {
+        "out": out.detach(),
+        "lse": lse.detach(),
+        "dq": q.grad,
+        "dk": k.grad,
+        "dv": v.grad,
+        "forward_bytes_sent": forward_bytes,
+        "total_bytes_sent": comm.stats.bytes_sent,
+    }
+
+
+def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
+    q, k, v, dout, dlse = case_inputs(case)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    local = _attend(case, leaves[0], leaves[1], leaves[2])
+    local_grads = torch.autograd.grad(_loss(local[0], local[1], dout, dlse), leaves)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    truth = oracle(
+        exact[0],
+        exact[1],
+        exact[2],
+        case["segments"],
+        case["rates"],
+        mode=case["mode"],
+        causal=case["causal"],
+        scale=case["scale"],
+        return_lse=True,
+    )
+    truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
+    sharded = {
+        name: torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
+        for name in ("out", "lse", "dq", "dk", "dv")
+    }
+    names = ("out", "lse", "dq", "dk", "dv")
+    expected = dict(zip(names, [x.detach() for x in (*truth, *truth_grads)], strict=True))
+    single = dict(zip(names, [x.detach() for x in (*local, *local_grads)], strict=True))
+    dtype = q.dtype
+    for name, actual in sharded.items():
+        finite = expected[name].double().masked_fill(torch.isneginf(expected[name]), 0)
+        magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+        allowed = 2 * max_error(single[name], expected[name]) + FLOORS[dtype] * magnitude
+        error = max_error(actual, expected[name])
+        if not error <= allowed:
+            raise ConformanceError(
+                "matches-local",
+                f"{name}: sharded error {error:.3e} vs float64 exceeds {allowed:.3e} (twice the "
+                f"single-process error plus the floor) on {len(results)} ranks for {case}",
+            )
+
+
+def check_communicator(
+    name: str,
+    *,
+    world_sizes: Sequence[int] = (2, 4),
+    pools: Mapping[int, Workers] | None = None,
+    kernel: str = "reference",
+    max_examples: int = 15,
+) -> CommunicatorReport:
+    """Run ``matches-local`` for communicator ``name`` on each of ``world_sizes``.
+
+    ``pools`` supplies already-started :class:`Workers` by world size (the rest are started
+    here and closed afterwards). Every rank must have ``name`` registered (installed plugins
+    load in the spawned ranks as in the parent). Raises :class:`ConformanceError`.
+    """
+    counts = []
+    for world in world_sizes:
+        pool = (pools or {}).get(world)
+        own = pool is None
+        pool = pool or Workers(world)
+        try:
+            counts.append(_check_on(pool, name, kernel, max_examples))
+        finally:
+            if own:
+                pool.close()
+    return CommunicatorReport(name, tuple(world_sizes), tuple(counts))
+
+
+def _check_on(pool: Workers, name: str, kernel: str, max_examples: int) -> int:
+    ran = [0]
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=communicator_cases(pool.world_size))
+    def run(case: dict[str, Any]) -> None:
+        case = {**case, "communicator": name, "kernel": kernel}
+        outcomes = pool.run(_TASK, case)
+        failed = [value for ok, value in outcomes if not ok]
+        if failed:
+            raise ConformanceError(
+                "matches-local", f"a rank raised {failed[0][0]}: {failed[0][1]} for {case}"
+            )
+        declined = [value.get("declined") for _, value in outcomes]
+        if any(declined):
+            if not all(declined) or len(set(declined)) > 1:
+                raise ConformanceError(
+                    "matches-local", f"ranks disagree on declining {case}: {declined}"
+                )
+            reject()
+        _compare(case, [value for _, value in outcomes])
+        ran[0] += 1
+
+    try:
+        run()
+    except Unsatisfiable as exc:
+        raise ConformanceError(
+            "matches-local", f"{name!r} declined every problem drawn for {pool.world_size} ranks"
+        ) from exc
+    if not ran[0]:
+        raise ConformanceError("matches-local", f"{name!r} ran no problem on {pool.world_size}")
+    return ran[0]
