@@ -4,6 +4,10 @@ import ringdilated
 out = ringdilated.dilated_attention(q, k, v, [2048, 4096], [1, 2])
 attn = ringdilated.DilatedAttention([2048, 4096], [1, 2], causal=True)
 print(attn.plan.explain())
+mha = ringdilated.MultiheadDilatedAttention(
+    512, 8, segment_lengths=[2048, 4096], dilation_rates=[1, 2]
+)
+out, _ = mha(x, x, x)
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -20,6 +24,8 @@ from ringdilated.core import (
 from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
 from ringdilated.functional import default_resolver, dilated_attention
 from ringdilated.modules import DilatedAttention
+from ringdilated.multihead import MultiheadDilatedAttention
+from ringdilated.transformer import DilatedTransformerBlock
 
 try:
     __version__ = version("ringdilated")
@@ -28,9 +34,11 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "DilatedAttention",
+    "DilatedTransformerBlock",
     "DilationPattern",
     "Environment",
     "KernelSpec",
+    "MultiheadDilatedAttention",
     "Plan",
     "Request",
     "ResolutionError",

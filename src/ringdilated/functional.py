@@ -7,6 +7,8 @@ Call flow::
       -> check_inputs / check_options        every error before any work
       -> default_resolver().resolve(request, kernel)     once per distinct request, cached
       -> DilatedAttentionFunction.apply(q, k, v, Run(...))
+
+Under ``torch.compile`` a single-process call becomes one custom op (:mod:`ringdilated.compiled`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
+from ringdilated.compiled import dilated_attention_op, single_process_run
 from ringdilated.core.agreement import CallSignature, agree
 from ringdilated.core.capabilities import Environment, Request
 from ringdilated.core.communicator import Communicator
-from ringdilated.core.driver import DilatedAttentionFunction, Executor, Run
+from ringdilated.core.driver import DilatedAttentionFunction, Executor
 from ringdilated.core.dtypes import warn_if_slow
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
@@ -111,8 +114,16 @@ def attend(
     process_group: object = None,
     communicator: str = "auto",
     resolver: Resolver | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, Plan]:
-    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``."""
+) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``.
+
+    Under ``torch.compile`` a single-process call validates, then runs as one custom op
+    (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the graph).
+    """
+    if process_group is None and torch.compiler.is_compiling():
+        return _attend_compiled(
+            pattern, q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel
+        )
     resolver = resolver or default_resolver()
     ranks = world_size(process_group)
 
@@ -156,7 +167,6 @@ def attend(
         )
         agree(process_group, error, signature)
     assert plan is not None and comm is not None  # validate() returned on this rank
-    _, L, H, D = q.shape
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     shards = None
@@ -164,21 +174,61 @@ def attend(
         assert isinstance(process_group, dist.ProcessGroup)
         shards = plans[dist.get_rank(process_group)]
         comm.prepare(process_group, plans, causal)
-    run = Run(
-        kernel=plan.kernel,
-        blocks=pattern.blocks(L, H, k.shape[2]) if shards is None else shards.inner,
-        exclusive=pattern.mode == "head_groups",
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(D),
+    run = single_process_run(
+        plan,
+        pattern,
+        q,
+        k,
         causal=causal,
-        dropout_p=float(dropout_p),
+        scale=scale,
+        dropout_p=dropout_p,
         dropout_seed=seed,
         complete=shards is None,
+        blocks=None if shards is None else shards.inner,
     )
     executor: Executor = run
     if shards is not None:
         executor = ShardedRun(inner=run, plan=shards, communicator=comm, group=process_group)
     out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
     return out, lse.float(), plan
+
+
+def _attend_compiled(
+    pattern: DilationPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    q, k, v = check_inputs(q, k, v, pattern)
+    check_options(scale, dropout_p)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    seed = (
+        torch.randint(0, 2**62, (), dtype=torch.int64)
+        if dropout_p > 0
+        else torch.zeros((), dtype=torch.int64)
+    )
+    out, lse = dilated_attention_op(
+        q,
+        k,
+        v,
+        seed,
+        list(pattern.segment_lengths),
+        list(pattern.dilation_rates),
+        pattern.mode,
+        causal,
+        float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        float(dropout_p),
+        kernel,
+        backward,
+    )
+    return out, lse.float(), None
 
 
 @overload

@@ -61,7 +61,7 @@ class DilatedAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out, lse, self.plan = attend(
+        out, lse, plan = attend(
             self.pattern,
             q,
             k,
@@ -73,6 +73,8 @@ class DilatedAttention(nn.Module):
             process_group=self.process_group,
             communicator=self.communicator,
         )
+        if plan is not None:  # None under torch.compile, where the op resolves in the graph
+            self.plan = plan
         return (out, lse) if return_lse else out
 
     def explain(self) -> str:

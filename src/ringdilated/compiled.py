@@ -1,0 +1,189 @@
+"""The single-process call as a ``torch.library`` custom op, so ``torch.compile`` sees one opaque
+node with a fake (shape-only) implementation and registered gradients, never a graph break.
+
+:func:`ringdilated.functional.attend` routes here while ``torch.compiler.is_compiling()`` and
+the call is single-process; eager calls keep the ``autograd.Function`` path. Both run the same
+driver, so results are identical. The op re-resolves its kernel from its arguments (a cached
+lookup), so the compiled graph holds no Python objects; the dropout seed is a tensor drawn in
+the graph, so each compiled call draws new masks without recompiling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ringdilated.core.accumulator import accumulation_dtype
+from ringdilated.core.capabilities import Request
+from ringdilated.core.driver import Run
+from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.resolver import Plan
+
+__all__ = ["dilated_attention_backward_op", "dilated_attention_op", "single_process_run"]
+
+
+def single_process_run(
+    plan: Plan,
+    pattern: DilationPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    dropout_seed: int,
+    complete: bool = True,
+    blocks: Any = None,
+) -> Run:
+    """The :class:`Run` of one call: the plan's kernel over the pattern's blocks."""
+    _, length, heads, dim = q.shape
+    return Run(
+        kernel=plan.kernel,
+        blocks=pattern.blocks(length, heads, k.shape[2]) if blocks is None else blocks,
+        exclusive=pattern.mode == "head_groups",
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
+        causal=causal,
+        dropout_p=float(dropout_p),
+        dropout_seed=dropout_seed,
+        complete=complete,
+    )
+
+
+def _run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    mode: str,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    kernel: str,
+    backward: bool,
+) -> Run:
+    from ringdilated.functional import default_resolver
+
+    resolver = default_resolver()
+    request = Request.for_tensors(
+        q, k, causal=causal, dropout=dropout_p > 0, backward=backward, env=resolver.env
+    )
+    pattern = DilationPattern(segment_lengths, dilation_rates, mode)  # type: ignore[arg-type]
+    plan = resolver.resolve(request, kernel)
+    return single_process_run(
+        plan,
+        pattern,
+        q,
+        k,
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=int(seed.item()),
+    )
+
+
+@torch.library.custom_op("ringdilated::dilated_attention", mutates_args=())
+def dilated_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    mode: str,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    kernel: str,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, L, H, D), lse (B, H, L))`` of one single-process call, already validated."""
+    run = _run(
+        q,
+        k,
+        seed,
+        segment_lengths,
+        dilation_rates,
+        mode,
+        causal,
+        scale,
+        dropout_p,
+        kernel,
+        backward,
+    )
+    return run.forward(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+@dilated_attention_op.register_fake
+def _fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, *args: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, length, heads, _ = q.shape
+    out = q.new_empty(b, length, heads, v.shape[-1])
+    return out, q.new_empty(b, heads, length, dtype=accumulation_dtype(q.dtype))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, seed, *params = inputs
+    ctx.save_for_backward(q, k, v, seed, *output)
+    ctx.params = params
+
+
+@torch.library.custom_op("ringdilated::dilated_attention_backward", mutates_args=())
+def dilated_attention_backward_op(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    mode: str,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`dilated_attention_op` (the same kernel, the same masks)."""
+    run = _run(
+        q, k, seed, segment_lengths, dilation_rates, mode, causal, scale, dropout_p, kernel, True
+    )
+    return run.backward(
+        dout.contiguous(),
+        None if dlse is None else dlse.to(lse.dtype).contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out,
+        lse,
+    )
+
+
+@dilated_attention_backward_op.register_fake
+def _fake_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *args: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
+    q, k, v, seed, out, lse = ctx.saved_tensors
+    params = ctx.params[:-1]  # all but ``backward``
+    grads = dilated_attention_backward_op(
+        torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *params
+    )
+    return (*grads, *(None,) * 9)
+
+
+dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)

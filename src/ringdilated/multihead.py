@@ -1,0 +1,191 @@
+"""``MultiheadDilatedAttention``: projections, dilated attention, MAGNETO sub-layer norm.
+
+Batch-first like ``nn.MultiheadAttention(batch_first=True)``: ``forward(query, key, value)``
+takes ``(B, L, embed_dim)`` and returns ``(out, None)``. As in LongNet (after MAGNETO, Wang et
+al. 2022): a LayerNorm on the attention output before the output projection (``layer_norm``),
+and Xavier-normal initialisation with gain ``gamma_init`` on the value and output projections
+(gain 1 on query and key), biases zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ringdilated.core.dtypes import recommended_dtype
+from ringdilated.core.pattern import Mode
+from ringdilated.core.resolver import Plan
+from ringdilated.modules import DilatedAttention
+
+__all__ = ["MultiheadDilatedAttention", "resolve_dtype"]
+
+
+def resolve_dtype(
+    dtype: torch.dtype | Literal["auto"] | None, device: torch.device | str | None
+) -> torch.dtype:
+    """``"auto"``: :func:`ringdilated.recommended_dtype` for ``device``; ``None``: torch's
+    default dtype; otherwise a floating ``torch.dtype``."""
+    if dtype == "auto":
+        return recommended_dtype(device if device is not None else "cpu")
+    if dtype is None:
+        return torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be 'auto', None or a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class MultiheadDilatedAttention(nn.Module):
+    """Multi-head dilated attention with its own projections.
+
+    ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: key and value project to
+    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` picks
+    :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
+    must then be in that dtype. The pattern arguments are keyword-only, so
+    ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        num_kv_heads: int | None = None,
+        mode: Mode = "head_groups",
+        causal: bool = False,
+        dropout: float = 0.0,
+        bias: bool = True,
+        layer_norm: bool = True,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        process_group: object = None,
+        kernel: str = "auto",
+        communicator: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | Literal["auto"] | None = "auto",
+    ) -> None:
+        super().__init__()
+        embed_dim, num_heads = _positive("embed_dim", embed_dim), _positive("num_heads", num_heads)
+        if embed_dim % num_heads:
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
+        kv_heads = num_heads if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+        if num_heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
+        if not isinstance(gamma_init, (int, float)) or gamma_init <= 0:
+            raise ValueError(f"gamma_init must be a positive number, got {gamma_init!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.gamma_init = float(gamma_init)
+        factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
+        kv_dim = kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.attention = DilatedAttention(
+            segment_lengths,
+            dilation_rates,
+            mode=mode,
+            causal=causal,
+            dropout=dropout,
+            kernel=kernel,
+            process_group=process_group,
+            communicator=communicator,
+        )
+        self.reset_parameters()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q_proj.weight.dtype
+
+    @property
+    def plan(self) -> Plan:
+        """The attention's kernel plan (see :meth:`explain`)."""
+        return self.attention.plan
+
+    def reset_parameters(self) -> None:
+        """MAGNETO initialisation: Xavier-normal, gain ``gamma_init`` on value and output."""
+        nn.init.xavier_normal_(self.q_proj.weight)
+        nn.init.xavier_normal_(self.k_proj.weight)
+        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
+        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        """``(out (B, L, embed_dim), None)``. Masks and attention weights are not supported yet
+        and raise; causality is the module's ``causal`` argument."""
+        if need_weights:
+            raise ValueError(
+                "need_weights=True is not supported: dilated attention never materialises the "
+                "attention weights; pass need_weights=False"
+            )
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask is not supported yet; causal masking is MultiheadDilatedAttention"
+                "(causal=True)"
+            )
+        if key_padding_mask is not None:
+            raise ValueError("key_padding_mask is not supported yet; pass None")
+        if is_causal and not self.attention.causal:
+            raise ValueError(
+                "is_causal=True needs a module built with causal=True (the pattern is fixed at "
+                "construction)"
+            )
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
+                )
+            if x.dtype != self.dtype:
+                raise TypeError(
+                    f"{name} is {x.dtype} but the module's parameters are {self.dtype} "
+                    "(dtype='auto' chose it for the device; convert the input or pass dtype=)"
+                )
+        b, length, _ = query.shape
+        q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
+        k = self.k_proj(key).view(b, key.shape[1], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(value).view(b, value.shape[1], self.num_kv_heads, self.head_dim)
+        out = self.attention(q, k, v)
+        assert isinstance(out, torch.Tensor)
+        out = out.reshape(b, length, self.embed_dim)
+        if self.norm is not None:
+            out = self.norm(out)
+        return self.out_proj(out), None
+
+    def explain(self) -> str:
+        """Which kernel and communicator serve this module, and why the others were rejected."""
+        return self.attention.explain()
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
+        )

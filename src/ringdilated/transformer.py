@@ -1,0 +1,90 @@
+"""A LongNet-style pre-norm transformer block with MAGNETO sub-layer norms.
+
+``x + attn(LN(x))`` then ``x + ffn(LN(x))``, where the attention carries its own sub-LN before
+its output projection and the feed-forward network a sub-LN before its second linear layer.
+Every operation but attention is per token, so under a ``process_group`` each rank runs the
+block on its contiguous shard of the sequence and only attention communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ringdilated.core.pattern import Mode
+from ringdilated.multihead import MultiheadDilatedAttention, resolve_dtype
+
+__all__ = ["DilatedTransformerBlock"]
+
+
+class DilatedTransformerBlock(nn.Module):
+    """One block over ``(B, L, embed_dim)``; see the module docstring.
+
+    ``ffn_dim`` defaults to ``4 * embed_dim``; ``gamma_init`` scales the initialisation of the
+    value/output projections and both feed-forward layers (MAGNETO; 1.0 is plain Xavier).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        ffn_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        mode: Mode = "head_groups",
+        causal: bool = False,
+        dropout: float = 0.0,
+        layer_norm_eps: float = 1e-5,
+        gamma_init: float = 1.0,
+        process_group: object = None,
+        kernel: str = "auto",
+        communicator: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | Literal["auto"] | None = "auto",
+    ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
+        ffn_dim = 4 * embed_dim if ffn_dim is None else ffn_dim
+        self.attn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
+        self.attn = MultiheadDilatedAttention(
+            embed_dim,
+            num_heads,
+            segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates,
+            num_kv_heads=num_kv_heads,
+            mode=mode,
+            causal=causal,
+            dropout=dropout,
+            layer_norm_eps=layer_norm_eps,
+            gamma_init=gamma_init,
+            process_group=process_group,
+            kernel=kernel,
+            communicator=communicator,
+            device=device,
+            dtype=factory["dtype"],
+        )
+        self.ffn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
+        up = nn.Linear(embed_dim, ffn_dim, **factory)
+        down = nn.Linear(ffn_dim, embed_dim, **factory)
+        for layer in (up, down):
+            nn.init.xavier_normal_(layer.weight, gain=gamma_init)
+            nn.init.zeros_(layer.bias)
+        self.ffn = nn.Sequential(
+            up,
+            nn.GELU(),
+            nn.Dropout(dropout),
+            nn.LayerNorm(ffn_dim, eps=layer_norm_eps, **factory),
+            down,
+        )
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        x = x + self.dropout(self.attn(h, h, h)[0])
+        out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
+        return out

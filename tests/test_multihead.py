@@ -1,0 +1,155 @@
+"""MultiheadDilatedAttention and DilatedTransformerBlock against float64 references built from
+the oracle; rejections; dtype='auto'; MAGNETO initialisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+import ringdilated
+from ringdilated import DilatedTransformerBlock, MultiheadDilatedAttention
+from ringdilated.multihead import resolve_dtype
+from ringdilated.testing import max_error, oracle
+
+
+def reference(
+    m: MultiheadDilatedAttention, x: torch.Tensor, causal: bool, mode: str
+) -> torch.Tensor:
+    """The module's maths written out, with the float64 oracle for the attention itself."""
+    b, length, e = x.shape
+    q = F.linear(x, m.q_proj.weight, m.q_proj.bias).view(b, length, m.num_heads, m.head_dim)
+    k = F.linear(x, m.k_proj.weight, m.k_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
+    v = F.linear(x, m.v_proj.weight, m.v_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
+    pattern = m.attention.pattern
+    out = oracle(
+        q, k, v, pattern.segment_lengths, pattern.dilation_rates, mode=mode, causal=causal
+    ).reshape(b, length, e)
+    if m.norm is not None:
+        out = F.layer_norm(out, (e,), m.norm.weight, m.norm.bias, m.norm.eps)
+    return F.linear(out, m.out_proj.weight, m.out_proj.bias)
+
+
+@given(
+    seq_len=st.integers(1, 40),
+    causal=st.booleans(),
+    mode=st.sampled_from(["head_groups", "longnet"]),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    layer_norm=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_the_oracle_forward_and_backward(
+    seq_len, causal, mode, kv_heads, layer_norm, seed
+) -> None:
+    torch.manual_seed(seed)
+    m = MultiheadDilatedAttention(
+        32,
+        4,
+        segment_lengths=[8, 16],
+        dilation_rates=[1, 2],
+        num_kv_heads=kv_heads,
+        mode=mode,
+        causal=causal,
+        layer_norm=layer_norm,
+        gamma_init=0.8,
+        dtype=torch.float64,
+    )
+    x = torch.randn(2, seq_len, 32, dtype=torch.float64, requires_grad=True)
+    out, weights = m(x, x, x)
+    assert weights is None
+    expected = reference(m, x, causal, mode)
+    assert max_error(out, expected) < 1e-10
+    params = [x, *m.parameters()]
+    grads = torch.autograd.grad(out.square().sum(), params)
+    expected_grads = torch.autograd.grad(expected.square().sum(), params)
+    assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"need_weights": True}, ValueError, "need_weights=True is not supported"),
+        ({"attn_mask": torch.zeros(8, 8)}, ValueError, "attn_mask is not supported yet"),
+        ({"key_padding_mask": torch.zeros(1, 8, dtype=torch.bool)}, ValueError, "key_padding_mask"),
+        ({"is_causal": True}, ValueError, "is_causal=True needs a module built with causal=True"),
+    ],
+)
+def test_unsupported_arguments_raise(kwargs, error, message) -> None:
+    m = MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1])
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(error, match=message):
+        m(x, x, x, **kwargs)
+
+
+def test_bad_construction_and_inputs_raise() -> None:
+    with pytest.raises(TypeError):
+        MultiheadDilatedAttention(16, 2, [8], [1])  # type: ignore[misc]  # keyword-only pattern
+    with pytest.raises(ValueError, match=r"embed_dim \(10\) must be divisible by num_heads \(4\)"):
+        MultiheadDilatedAttention(10, 4, segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(ValueError, match=r"num_kv_heads \(3\) must divide num_heads \(4\)"):
+        MultiheadDilatedAttention(16, 4, segment_lengths=[8], dilation_rates=[1], num_kv_heads=3)
+    with pytest.raises(ValueError, match="dilation_rates"):
+        MultiheadDilatedAttention(16, 2, segment_lengths=[8, 16], dilation_rates=[1])
+    with pytest.raises(TypeError, match="dtype must be 'auto', None or a floating torch.dtype"):
+        MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1], dtype=torch.int32)
+    m = MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(
+        TypeError, match=r"query is torch.float64 but the module's parameters are torch.float32"
+    ):
+        x = torch.randn(1, 8, 16, dtype=torch.float64)
+        m(x, x, x)
+    with pytest.raises(
+        ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\), got \(8, 16\)"
+    ):
+        m(torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16))
+
+
+def test_dtype_auto_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1])
+    assert {p.dtype for p in m.parameters()} == {torch.float32}  # CPU: float32
+    monkeypatch.setenv("RINGDILATED_COMPUTE_CAPABILITY", "7.5")
+    assert resolve_dtype("auto", "cuda") == torch.float16
+    monkeypatch.setenv("RINGDILATED_COMPUTE_CAPABILITY", "6.1")
+    assert resolve_dtype("auto", "cuda") == torch.float32
+    monkeypatch.setenv("RINGDILATED_COMPUTE_CAPABILITY", "9.0")
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    bf16 = MultiheadDilatedAttention(
+        16, 2, segment_lengths=[8], dilation_rates=[1], dtype=torch.bfloat16
+    )
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    x = torch.randn(1, 8, 16, dtype=torch.bfloat16)
+    assert bf16(x, x, x)[0].dtype == torch.bfloat16
+
+
+def test_magneto_initialisation() -> None:
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(
+        512, 8, segment_lengths=[8], dilation_rates=[1], gamma_init=2.0, num_kv_heads=2
+    )
+    xavier = lambda w: (2.0 / sum(w.shape)) ** 0.5  # noqa: E731
+    for proj, gain in ((m.q_proj, 1.0), (m.k_proj, 1.0), (m.v_proj, 2.0), (m.out_proj, 2.0)):
+        std = float(proj.weight.detach().std())
+        assert abs(std / (gain * xavier(proj.weight)) - 1) < 0.05, (proj, std)
+        assert proj.bias is not None and not proj.bias.any()
+
+
+def test_block_matches_its_definition() -> None:
+    torch.manual_seed(1)
+    block = DilatedTransformerBlock(
+        32,
+        4,
+        segment_lengths=[8, 16],
+        dilation_rates=[1, 2],
+        ffn_dim=48,
+        causal=True,
+        dtype=torch.float64,
+    )
+    x = torch.randn(2, 24, 32, dtype=torch.float64)
+    h = block.attn_norm(x)
+    y = x + reference(block.attn, h, True, "head_groups")
+    expected = y + block.ffn(block.ffn_norm(y))
+    assert max_error(block(x), expected) < 1e-10
+    assert "MultiheadDilatedAttention" in repr(block)
+    assert block.attn.plan.kernel_name in ringdilated.default_resolver().specs
