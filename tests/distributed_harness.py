@@ -126,3 +126,20 @@ def dropout_directional_derivative(payload: dict[str, Any]) -> dict[str, float]:
         _, minus = loss([x[:, sl] - eps * d[:, sl] for x, d in zip(full, direction, strict=True)])
     numeric = float(plus - minus) / (2 * eps)
     return {"analytic": float(analytic), "numeric": numeric}
+
+
+def train_tiny(payload: dict[str, Any]) -> list[float]:
+    """examples/train_tiny.py's training loop, sequence-sharded over this pool's ranks."""
+    return _train_tiny_module().train(payload["steps"], dist.group.WORLD, torch.float64)
+
+
+def _train_tiny_module() -> Any:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

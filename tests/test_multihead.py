@@ -92,14 +92,14 @@ def test_bad_construction_and_inputs_raise() -> None:
         MultiheadDilatedAttention(16, 4, segment_lengths=[8], dilation_rates=[1], num_kv_heads=3)
     with pytest.raises(ValueError, match="dilation_rates"):
         MultiheadDilatedAttention(16, 2, segment_lengths=[8, 16], dilation_rates=[1])
-    with pytest.raises(TypeError, match="dtype must be 'auto', None or a floating torch.dtype"):
+    with pytest.raises(TypeError, match=r"dtype must be 'auto', None or a floating torch\.dtype"):
         MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1], dtype=torch.int32)
     m = MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1])
+    x64 = torch.randn(1, 8, 16, dtype=torch.float64)
     with pytest.raises(
         TypeError, match=r"query is torch.float64 but the module's parameters are torch.float32"
     ):
-        x = torch.randn(1, 8, 16, dtype=torch.float64)
-        m(x, x, x)
+        m(x64, x64, x64)
     with pytest.raises(
         ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\), got \(8, 16\)"
     ):
