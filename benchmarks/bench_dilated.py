@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from procstat import reset_peak, status_bytes
+from ringdilated.cli.procstat import reset_peak, status_bytes
 
 SEGMENTS = [2048, 4096, 8192]
 RATES = [1, 2, 4]

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from procstat import reset_peak, status_bytes
+from ringdilated.cli.procstat import reset_peak, status_bytes
 
 H, D = 8, 64
 

@@ -1,0 +1,244 @@
+"""Run the benchmark grid: time, GFLOP/s and peak memory against sequence length.
+
+Every row is one sequence length: the best of ``--repeats`` warm runs of the forward (and,
+with ``--backward``, forward+backward), GFLOP/s of the pattern's own work
+(``DilationPattern.flops``; backward counted 2.5x forward), and the peak resident memory the
+call added (Linux ``VmHWM``, reset before the call). ``--world-size N`` spawns N local gloo
+ranks, each holding ``L / N`` of the sequence; times and memory are then the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringdilated.cli.progress import progress, table
+
+__all__ = ["add_arguments", "measure", "run"]
+
+DEFAULT_LENGTHS = [2048, 4096, 8192, 16384, 32768]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", type=_ints, default=DEFAULT_LENGTHS, help="e.g. 4096,8192")
+    parser.add_argument("--segments", type=_ints, default=[2048, 4096, 8192])
+    parser.add_argument("--rates", type=_ints, default=[1, 2, 4])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--backward", action="store_true", help="also time forward+backward")
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=1, help="spawn N local gloo ranks")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot time and memory (matplotlib)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _peak_extra(fn: Callable[[], object]) -> int:
+    from ringdilated.cli.procstat import reset_peak, status_bytes
+
+    before = status_bytes("VmRSS")
+    reset_peak()
+    fn()
+    return max(0, status_bytes("VmHWM") - before)
+
+
+def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]:
+    """One row for ``config`` on this process (its shard when ``process_group`` is given)."""
+    import torch.distributed as dist
+
+    import ringdilated
+
+    world = dist.get_world_size(process_group) if process_group is not None else 1
+    length = config["length"]
+    local = length // world
+    dtype = getattr(torch, config["dtype"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, local, config["heads"], config["head_dim"], generator=g).to(dtype)
+        for _ in range(3)
+    )
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ringdilated.dilated_attention(
+            q,
+            k,
+            v,
+            config["segments"],
+            config["rates"],
+            causal=config["causal"],
+            kernel=config["kernel"],
+            process_group=process_group,
+        )
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return attend(q, k, v)
+
+    def forward_backward() -> None:
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = attend(leaves[0], leaves[1], leaves[2])
+        torch.autograd.backward(out, torch.ones_like(out))
+
+    # Peaks first: a cold call, before timing loops leave freed memory resident.
+    row: dict[str, Any] = {"forward_peak_mib": _peak_extra(forward) / 2**20}
+    if config["backward"]:
+        row["fwd_bwd_peak_mib"] = _peak_extra(forward_backward) / 2**20
+    row["forward_s"] = _best(forward, config["repeats"])
+    if config["backward"]:
+        row["fwd_bwd_s"] = _best(forward_backward, config["repeats"])
+    return row
+
+
+def rank_task(config: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`~ringdilated.testing.workers.Workers` task: :func:`measure` on this rank."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, config["threads"]))
+    return measure(config, dist.group.WORLD)
+
+
+def _row(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    from ringdilated.core.pattern import DilationPattern
+
+    pattern = DilationPattern(config["segments"], config["rates"])
+    flops = pattern.flops(config["length"], config["heads"], config["head_dim"], config["causal"])
+    row: dict[str, Any] = {"length": config["length"], "ranks": len(results)}
+    for key in results[0]:
+        row[key] = max(r[key] for r in results)
+    row["forward_gflops"] = flops / row["forward_s"] / 1e9
+    if "fwd_bwd_s" in row:
+        row["fwd_bwd_gflops"] = 3.5 * flops / row["fwd_bwd_s"] / 1e9
+    return row
+
+
+def _check(args: argparse.Namespace) -> None:
+    from ringdilated.core.pattern import DilationPattern
+
+    DilationPattern(args.segments, args.rates)  # raises with the rule it breaks
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+    uneven = [n for n in args.lengths if n % args.world_size]
+    if uneven:
+        raise ValueError(f"lengths {uneven} are not divisible by --world-size {args.world_size}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError:
+            raise ValueError("--plot needs matplotlib: pip install 'ringdilated[plot]'") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    base = {
+        "segments": args.segments,
+        "rates": args.rates,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "causal": args.causal,
+        "backward": args.backward,
+        "kernel": args.kernel,
+        "repeats": args.repeats,
+        "threads": torch.get_num_threads() // args.world_size,
+    }
+    pool = None
+    if args.world_size > 1:
+        from ringdilated.testing.workers import Workers
+
+        pool = Workers(args.world_size)
+    rows = []
+    try:
+        for length in progress(args.lengths, "bench", enabled=not args.no_progress):
+            config = {**base, "length": length}
+            if pool is None:
+                results = [measure(config)]
+            else:
+                results = pool.results(f"{__name__}:rank_task", config)
+            rows.append(_row(config, results))
+    finally:
+        if pool is not None:
+            pool.close()
+    _report(rows, args)
+    return 0
+
+
+def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    columns = ["length", "ranks", "forward_s", "forward_gflops", "forward_peak_mib"]
+    if args.backward:
+        columns += ["fwd_bwd_s", "fwd_bwd_gflops", "fwd_bwd_peak_mib"]
+    fmt = {"s": "{:.4f}", "gflops": "{:.1f}", "mib": "{:.1f}"}
+
+    def cell(key: str, value: Any) -> str:
+        suffix = key.rsplit("_", 1)[-1]
+        return fmt[suffix].format(value) if suffix in fmt else str(value)
+
+    print(table([[cell(c, r[c]) for c in columns] for r in rows], columns))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"config": vars(args) | {"run": None}, "rows": rows}, f, indent=2, default=str
+            )
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.plot:
+        _plot(rows, args.plot, args.backward)
+
+
+def _plot(rows: list[dict[str, Any]], path: str, backward: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["length"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(lengths, [r["forward_s"] for r in rows], marker="o", label="forward")
+    right.plot(lengths, [r["forward_peak_mib"] for r in rows], marker="o", label="forward")
+    if backward:
+        left.plot(lengths, [r["fwd_bwd_s"] for r in rows], marker="o", label="forward+backward")
+        right.plot(lengths, [r["fwd_bwd_peak_mib"] for r in rows], marker="o", label="fwd+bwd")
+    for axis, label in ((left, "time (s)"), (right, "peak extra memory (MiB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("sequence length")
+        axis.set_ylabel(label)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    fig.suptitle(f"ringdilated, {rows[0]['ranks']} rank(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,144 @@
+"""The main job: a 2-process gloo run checked against one process, with the plan and figures.
+
+Defaults: L=8192, 8 heads of 64, segments [2048, 4096, 8192], rates [1, 2, 4], causal, float32.
+One process computes the result and its gradients; two local gloo ranks compute their halves
+with the ring-pass communicator; both are compared with the same computation in float64 under
+SPEC.md's tolerance rule (twice the single process's own float32 error plus the floor). Prints
+the resolver's plan, times, GFLOP/s, bytes each rank sent, and the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--segments", default="2048,4096,8192")
+    parser.add_argument("--rates", default="1,2,4")
+    parser.add_argument("--world-size", type=int, default=2)
+
+
+def _inputs(config: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (1, config["length"], config["heads"], config["head_dim"])
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
+
+
+def _attend(config: dict[str, Any], q: Any, k: Any, v: Any, **kw: Any) -> torch.Tensor:
+    import ringdilated
+
+    out: torch.Tensor = ringdilated.dilated_attention(
+        q, k, v, config["segments"], config["rates"], causal=True, **kw
+    )
+    return out
+
+
+def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    q, k, v, dout = _inputs(config, dtype)
+    if group is not None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        shard = slice(rank * config["length"] // world, (rank + 1) * config["length"] // world)
+        q, k, v, dout = (x[:, shard] for x in (q, k, v, dout))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    kw: dict[str, Any] = {"process_group": group, "communicator": "ringpass"} if group else {}
+    start = time.perf_counter()
+    out = _attend(config, *leaves, **kw)
+    forward_s = time.perf_counter() - start
+    torch.autograd.backward(out, dout)
+    total_s = time.perf_counter() - start
+    result = {"out": out.detach(), "forward_s": forward_s, "total_s": total_s}
+    result.update({f"d{n}": x.grad for n, x in zip("qkv", leaves, strict=True)})
+    if group is not None:
+        from ringdilated.functional import default_resolver
+
+        comm = default_resolver().communicator_for(dist.get_world_size(group), True, "ringpass")
+        result["bytes_sent"] = comm.stats.bytes_sent
+    return result
+
+
+def rank_task(config: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`~ringdilated.testing.workers.Workers` task: this rank's half, timed."""
+    import torch.distributed as dist
+
+    from ringdilated.functional import default_resolver
+
+    torch.set_num_threads(config["threads"])
+    default_resolver().communicator_for(dist.get_world_size(), True, "ringpass").stats.reset()
+    _run_once(config, torch.float32, dist.group.WORLD)  # warm-up
+    default_resolver().communicator_for(dist.get_world_size(), True, "ringpass").stats.reset()
+    return _run_once(config, torch.float32, dist.group.WORLD)
+
+
+def run(args: argparse.Namespace) -> int:
+    import ringdilated
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.testing import FLOORS, max_error
+    from ringdilated.testing.workers import Workers
+
+    config = {
+        "length": args.length,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "segments": [int(x) for x in args.segments.split(",")],
+        "rates": [int(x) for x in args.rates.split(",")],
+        "threads": max(1, torch.get_num_threads() // args.world_size),
+    }
+    pattern = DilationPattern(config["segments"], config["rates"])
+    if args.world_size < 2 or args.length % args.world_size:
+        raise ValueError(
+            f"--world-size must be at least 2 and divide --length {args.length}, "
+            f"got {args.world_size}"
+        )
+    attn = ringdilated.DilatedAttention(config["segments"], config["rates"], causal=True)
+    print(
+        f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "
+        f"{config['segments']}, rates {config['rates']}, causal, float32\n"
+    )
+    print(attn.plan.explain())
+    print(ringdilated.default_resolver().explain_communicator(args.world_size, True, "ringpass"))
+    pool = Workers(args.world_size)
+    try:
+        _run_once(config, torch.float32)  # warm-up
+        single = _run_once(config, torch.float32)
+        exact = _run_once(config, torch.float64)
+        ranks = pool.results(f"{__name__}:rank_task", config)
+    finally:
+        pool.close()
+    flops = pattern.flops(args.length, args.heads, args.head_dim, causal=True)
+    print(
+        f"\none process: forward {single['forward_s']:.3f} s "
+        f"({flops / single['forward_s'] / 1e9:.1f} GFLOP/s), "
+        f"forward+backward {single['total_s']:.3f} s"
+    )
+    for rank, r in enumerate(ranks):
+        print(
+            f"rank {rank} of {args.world_size}: forward {r['forward_s']:.3f} s, "
+            f"forward+backward {r['total_s']:.3f} s, sent {r['bytes_sent'] / 2**20:.2f} MiB"
+        )
+    verdict = True
+    for name in ("out", "dq", "dk", "dv"):
+        sharded = torch.cat([r[name] for r in ranks], 1)
+        allowed = 2 * max_error(single[name], exact[name]) + FLOORS[torch.float32] * max(
+            1.0, float(exact[name].abs().max())
+        )
+        error = max_error(sharded, exact[name])
+        ok = error <= allowed
+        verdict &= ok
+        print(
+            f"{name}: sharded vs float64 {error:.2e}, one process vs float64 "
+            f"{max_error(single[name], exact[name]):.2e}, allowed {allowed:.2e}  "
+            f"{'ok' if ok else 'FAIL'}"
+        )
+    print(f"\n{'PASS' if verdict else 'FAIL'}: {args.world_size} ranks reproduce one process")
+    return 0 if verdict else 1

@@ -1,0 +1,54 @@
+"""Argument parsing and error handling for the ``ringdilated`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ringdilated.cli import bench, demo, doctor, verify
+
+__all__ = ["CommandError", "build_parser", "main"]
+
+COMMANDS = (doctor, bench, verify, demo)
+
+
+class CommandError(Exception):
+    """A command failed in a way the user can fix; printed as one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ringdilated",
+        description="Exact dilated attention on pluggable kernels, one process or many.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        name = module.__name__.rsplit(".", 1)[1]
+        doc = (module.__doc__ or "").strip()
+        summary = doc.splitlines()[0] if doc else name
+        sub = commands.add_parser(name, help=summary, description=doc)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        print("ringdilated: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the one-line report is the point: any failure lands here
+        if args.debug:
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        print(
+            f"ringdilated {args.command}: error: {type(exc).__name__}: {message}", file=sys.stderr
+        )
+        return 1
+    return status

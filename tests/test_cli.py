@@ -1,0 +1,114 @@
+"""The ``ringdilated`` command line: every command runs, prints what it promises, writes its
+files, fails with one line (and a non-zero status), and has ``--help``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import attrs
+import pytest
+
+from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated.cli import main
+from ringdilated.functional import default_resolver
+
+
+@pytest.mark.parametrize("command", ["doctor", "bench", "verify", "demo"])
+def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: ringdilated {command}" in capsys.readouterr().out
+
+
+def test_python_dash_m() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ringdilated", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "doctor" in result.stdout and "verify" in result.stdout
+
+
+def test_doctor(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--causal", "--head-dim", "32", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "torch 2." in out and "recommended dtype on cpu: torch.float32" in out
+    assert any(
+        line.split()[:2] == ["ringdilated.backends.sdpa", "built-in"] for line in out.splitlines()
+    )
+    assert "kernel: sdpa (priority 100, highest priority that fits)" in out
+    assert "rejected flash: package 'flash_attn' is not importable; runs on cuda, not cpu" in out
+    assert "communicator: ringpass" in out
+    assert "rejected allgather: cannot restrict sends to later ranks under causal=True" in out
+
+
+def test_bench_writes_table_json_and_csv(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--lengths", "256,512", "--segments", "128,256", "--rates", "1,2"]
+    args += ["--backward", "--repeats", "1", "--no-progress"]
+    args += ["--json", str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:3] == ["length", "ranks", "forward_s"]
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["length"] for r in rows] == [256, 512]
+    assert all(r["forward_s"] > 0 and r["fwd_bwd_gflops"] > 0 for r in rows)
+    with open(tmp_path / "b.csv") as f:
+        assert [int(r["length"]) for r in csv.DictReader(f)] == [256, 512]
+
+
+def test_bench_on_two_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--lengths", "512", "--segments", "128,512", "--rates", "1,2"]
+    assert main([*args, "--world-size", "2", "--repeats", "1", "--no-progress"]) == 0
+    row = capsys.readouterr().out.splitlines()[2].split()
+    assert row[:2] == ["512", "2"]
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["bench", "--segments", "3,5", "--rates", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("ringdilated bench: error: ValueError: segment_lengths and dilation")
+    with pytest.raises(ValueError, match="segment_lengths and dilation_rates"):
+        main(["--debug", "bench", "--segments", "3,5", "--rates", "1"])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", "--lengths", "64", "--plot", "x.png"]) == 1
+    assert "--plot needs matplotlib: pip install 'ringdilated[plot]'" in capsys.readouterr().err
+    assert main(["bench", "--lengths", "100", "--world-size", "3"]) == 1
+    assert "lengths [100] are not divisible by --world-size 3" in capsys.readouterr().err
+
+
+def test_verify_passes_and_fails(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = ["verify", "--only", "reference", "--only", "ringpass", "--only", "flash"]
+    assert main([*args, "--world-sizes", "2", "--max-examples", "3", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel        reference  pass" in out
+    assert "flash      skipped  declares no cpu target (cuda)" in out
+    assert "communicator  ringpass   pass     matches-local" in out
+
+    class IgnoresScale(ReferenceKernel):
+        def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+            return super().forward(q, k, v, attrs.evolve(options, scale=1.0))
+
+    wrong = attrs.evolve(REFERENCE_SPEC, name="wrong", factory=IgnoresScale, priority=-50)
+    monkeypatch.setitem(default_resolver().specs, "wrong", wrong)
+    assert main(["verify", "--only", "wrong", "--max-examples", "10", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    (row,) = [line.split(maxsplit=3) for line in out.splitlines() if line.startswith("kernel ")]
+    assert row[:3] == ["kernel", "wrong", "FAIL"] and row[3].startswith("[forward] lse: max error")
+    assert main(["verify", "--only", "nonexistent"]) == 1
+    assert "--only names unknown backends: nonexistent" in capsys.readouterr().err
+
+
+def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["demo", "--length", "1024", "--segments", "256,512,1024", "--heads", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "kernel: sdpa" in out and "communicator: ringpass" in out
+    assert "rank 1 of 2: forward" in out
+    assert out.rstrip().endswith("PASS: 2 ranks reproduce one process")
