@@ -46,14 +46,14 @@ def test_doctor(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bench_writes_table_json_and_csv(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["bench", "--lengths", "256,512", "--segments", "128,256", "--rates", "1,2"]
-    args += ["--backward", "--repeats", "1", "--no-progress"]
+    args += ["--backward", "--dense", "--repeats", "1", "--no-progress"]
     args += ["--json", str(tmp_path / "b.json"), "--csv", str(tmp_path / "b.csv")]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["length", "ranks", "forward_s"]
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert [r["length"] for r in rows] == [256, 512]
-    assert all(r["forward_s"] > 0 and r["fwd_bwd_gflops"] > 0 for r in rows)
+    assert all(r["forward_s"] > 0 and r["fwd_bwd_gflops"] > 0 and r["dense_s"] > 0 for r in rows)
     with open(tmp_path / "b.csv") as f:
         assert [int(r["length"]) for r in csv.DictReader(f)] == [256, 512]
 

@@ -5,6 +5,8 @@ with ``--backward``, forward+backward), GFLOP/s of the pattern's own work
 (``DilationPattern.flops``; backward counted 2.5x forward), and the peak resident memory the
 call added (Linux ``VmHWM``, reset before the call). ``--world-size N`` spawns N local gloo
 ranks, each holding ``L / N`` of the sequence; times and memory are then the slowest rank's.
+``--dense`` adds dense ``scaled_dot_product_attention`` over the whole sequence (forward) for
+comparison; ``--device cuda`` measures on a GPU (CUDA-synchronised times, allocator peaks).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
+    parser.add_argument(
+        "--dense", action="store_true", help="also time dense SDPA (causal if --causal) at each L"
+    )
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
     parser.add_argument("--kernel", default="auto")
@@ -52,17 +58,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _best(fn: Callable[[], object], repeats: int) -> float:
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _best(fn: Callable[[], object], repeats: int, device: str = "cpu") -> float:
     fn()
     times = []
     for _ in range(repeats):
+        _synchronize(device)
         start = time.perf_counter()
         fn()
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
 
 
-def _peak_extra(fn: Callable[[], object]) -> int:
+def _peak_extra(fn: Callable[[], object], device: str = "cpu") -> int:
+    """Bytes a cold call of ``fn`` added at its peak: CUDA allocator peak, or Linux VmHWM."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before)
     from ringdilated.cli.procstat import reset_peak, status_bytes
 
     before = status_bytes("VmRSS")
@@ -82,8 +103,9 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
     local = length // world
     dtype = getattr(torch, config["dtype"])
     g = torch.Generator().manual_seed(0)
+    device = config.get("device", "cpu")
     q, k, v = (
-        torch.randn(1, local, config["heads"], config["head_dim"], generator=g).to(dtype)
+        torch.randn(1, local, config["heads"], config["head_dim"], generator=g).to(device, dtype)
         for _ in range(3)
     )
 
@@ -109,12 +131,24 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
         torch.autograd.backward(out, torch.ones_like(out))
 
     # Peaks first: a cold call, before timing loops leave freed memory resident.
-    row: dict[str, Any] = {"forward_peak_mib": _peak_extra(forward) / 2**20}
+    row: dict[str, Any] = {"forward_peak_mib": _peak_extra(forward, device) / 2**20}
     if config["backward"]:
-        row["fwd_bwd_peak_mib"] = _peak_extra(forward_backward) / 2**20
-    row["forward_s"] = _best(forward, config["repeats"])
+        row["fwd_bwd_peak_mib"] = _peak_extra(forward_backward, device) / 2**20
+    row["forward_s"] = _best(forward, config["repeats"], device)
     if config["backward"]:
-        row["fwd_bwd_s"] = _best(forward_backward, config["repeats"])
+        row["fwd_bwd_s"] = _best(forward_backward, config["repeats"], device)
+    if config.get("dense"):
+
+        def dense() -> torch.Tensor:
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    is_causal=config["causal"],
+                )
+
+        row["dense_s"] = _best(dense, config["repeats"], device)
     return row
 
 
@@ -135,6 +169,10 @@ def _row(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any
     for key in results[0]:
         row[key] = max(r[key] for r in results)
     row["forward_gflops"] = flops / row["forward_s"] / 1e9
+    if "dense_s" in row:
+        length, width = config["length"], config["heads"] * config["head_dim"]
+        pairs = length * (length + 1) // 2 if config["causal"] else length * length
+        row["dense_gflops"] = 4 * pairs * width / row["dense_s"] / 1e9
     if "fwd_bwd_s" in row:
         row["fwd_bwd_gflops"] = 3.5 * flops / row["fwd_bwd_s"] / 1e9
     return row
@@ -149,6 +187,12 @@ def _check(args: argparse.Namespace) -> None:
     uneven = [n for n in args.lengths if n % args.world_size]
     if uneven:
         raise ValueError(f"lengths {uneven} are not divisible by --world-size {args.world_size}")
+    if args.world_size > 1 and args.device != "cpu":
+        raise ValueError(
+            f"--world-size spawns gloo ranks on CPU; for --device {args.device} run under torchrun"
+        )
+    if args.dense and args.world_size > 1:
+        raise ValueError("--dense times one process; drop --world-size")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     if args.plot:
@@ -170,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
         "backward": args.backward,
         "kernel": args.kernel,
         "repeats": args.repeats,
+        "device": args.device,
+        "dense": args.dense,
         "threads": torch.get_num_threads() // args.world_size,
     }
     pool = None
@@ -197,6 +243,8 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     columns = ["length", "ranks", "forward_s", "forward_gflops", "forward_peak_mib"]
     if args.backward:
         columns += ["fwd_bwd_s", "fwd_bwd_gflops", "fwd_bwd_peak_mib"]
+    if args.dense:
+        columns += ["dense_s", "dense_gflops"]
     fmt = {"s": "{:.4f}", "gflops": "{:.1f}", "mib": "{:.1f}"}
 
     def cell(key: str, value: Any) -> str:
