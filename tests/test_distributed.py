@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
+from ringdilated.testing.communicators import communicator_cases
 from tests.distributed_harness import TASKS, Workers, full_inputs
 
 
@@ -86,29 +87,9 @@ def _run_and_check(pool: Workers, case: dict[str, Any], world: int) -> None:
 
 @st.composite
 def sharded_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
-    shard = draw(st.integers(1, 10))
-    L = shard * world
-    count = draw(st.integers(1, 3))
-    segments = [draw(st.integers(1, 2 * L)) for _ in range(count)]
-    rates = [draw(st.integers(1, min(4, w))) for w in segments]
-    mode = draw(st.sampled_from(["head_groups", "longnet"]))
-    heads = draw(st.integers(count if mode == "head_groups" else 1, 4))
-    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
-    return {
-        "seed": draw(st.integers(0, 2**31 - 1)),
-        "batch": draw(st.integers(1, 2)),
-        "seq_len": L,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": draw(st.sampled_from([4, 8])),
-        "dtype": draw(st.sampled_from(["float64", "float32"])),
-        "segments": segments,
-        "rates": rates,
-        "mode": mode,
-        "causal": draw(st.booleans()),
-        "scale": draw(st.none() | st.floats(0.1, 1.0)),
-        "communicator": draw(st.sampled_from(["ringpass", "auto", "allgather"])),
-    }
+    """The communicator kit's problems, with every built-in choice of communicator."""
+    communicator = draw(st.sampled_from(["ringpass", "auto", "allgather"]))
+    return {**draw(communicator_cases(world)), "communicator": communicator}
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "reference"])

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from ringdilated.core.capabilities import Capabilities, KernelSpec, PriorityRule, Target
-from ringdilated.core.causal import backward_in_pieces, forward_in_pieces
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.causal import BottomRightKernel
 from ringdilated.plugins.hookspecs import hookimpl
 
 __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel"]
@@ -38,7 +37,7 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-class FlashKernel:
+class FlashKernel(BottomRightKernel):
     """flash-attn 2 kernels. Construction imports the package and checks its version."""
 
     def __init__(self) -> None:
@@ -51,7 +50,7 @@ class FlashKernel:
         self._forward: Any = package.flash_attn_func
         self._backward: Any = interface._flash_attn_backward
 
-    def _native_forward(
+    def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse, _ = self._forward(
@@ -65,7 +64,7 @@ class FlashKernel:
         )
         return out.transpose(1, 2), lse
 
-    def _native_backward(
+    def native_backward(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -98,39 +97,6 @@ class FlashKernel:
             deterministic=False,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        def native(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._native_forward(q, k, v, causal, options.scale)
-
-        return forward_in_pieces(native, q, k, v, options.causal_offset)
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        def native(
-            dout: torch.Tensor,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            out: torch.Tensor,
-            lse: torch.Tensor,
-            causal: bool,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self._native_backward(dout, q, k, v, out, lse, causal, options.scale)
-
-        return backward_in_pieces(native, dout, q, k, v, out, lse, options.causal_offset)
 
 
 FLASH_SPEC = KernelSpec(

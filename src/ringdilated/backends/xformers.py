@@ -22,8 +22,7 @@ import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core.capabilities import Capabilities, KernelSpec, PriorityRule, Target
-from ringdilated.core.causal import backward_in_pieces, forward_in_pieces
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.causal import BottomRightKernel
 from ringdilated.plugins.hookspecs import hookimpl
 
 __all__ = ["XFORMERS_SPEC", "XformersKernel"]
@@ -33,7 +32,7 @@ def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-class XformersKernel:
+class XformersKernel(BottomRightKernel):
     """xformers CUTLASS kernels. Construction imports ``xformers.ops.fmha``."""
 
     def __init__(self) -> None:
@@ -43,7 +42,7 @@ class XformersKernel:
     def _bias(self, causal: bool) -> object:
         return self._fmha.attn_bias.LowerTriangularFromBottomRightMask() if causal else None
 
-    def _native_forward(
+    def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h = q.shape[1]
@@ -57,7 +56,7 @@ class XformersKernel:
         )
         return _bmhk(out), lse[..., : q.shape[-2]]
 
-    def _native_backward(
+    def native_backward(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -84,39 +83,6 @@ class XformersKernel:
             op=self._cutlass.BwOp,
         )
         return _bmhk(dq), sum_kv(_bmhk(dk), k.shape[1]), sum_kv(_bmhk(dv), v.shape[1])
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        def native(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self._native_forward(q, k, v, causal, options.scale)
-
-        return forward_in_pieces(native, q, k, v, options.causal_offset)
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        def native(
-            dout: torch.Tensor,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            out: torch.Tensor,
-            lse: torch.Tensor,
-            causal: bool,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self._native_backward(dout, q, k, v, out, lse, causal, options.scale)
-
-        return backward_in_pieces(native, dout, q, k, v, out, lse, options.causal_offset)
 
 
 XFORMERS_SPEC = KernelSpec(

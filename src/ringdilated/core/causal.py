@@ -22,8 +22,10 @@ import attrs
 import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
+from ringdilated.core.kernel import BlockOptions
 
 __all__ = [
+    "BottomRightKernel",
     "BottomRightPiece",
     "NativeBackward",
     "NativeForward",
@@ -130,3 +132,58 @@ def backward_in_pieces(
         dk[..., keys, :] += gk
         dv[..., keys, :] += gv
     return dq, dk, dv
+
+
+class BottomRightKernel:
+    """Base for kernels whose native causal mask is bottom-right aligned: implement
+    :meth:`native_forward` and :meth:`native_backward` (kernel layout, ``causal`` meaning the
+    bottom-right mask) and inherit the contract's ``forward``/``backward`` for any offset."""
+
+    def native_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def native_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def native(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.native_forward(q, k, v, causal, options.scale)
+
+        return forward_in_pieces(native, q, k, v, options.causal_offset)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return backward_in_pieces(
+            lambda do, q, k, v, o, s, c: self.native_backward(do, q, k, v, o, s, c, options.scale),
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            options.causal_offset,
+        )
