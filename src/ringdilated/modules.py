@@ -26,6 +26,9 @@ class DilatedAttention(nn.Module):
     (``print(attn.plan.explain())``). It is resolved on construction for the default device and
     dtype (CPU, ``torch.get_default_dtype()``), so a forced ``kernel`` that cannot serve the
     module fails here, and re-resolved (cached) whenever a call's device, dtype or head dim differ.
+
+    ``torch.compile(attn, fullgraph=True)`` works on the single-process path: the call becomes one
+    custom op (:mod:`ringdilated.compiled`); ``plan`` then keeps the last eager resolution.
     """
 
     def __init__(
