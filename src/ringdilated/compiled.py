@@ -10,7 +10,6 @@ the graph, so each compiled call draws new masks without recompiling.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,38 +17,10 @@ import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import Request
-from ringdilated.core.driver import Run
+from ringdilated.core.driver import Run, pattern_run
 from ringdilated.core.pattern import DilationPattern
-from ringdilated.core.resolver import Plan
 
-__all__ = ["dilated_attention_backward_op", "dilated_attention_op", "single_process_run"]
-
-
-def single_process_run(
-    plan: Plan,
-    pattern: DilationPattern,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    dropout_seed: int,
-    complete: bool = True,
-    blocks: Any = None,
-) -> Run:
-    """The :class:`Run` of one call: the plan's kernel over the pattern's blocks."""
-    _, length, heads, dim = q.shape
-    return Run(
-        kernel=plan.kernel,
-        blocks=pattern.blocks(length, heads, k.shape[2]) if blocks is None else blocks,
-        exclusive=pattern.mode == "head_groups",
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
-        causal=causal,
-        dropout_p=float(dropout_p),
-        dropout_seed=dropout_seed,
-        complete=complete,
-    )
+__all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
 
 
 def _run(
@@ -73,8 +44,8 @@ def _run(
     )
     pattern = DilationPattern(segment_lengths, dilation_rates, mode)  # type: ignore[arg-type]
     plan = resolver.resolve(request, kernel)
-    return single_process_run(
-        plan,
+    return pattern_run(
+        plan.kernel,
         pattern,
         q,
         k,

@@ -21,11 +21,11 @@ from typing import Literal, overload
 import torch
 import torch.distributed as dist
 
-from ringdilated.compiled import dilated_attention_op, single_process_run
+from ringdilated.compiled import dilated_attention_op
 from ringdilated.core.agreement import CallSignature, agree
 from ringdilated.core.capabilities import Environment, Request
 from ringdilated.core.communicator import Communicator
-from ringdilated.core.driver import DilatedAttentionFunction, Executor
+from ringdilated.core.driver import DilatedAttentionFunction, Executor, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
@@ -174,8 +174,8 @@ def attend(
         assert isinstance(process_group, dist.ProcessGroup)
         shards = plans[dist.get_rank(process_group)]
         comm.prepare(process_group, plans, causal)
-    run = single_process_run(
-        plan,
+    run = pattern_run(
+        plan.kernel,
         pattern,
         q,
         k,

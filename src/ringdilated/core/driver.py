@@ -18,6 +18,7 @@ input validation ran before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -26,13 +27,14 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.kernel import BlockOptions, Kernel
-from ringdilated.core.pattern import Block, Selection
+from ringdilated.core.pattern import Block, DilationPattern, Selection
 
 __all__ = [
     "DilatedAttentionFunction",
     "Executor",
     "Run",
     "lse_gradient",
+    "pattern_run",
     "run_backward",
     "run_forward",
 ]
@@ -357,3 +359,31 @@ class DilatedAttentionFunction(torch.autograd.Function):
             lse,
         )
         return dq, dk, dv, None
+
+
+def pattern_run(
+    kernel: Kernel,
+    pattern: DilationPattern,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    dropout_seed: int,
+    complete: bool = True,
+    blocks: tuple[Block, ...] | None = None,
+) -> Run:
+    """The :class:`Run` of one call: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
+    (``blocks`` replaces them, e.g. a shard's inner blocks), scale defaulting to ``1/sqrt(D)``."""
+    _, length, heads, dim = q.shape
+    return Run(
+        kernel=kernel,
+        blocks=pattern.blocks(length, heads, k.shape[2]) if blocks is None else blocks,
+        exclusive=pattern.mode == "head_groups",
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
+        causal=causal,
+        dropout_p=float(dropout_p),
+        dropout_seed=dropout_seed,
+        complete=complete,
+    )
