@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ringdilated
 from ringdilated import DilatedAttention, DilatedTransformerBlock, MultiheadDilatedAttention
 from ringdilated.testing import max_error, oracle
 
@@ -64,9 +63,12 @@ def test_compiled_dropout_draws_new_masks_without_recompiling() -> None:
     assert torch.equal(compiled(x, x, x)[0], compiled(x, x, x)[0])
 
 
-def test_compiled_rejects_bad_input_at_trace_time() -> None:
-    compiled = torch.compile(DilatedAttention([8], [1]), fullgraph=True, backend="aot_eager")
-    q = torch.randn(1, 8, 2, 4)
-    with pytest.raises(Exception, match="head_dim"):
-        compiled(q, torch.randn(1, 8, 2, 3), torch.randn(1, 8, 2, 3))
-    assert ringdilated.dilated_attention  # the eager path is untouched
+def test_compiled_rejects_bad_input_with_the_eager_message() -> None:
+    q, k = torch.randn(1, 8, 2, 4), torch.randn(1, 8, 2, 3)
+    compiled = torch.compile(DilatedAttention([8], [1]), backend="aot_eager")
+    with pytest.raises(ValueError, match="k and v head_dim must equal q's 4, got 3"):
+        compiled(q, k, k)
+    strict = torch.compile(DilatedAttention([8], [1]), fullgraph=True, backend="aot_eager")
+    # Under fullgraph Dynamo may wrap it in its own (RuntimeError) error; the message is kept.
+    with pytest.raises((ValueError, RuntimeError), match="k and v head_dim must equal q's 4"):
+        strict(q, k, k)

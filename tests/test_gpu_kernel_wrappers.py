@@ -25,7 +25,7 @@ from tests.standins import install_flash_attn, install_xformers, math_flex_atten
 CPU_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
 
 
-def on_cpu(spec: KernelSpec, **factory: object) -> KernelSpec:
+def on_cpu(spec: KernelSpec) -> KernelSpec:
     """``spec`` with its CUDA targets replaced by a CPU one (the stand-ins run anywhere)."""
     target = Target("cpu", CPU_FLOATS, head_dim_multiple=8)
     return attrs.evolve(

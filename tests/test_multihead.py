@@ -100,6 +100,8 @@ def test_bad_construction_and_inputs_raise() -> None:
         TypeError, match=r"query is torch.float64 but the module's parameters are torch.float32"
     ):
         m(x64, x64, x64)
+    with pytest.raises(ValueError, match=r"batch"):
+        m(torch.randn(2, 8, 16), torch.randn(1, 8, 16), torch.randn(1, 8, 16))
     with pytest.raises(
         ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\), got \(8, 16\)"
     ):

@@ -171,8 +171,9 @@ class MultiheadDilatedAttention(nn.Module):
                 )
         b, length, _ = query.shape
         q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
-        k = self.k_proj(key).view(b, key.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(value).view(b, value.shape[1], self.num_kv_heads, self.head_dim)
+        kv_shape = (self.num_kv_heads, self.head_dim)
+        k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
+        v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
         out = self.attention(q, k, v)
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)

@@ -80,9 +80,7 @@ def run(args: argparse.Namespace) -> int:
     pools: dict[int, Any] = {}
     rows = []
     try:
-        for kind, name, spec in progress(
-            [b for b in backends], "verify", enabled=not args.no_progress
-        ):
+        for kind, name, spec in progress(backends, "verify", enabled=not args.no_progress):
             if kind == "kernel":
                 rows.append((kind, name, *_kernel_row(name, spec, args)))
                 continue
