@@ -97,7 +97,9 @@ def measure(length: int, dtype_name: str, backward: bool, repeats: int) -> dict[
         "gflops": flops / seconds / 1e9,
         "extra_bytes": extra,
         "extra_fraction": extra / (4 * tensor_bytes),
-        "kernel": ringdilated.DilatedAttention(SEGMENTS, RATES).plan.kernel_name,
+        "kernel": ringdilated.default_resolver()
+        .resolve(ringdilated.Request(dtype=dtype, head_dim=D, backward=backward))
+        .kernel_name,
     }
 
 

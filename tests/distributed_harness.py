@@ -1,5 +1,5 @@
 """Tasks for the distributed tests, run on every rank of a
-:class:`ringdilated.testing.workers.Workers` pool (``Workers(n, tasks=__name__)``)."""
+:class:`ringdilated.pool.Workers` pool (``Workers(n, tasks=__name__)``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringdilated.pool import Workers
 from ringdilated.testing.communicators import case_inputs as full_inputs
 from ringdilated.testing.communicators import sharded_run as sharded_case
-from ringdilated.testing.workers import Workers
 
 __all__ = ["TASKS", "Workers", "full_inputs", "sharded_case"]
 

@@ -10,6 +10,7 @@ import sys
 
 import attrs
 import pytest
+import torch
 
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.cli import main
@@ -100,7 +101,8 @@ def test_verify_passes_and_fails(
     assert main(["verify", "--only", "wrong", "--max-examples", "10", "--no-progress"]) == 1
     out = capsys.readouterr().out
     (row,) = [line.split(maxsplit=3) for line in out.splitlines() if line.startswith("kernel ")]
-    assert row[:3] == ["kernel", "wrong", "FAIL"] and row[3].startswith("[forward] lse: max error")
+    assert row[:3] == ["kernel", "wrong", "FAIL"] and row[3].startswith("[forward] ")
+    assert ": max error" in row[3]
     assert main(["verify", "--only", "nonexistent"]) == 1
     assert "--only names unknown backends: nonexistent" in capsys.readouterr().err
 
@@ -112,3 +114,32 @@ def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kernel: sdpa" in out and "communicator: ringpass" in out
     assert "rank 1 of 2: forward" in out
     assert out.rstrip().endswith("PASS: 2 ranks reproduce one process")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_verify_on_a_missing_device_verifies_nothing_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["verify", "--device", "cuda", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing was verified: --device cuda, but torch.cuda.is_available() is False" in out
+
+
+def test_verify_exits_non_zero_when_nothing_or_not_everything_was_checked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert main(["verify", "--max-examples", "0"]) == 1
+    assert "--max-examples must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["verify", "--only", "flash", "--no-progress"]) == 1
+    assert "nothing was verified on cpu" in capsys.readouterr().out
+
+    def broken() -> object:
+        raise ImportError("its extension did not load")
+
+    spec = attrs.evolve(REFERENCE_SPEC, name="broken", factory=broken)
+    monkeypatch.setitem(default_resolver().specs, "broken", spec)
+    args = ["verify", "--only", "broken", "--only", "reference", "--max-examples", "2"]
+    assert main([*args, "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "broken     unavailable  ImportError: its extension did not load" in out
+    assert "on cpu: 1 passed, 0 failed, 1 unavailable, 0 skipped" in out

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from ringdilated.pool import Workers
 from ringdilated.testing import ConformanceError, check_communicator
-from ringdilated.testing.workers import Workers
 
 
 @pytest.mark.parametrize("name", ["ringpass", "allgather", "local"])

@@ -10,6 +10,7 @@ from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import KernelSpec, Target
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
+from ringdilated.testing.kernel_cases import CaseSpace
 
 
 @pytest.mark.parametrize("name", ["sdpa", "reference"])
@@ -72,6 +73,47 @@ class LiesAboutFloat64(ReferenceKernel):
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
         out, lse = super().forward(q.float(), k.float(), v.float(), options)
         return out, lse
+
+
+class WrongPastFirstTile(ReferenceKernel):
+    """Rows past a 128-row tile lose the scale: right on every short block."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        if q.shape[-2] > 128:
+            tail = super().forward(q[..., 128:, :], k, v, attrs.evolve(options, scale=1.0))
+            out, lse = out.clone(), lse.clone()
+            out[..., 128:, :], lse[..., 128:] = tail
+        return out, lse
+
+
+class TruncatesHeadDim(ReferenceKernel):
+    """Scores from the first 64 dims only, as a kernel specialised for head dims <= 64."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        if q.shape[-1] <= 64:
+            return super().forward(q, k, v, options)
+        qt, kt = q.clone(), k.clone()
+        qt[..., 64:], kt[..., 64:] = 0, 0
+        return super().forward(qt, kt, v, options)
+
+
+class AssumesContiguous(ReferenceKernel):
+    """Addresses its inputs with contiguous strides, whatever strides they have."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        def dense_strides(x):  # type: ignore[no-untyped-def]
+            return x.as_strided(x.shape, torch.empty(x.shape).stride(), x.storage_offset())
+
+        return super().forward(dense_strides(q), dense_strides(k), dense_strides(v), options)
+
+
+class MixesUpBatchesPastTwo(ReferenceKernel):
+    """Problem ``i`` reads the keys of problem ``i % 2``: right for batches of 1 and 2."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        index = torch.arange(q.shape[0]) % 2
+        return super().forward(q, k[index], v[index], options)
 
 
 def _spec(kernel: type, dtypes: frozenset[torch.dtype] | None = None) -> KernelSpec:
@@ -157,3 +199,27 @@ def test_oracle_needs_no_hypothesis_and_the_kit_says_what_it_needs(
     assert callable(testing.oracle)
     with pytest.raises(ImportError, match=r"needs 'hypothesis': pip install 'ringdilated\[test\]'"):
         testing.check_kernel  # noqa: B018
+
+
+OLD_SPACE = CaseSpace(max_len=24, max_head_dim=64, layouts=("contiguous",), max_batch=2)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "check", "narrowed"),
+    [
+        (WrongPastFirstTile, "forward", {"max_len": 24}),
+        (TruncatesHeadDim, "forward", {"max_head_dim": 64}),
+        (AssumesContiguous, "forward", {"layouts": ("contiguous",)}),
+        (MixesUpBatchesPastTwo, "forward", {"max_batch": 2}),
+    ],
+)
+def test_each_dimension_of_the_case_space_catches_a_kernel_nothing_else_does(
+    kernel: type, check: str, narrowed: dict[str, object]
+) -> None:
+    """A wrong kernel that passes the whole space but for one dimension, and fails with it."""
+    without = attrs.evolve(CaseSpace(), **narrowed)  # type: ignore[misc]
+    check_kernel(_spec(kernel), max_examples=40, checks=(check,), space=without)
+    check_kernel(_spec(kernel), max_examples=40, checks=(check,), space=OLD_SPACE)
+    with pytest.raises(ConformanceError) as info:
+        check_kernel(_spec(kernel), max_examples=40, checks=(check,))
+    assert info.value.check == check

@@ -167,3 +167,21 @@ def test_environment_variables_override_probing(monkeypatch: pytest.MonkeyPatch)
         ValueError, match=r"RINGDILATED_COMPUTE_CAPABILITY must look like '8\.0', got 'ampere'"
     ):
         Environment.from_environ()
+
+
+def test_rocm_is_a_target_of_its_own_that_no_fused_kernel_claims() -> None:
+    """On ROCm, torch's ``cuda`` devices are AMD GPUs: the memory-efficient backward there
+    (aotriton) wants an unpadded lse, which the sdpa CUDA path does not give, and flash-attn,
+    xformers and flex declare NVIDIA targets. Only the plain-math reference claims ROCm."""
+    env = Environment(packages=BOTH, rocm=True)
+    device = torch.device("cuda")
+    assert env.device_type(device) == "rocm"
+    assert env.capability(device) is None, "no NVIDIA compute capability on ROCm"
+    assert Environment(rocm=False).device_type(device) == "cuda"
+    plan = Resolver(SPECS, env=env).resolve(Request("rocm", torch.bfloat16, 64))
+    assert plan.kernel_name == "reference"
+    text = plan.explain()
+    assert "rejected sdpa: runs on cpu, cuda, not rocm" in text
+    assert "rejected flash: runs on cuda, not rocm" in text
+    with pytest.raises(ResolutionError, match="runs on cpu, cuda, not rocm"):
+        Resolver(SPECS, env=env).resolve(Request("rocm", torch.float16, 64), "sdpa")

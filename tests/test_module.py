@@ -12,14 +12,17 @@ from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
 
-def test_module_matches_functional_and_explains() -> None:
+def test_module_matches_functional_and_explains_the_plan_of_its_call() -> None:
     attn = ringdilated.DilatedAttention([8, 16], [1, 2], causal=True)
-    text = attn.plan.explain()
-    assert "kernel: sdpa" in text and "not chosen reference" in text
+    assert attn.plan is None, "no plan is guessed before a call"
+    assert "chosen for the tensors of the first call (none yet)" in attn.explain()
     q = torch.randn(2, 40, 4, 8, dtype=torch.float64)
     out = attn(q, q, q)
     assert torch.allclose(out, oracle(q, q, q, [8, 16], [1, 2], causal=True), atol=1e-12, rtol=0)
-    assert "float64, head_dim 8" in attn.plan.explain()
+    assert attn.plan is not None
+    text = attn.plan.explain()
+    assert "kernel: sdpa" in text and "not chosen reference" in text
+    assert "float64, head_dim 8" in text
     out2, lse = attn(q, q, q, return_lse=True)
     assert torch.equal(out, out2) and lse.shape == (2, 4, 40)
     assert "segment_lengths=(8, 16)" in repr(attn)
@@ -27,9 +30,10 @@ def test_module_matches_functional_and_explains() -> None:
 
 def test_dropout_plan_and_eval_mode() -> None:
     attn = ringdilated.DilatedAttention([8], [1], dropout=0.5)
-    assert attn.plan.kernel_name == "reference"
-    assert "rejected sdpa: does not support dropout_p > 0" in attn.plan.explain()
     q = torch.randn(1, 16, 2, 8)
+    attn(q, q, q)
+    assert attn.plan is not None and attn.plan.kernel_name == "reference"
+    assert "rejected sdpa: does not support dropout_p > 0" in attn.plan.explain()
     attn.eval()
     a, b = attn(q, q, q), attn(q, q, q)
     assert torch.equal(a, b) and attn.plan.kernel_name == "sdpa", "eval: no dropout, deterministic"
@@ -129,5 +133,28 @@ def test_chunked_execution_equals_unchunked() -> None:
 
 def test_module_explains_kernel_and_communicator() -> None:
     attn = ringdilated.DilatedAttention([8], [2])
+    q = torch.randn(1, 16, 2, 8)
+    attn(q, q, q)
     text = attn.explain()
     assert "kernel: sdpa" in text and "communicator: local" in text
+
+
+def test_a_forced_gpu_kernel_builds_anywhere_and_is_chosen_per_call() -> None:
+    """Construction checks only the name; the kernel is resolved for the tensors a call passes
+    (device, dtype, head dim) and re-resolved when they change."""
+    attn = ringdilated.DilatedAttention([8], [1], kernel="flash")
+    mha = ringdilated.MultiheadDilatedAttention(
+        64, 4, segment_lengths=[8], dilation_rates=[1], kernel="flash", dtype=torch.bfloat16
+    )
+    assert mha.dtype == torch.bfloat16 and mha.plan is None
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ringdilated.ResolutionError, match=r"kernel 'flash' .* cannot serve cpu"):
+        attn(q, q, q)
+    x = torch.randn(1, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(ringdilated.ResolutionError, match="runs on cuda, not cpu"):
+        mha(x, x, x)
+    auto = ringdilated.DilatedAttention([8], [1])
+    auto(q, q, q)
+    assert auto.plan is not None and auto.plan.request.dtype == torch.float32
+    auto(q.double(), q.double(), q.double())
+    assert auto.plan.request.dtype == torch.float64, "re-resolved for the new dtype"

@@ -18,7 +18,7 @@ from ringdilated.plugins import (
     hookimpl,
     load_registry,
 )
-from ringdilated.plugins.manager import BUILTIN_PLUGINS
+from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 
 BUILTIN_KERNELS = {"sdpa", "reference", "flash", "xformers", "flex"}
 
@@ -62,7 +62,7 @@ def test_builtins_register_through_the_hooks() -> None:
     assert set(registry.communicators) == {"local", "ringpass", "allgather"}
     assert registry.communicator_origins["ringpass"] == "ringdilated.backends.ringpass (built-in)"
     names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
-    assert names == set(BUILTIN_PLUGINS)
+    assert names == {p.name for p in BUILTIN_PLUGINS}
 
 
 def test_entry_point_plugin_is_loaded_with_its_origin() -> None:

@@ -174,5 +174,11 @@ def test_module_rejects_bad_configuration_on_construction() -> None:
         ringdilated.DilatedAttention([4], [8])
     with pytest.raises(ValueError, match="dropout_p must satisfy"):
         ringdilated.DilatedAttention([4], [1], dropout=1.5)
+    with pytest.raises(ValueError, match="unknown kernel 'nope'; known kernels: "):
+        ringdilated.DilatedAttention([4], [1], kernel="nope")
+    # The kernel is chosen for the tensors of a call: a forced kernel that cannot serve a call
+    # raises there, with its reasons.
+    attn = ringdilated.DilatedAttention([4], [1], dropout=0.1, kernel="sdpa")
+    q = torch.randn(1, 8, 2, 4)
     with pytest.raises(ResolutionError, match="does not support dropout_p > 0"):
-        ringdilated.DilatedAttention([4], [1], dropout=0.1, kernel="sdpa")
+        attn(q, q, q)

@@ -1,13 +1,16 @@
 """ringdilated: exact dilated attention (LongNet) on pluggable kernels.
 
-import ringdilated
-out = ringdilated.dilated_attention(q, k, v, [2048, 4096], [1, 2])
-attn = ringdilated.DilatedAttention([2048, 4096], [1, 2], causal=True)
-print(attn.plan.explain())
-mha = ringdilated.MultiheadDilatedAttention(
-    512, 8, segment_lengths=[2048, 4096], dilation_rates=[1, 2]
-)
-out, _ = mha(x, x, x)
+::
+
+    import ringdilated
+    out = ringdilated.dilated_attention(q, k, v, [2048, 4096], [1, 2])  # q: (B, L, H, D)
+    attn = ringdilated.DilatedAttention([2048, 4096], [1, 2], causal=True)
+    out = attn(q, k, v)
+    print(attn.plan.explain())  # the kernel that served the call, and why
+    mha = ringdilated.MultiheadDilatedAttention(
+        512, 8, segment_lengths=[2048, 4096], dilation_rates=[1, 2]
+    )
+    out, _ = mha(x, x, x)  # x: (B, L, 512)
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -53,6 +53,7 @@ def _run(
         scale=scale,
         dropout_p=dropout_p,
         dropout_seed=int(seed.item()),
+        batch_limit=plan.batch_limit,
     )
 
 

@@ -185,6 +185,7 @@ def attend(
         dropout_seed=seed,
         complete=shards is None,
         blocks=None if shards is None else shards.inner,
+        batch_limit=plan.batch_limit,
     )
     executor: Executor = run
     if shards is not None:

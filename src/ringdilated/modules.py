@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ringdilated.core.capabilities import Request
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_options
@@ -22,10 +21,13 @@ class DilatedAttention(nn.Module):
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
     semantics of :func:`ringdilated.dilated_attention`. ``dropout`` applies in training mode only.
 
-    ``plan`` says which kernel serves the module and why the others were rejected
-    (``print(attn.plan.explain())``). It is resolved on construction for the default device and
-    dtype (CPU, ``torch.get_default_dtype()``), so a forced ``kernel`` that cannot serve the
-    module fails here, and re-resolved (cached) whenever a call's device, dtype or head dim differ.
+    ``plan`` says which kernel served the last call and why the others were rejected
+    (``print(attn.plan.explain())``); it is ``None`` before the first call. The kernel is chosen
+    for the tensors a call actually passes (device, dtype, head dim, whether gradients are
+    needed), and chosen again (a cached lookup) whenever they change, so a module built with a
+    GPU-only ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call
+    the forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
+    reasons. Construction checks only that ``kernel`` names a known backend (or ``"auto"``).
 
     ``torch.compile(attn, fullgraph=True)`` works on the single-process path: the call becomes one
     custom op (:mod:`ringdilated.compiled`); ``plan`` then keeps the last eager resolution.
@@ -49,17 +51,16 @@ class DilatedAttention(nn.Module):
         check_options(scale, dropout)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
-        default_resolver().communicator_for(world_size(process_group), causal, communicator)
+        resolver = default_resolver()
+        resolver.check_kernel_name(kernel)
+        resolver.communicator_for(world_size(process_group), causal, communicator)
         self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)
         self.kernel = kernel
         self.process_group = process_group
         self.communicator = communicator
-        request = Request(
-            dtype=torch.get_default_dtype(), causal=causal, dropout=self.dropout > 0, backward=True
-        )
-        self.plan: Plan = default_resolver().resolve(request, kernel)
+        self.plan: Plan | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False
@@ -83,11 +84,15 @@ class DilatedAttention(nn.Module):
     def explain(self) -> str:
         """The kernel plan and the communicator choice for this module's process group."""
         ranks = world_size(self.process_group)
-        return (
+        kernel = (
             self.plan.explain()
-            + "\n"
-            + default_resolver().explain_communicator(ranks, self.causal, self.communicator)
+            if self.plan is not None
+            else f"kernel: {self.kernel!r}, chosen for the tensors of the first call (none yet)"
         )
+        communicator = default_resolver().explain_communicator(
+            ranks, self.causal, self.communicator
+        )
+        return f"{kernel}\n{communicator}"
 
     def extra_repr(self) -> str:
         p = self.pattern

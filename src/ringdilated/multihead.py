@@ -112,8 +112,8 @@ class MultiheadDilatedAttention(nn.Module):
         return self.q_proj.weight.dtype
 
     @property
-    def plan(self) -> Plan:
-        """The attention's kernel plan (see :meth:`explain`)."""
+    def plan(self) -> Plan | None:
+        """The kernel plan of the last call (``None`` before the first; see :meth:`explain`)."""
         return self.attention.plan
 
     def reset_parameters(self) -> None:

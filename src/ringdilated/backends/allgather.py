@@ -21,9 +21,8 @@ from ringdilated.backends.ringpass import Works, point_to_point
 from ringdilated.core.communicator import Pending, TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan, payload
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["AllGatherCommunicator", "segment_groups"]
+__all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator", "segment_groups"]
 
 
 def _peers(plan: ShardPlan, rank: int, causal: bool) -> tuple[int, ...]:
@@ -119,8 +118,3 @@ ALLGATHER_SPEC = CommunicatorSpec(
     plan_reasons=plan_reasons,
     description="one all_gather per segment group (exact where pieces are uniform and equal)",
 )
-
-
-@hookimpl
-def ringdilated_communicators() -> list[CommunicatorSpec]:
-    return [ALLGATHER_SPEC]

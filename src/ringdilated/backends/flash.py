@@ -1,32 +1,58 @@
-"""FlashAttention 2 (the ``flash-attn`` package, 2.6 or newer) behind the kernel contract.
+"""FlashAttention 2 (the ``flash-attn`` package, 2.6 to 2.8) behind the kernel contract.
 
-Forward is ``flash_attn_func(..., return_attn_probs=True)``, which returns the lse; backward is
-``flash_attn.flash_attn_interface._flash_attn_backward`` fed the final merged ``out`` and
-``lse``, as the contract asks. flash-attn's causal mask is bottom-right aligned, so any causal
-offset runs as at most two calls (:mod:`ringdilated.core.causal`). Declared: CUDA compute
-capability 8.0 or newer, float16 and bfloat16, head dims that are multiples of 8 up to 256,
-grouped-query heads natively, no dropout (flash-attn draws its own dropout mask, which a backward
-cannot regenerate from the contract's seed).
+Forward is ``flash_attn_func(..., return_attn_probs=True)``, which returns ``(out, softmax_lse,
+S_dmask)`` in every supported version; backward is
+``flash_attn.flash_attn_interface._flash_attn_backward`` fed the final merged ``out`` and ``lse``,
+as the contract asks, writing into ``dq``, ``dk``, ``dv`` buffers it is given. Its signature
+changed, read from the released sources:
 
-Not yet verified on GPU hardware in this project's CI; the wrapper's layout, causal pieces and
-gradient plumbing are tested on CPU against a stand-in module with flash-attn's documented
-semantics (``tests/standins``).
+- 2.6.x: ``(..., causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None)``,
+  ``window_size`` a ``(left, right)`` tuple; returns ``(dq, dk, dv, softmax_d)``.
+- 2.7 and 2.8: ``(..., causal, window_size_left, window_size_right, softcap, alibi_slopes,
+  deterministic, rng_state=None)``, a ``torch.library`` custom op; returns ``softmax_d`` only.
+
+:class:`FlashKernel` picks the keywords by version and checks the function's parameters at
+construction, so an unknown signature fails there (the resolver falls back, with the reason)
+rather than on the first backward. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
+``(batch, heads, seqlen_q)`` array with no check, so it is passed contiguous; every other tensor
+needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
+causal offset runs as at most two calls (:mod:`ringdilated.core.causal`).
+
+Declared: CUDA compute capability 8.0 or newer (2.6.x: 8.x and 9.0 only, as its
+``flash_api.cpp`` checks), float16 and bfloat16, head dims that are multiples of 8 up to 256,
+grouped-query heads natively, at most 65535 problems a call (the batch is ``gridDim.y``), no
+dropout (flash-attn draws its own dropout mask, which a backward cannot regenerate from the
+contract's seed). Not yet run on GPU hardware by this project.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import inspect
+import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ringdilated.core.capabilities import Capabilities, KernelSpec, PriorityRule, Target
+from ringdilated.core.capabilities import (
+    GRID_LIMIT,
+    BatchLimit,
+    Capabilities,
+    Environment,
+    KernelSpec,
+    PriorityRule,
+    Request,
+    Target,
+)
 from ringdilated.core.causal import BottomRightKernel
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel"]
+__all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
 
 MIN_VERSION = (2, 6)
+#: The first version whose backward takes ``window_size_left`` / ``window_size_right``.
+SPLIT_WINDOW_VERSION = (2, 7)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -37,18 +63,43 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
+    """The "no sliding window" keywords of ``_flash_attn_backward`` in ``version``."""
+    if version < SPLIT_WINDOW_VERSION:
+        return {"window_size": (-1, -1)}
+    return {"window_size_left": -1, "window_size_right": -1}
+
+
+def _parameters(function: Any) -> tuple[str, ...] | None:
+    """Parameter names of a plain function or of a ``torch.library`` custom op's function."""
+    try:
+        return tuple(inspect.signature(getattr(function, "_init_fn", function)).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
 class FlashKernel(BottomRightKernel):
-    """flash-attn 2 kernels. Construction imports the package and checks its version."""
+    """flash-attn 2 kernels. Construction imports the package, checks its version and the
+    backward's parameters; any mismatch raises ``ImportError`` with the reason."""
 
     def __init__(self) -> None:
         package = importlib.import_module("flash_attn")
-        version = str(getattr(package, "__version__", "0"))
-        if _version(version) < MIN_VERSION:
+        text = str(getattr(package, "__version__", "0"))
+        version = _version(text)
+        if version < MIN_VERSION:
             wanted = ".".join(map(str, MIN_VERSION))
-            raise ImportError(f"flash-attn {version} is older than the {wanted} this kernel needs")
+            raise ImportError(f"flash-attn {text} is older than the {wanted} this kernel needs")
         interface = importlib.import_module("flash_attn.flash_attn_interface")
         self._forward: Any = package.flash_attn_func
         self._backward: Any = interface._flash_attn_backward
+        self._window = backward_window_keywords(version)
+        names = _parameters(self._backward)
+        needed = {"softcap", "alibi_slopes", "deterministic", *self._window}
+        if names is not None and not needed <= set(names):
+            raise ImportError(
+                f"flash-attn {text}: _flash_attn_backward takes ({', '.join(names)}), which "
+                f"lacks {sorted(needed - set(names))}; this kernel knows the 2.6 to 2.8 signatures"
+            )
 
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -90,13 +141,36 @@ class FlashKernel(BottomRightKernel):
             dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
             softcap=0.0,
             alibi_slopes=None,
             deterministic=False,
+            rng_state=None,
+            **self._window,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _installed_version() -> tuple[int, ...] | None:
+    """flash-attn's version without importing it (its CUDA extension loads on import)."""
+    module = sys.modules.get("flash_attn")
+    if module is not None:
+        return _version(str(getattr(module, "__version__", "0")))
+    try:
+        return _version(importlib.metadata.version("flash-attn"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _version_reasons(request: Request, env: Environment) -> Iterable[str]:
+    """flash-attn 2.6.x's ``flash_api.cpp`` accepts compute capability 8.x and 9.0 only."""
+    version = _installed_version()
+    cc = request.compute_capability
+    if version is not None and version < SPLIT_WINDOW_VERSION and cc is not None and cc > (9, 0):
+        return (
+            f"flash-attn {'.'.join(map(str, version))} supports compute capability 8.x and 9.0 "
+            f"only (2.7 lifts it), device has {cc[0]}.{cc[1]}",
+        )
+    return ()
 
 
 FLASH_SPEC = KernelSpec(
@@ -118,13 +192,10 @@ FLASH_SPEC = KernelSpec(
         dropout=False,
         gqa=True,
         requires=("flash_attn",),
+        batch_limit=BatchLimit(problems=GRID_LIMIT),
     ),
     priority=0,
     priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),
-    description="FlashAttention 2 (flash-attn >= 2.6): Ampere and newer, fp16/bf16",
+    description="FlashAttention 2 (flash-attn 2.6 to 2.8): Ampere and newer, fp16/bf16",
+    extra_reasons=_version_reasons,
 )
-
-
-@hookimpl
-def ringdilated_kernels() -> list[KernelSpec]:
-    return [FLASH_SPEC]

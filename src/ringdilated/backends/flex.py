@@ -1,68 +1,158 @@
 """FlexAttention (``torch.nn.attention.flex_attention``) behind the kernel contract.
 
-The causal offset is a ``mask_mod`` turned into a block mask (cached per shape and offset), so
-blocks wholly above the diagonal are skipped by the kernel rather than masked. Forward asks for
-the lse with ``return_aux=AuxRequest(lse=True)`` (on a torch without it the factory fails and
-the resolver moves on, with the reason). Backward differentiates a recomputed forward: with
+The causal offset is a ``mask_mod`` turned into a block mask, so blocks wholly above the diagonal
+are skipped by the kernel rather than masked. Forward asks for the lse with
+``return_aux=AuxRequest(lse=True)`` (on a torch without it the factory fails and the resolver
+moves on, with the reason). Backward differentiates a recomputed forward: with
 ``w = exp(lse_block - lse_final)`` per row, the gradients of ``(out_block, lse_block)`` fed
 ``(w * dout, w * (rowsum(dout * out_block) - rowsum(dout * out_final)))`` are exactly this
 block's share of the merged gradient, which is the contract's backward rule.
 
+Compiling. FlexAttention is only fused when compiled, and ``torch.compile`` specialises on what
+it sees: past ``recompile_limit`` (8 by default, shared by every compiled ``flex_attention``) it
+silently runs the unfused eager path, which materialises every score. So:
+
+- the function is compiled once per kernel, with dynamic shapes and ``fullgraph=True`` (hitting
+  the limit then raises instead of falling back silently), with a limit of its own where torch
+  offers one (``recompile_limit`` and ``isolate_recompiles``, torch 2.13);
+- every block mask's ``mask_mod`` is the same code closing over a *tensor* offset, never a
+  Python int (dynamo guards on the code and on an int's value, not on a tensor's value), and
+  block masks are cached per (lengths, offset, device);
+- if the limit is hit anyway, the call runs uncompiled and :class:`FlexFallbackWarning` says so,
+  once per kernel; ``uncompiled_calls`` counts them.
+
 Declared, not discovered:
 
 - CUDA (compute capability 8.0+, float16/bfloat16/float32, head dims multiples of 16 up to 256):
-  the compiled kernel, forward and backward. Not yet verified on GPU hardware in this project.
-- CPU: forward only, unfused eager mode (FlexAttention on CPU has no backward, and no lse under
-  ``torch.compile``). Its priority is below the reference kernel; it exists so that inference can
-  force it and so its forward is tested here against the oracle.
+  the compiled kernel, forward and backward. At most 65535 problems a call, and 65535 problems
+  times key/value heads (the decoding kernel's ``gridDim.y``). Not yet run on GPU hardware by
+  this project.
+- CPU: forward only, eager and unfused (FlexAttention on CPU has no backward, and no lse under
+  ``torch.compile``): ``explain()`` shows the target's note. Its priority is below the reference
+  kernel; it exists so that inference can force it and so its forward is tested here.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.capabilities import Capabilities, KernelSpec, PriorityRule, Target
+from ringdilated.core.capabilities import (
+    GRID_LIMIT,
+    BatchLimit,
+    Capabilities,
+    KernelSpec,
+    PriorityRule,
+    Target,
+)
 from ringdilated.core.kernel import BlockOptions
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["FLEX_SPEC", "FlexKernel"]
+__all__ = ["FLEX_SPEC", "FlexFallbackWarning", "FlexKernel", "compile_flex", "offset_mask"]
 
 Attention = Callable[..., tuple[torch.Tensor, Any]]
+Compile = Callable[[Attention], Attention]
+#: A compiled FlexAttention's own recompile budget, where torch lets a call set one.
+RECOMPILE_LIMIT = 64
+
+
+class FlexFallbackWarning(UserWarning):
+    """FlexAttention ran uncompiled (unfused, every score materialised) on a compiled target."""
+
+
+def compile_flex(attention: Attention) -> Attention:
+    """``torch.compile`` for FlexAttention: dynamic shapes, ``fullgraph=True`` (the recompile
+    limit raises rather than silently running eager), and an isolated limit where supported."""
+    params = inspect.signature(torch.compile).parameters
+    extra: dict[str, Any] = {}
+    if "recompile_limit" in params:
+        extra["recompile_limit"] = RECOMPILE_LIMIT
+    if "isolate_recompiles" in params:
+        extra["isolate_recompiles"] = True
+    return torch.compile(attention, dynamic=True, fullgraph=True, **extra)
+
+
+def offset_mask(offset: torch.Tensor) -> Callable[..., Any]:
+    """The ``mask_mod`` for ``causal_offset``: key ``j`` visible to query ``i`` iff
+    ``j <= i + offset``. Every mask shares this code and closes over a tensor, so a compiled
+    FlexAttention serves every offset with one graph."""
+
+    def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx <= q_idx + offset
+
+    return visible
 
 
 @functools.lru_cache(maxsize=256)
 def _block_mask(q_len: int, k_len: int, offset: int, device: str) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return kv_idx <= q_idx + offset
+    mask_mod = offset_mask(torch.tensor(offset, device=device))
+    return create_block_mask(mask_mod, None, None, q_len, k_len, device=device)
 
-    return create_block_mask(visible, None, None, q_len, k_len, device=device)
+
+def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    from torch._dynamo import exc
+
+    return tuple(
+        getattr(exc, name)
+        for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+        if hasattr(exc, name)
+    )
 
 
 class FlexKernel:
-    """FlexAttention per block. ``attention`` replaces ``flex_attention`` (tests pass a
-    differentiable stand-in with the same signature to check the backward rule on CPU)."""
+    """FlexAttention per block.
 
-    def __init__(self, attention: Attention | None = None) -> None:
+    ``attention`` replaces ``flex_attention`` (tests pass a differentiable stand-in with the same
+    signature to check the backward rule on CPU); ``compile`` replaces :func:`compile_flex`;
+    ``compiled_devices`` are the device types that run the compiled function (CUDA; tests add
+    CPU with an eager-backend compile to watch dynamo's guards).
+    """
+
+    def __init__(
+        self,
+        attention: Attention | None = None,
+        compile: Compile = compile_flex,
+        compiled_devices: Collection[str] = ("cuda",),
+    ) -> None:
         from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
         self._aux = AuxRequest(lse=True)
         self._eager: Attention = attention or flex_attention
-        self._compiled: Attention | None = attention
+        self._compile = compile
+        self._compiled_devices = frozenset(compiled_devices)
+        self._compiled: Attention | None = None
+        self.uncompiled_calls = 0
 
-    def _attention(self, device: torch.device) -> Attention:
-        if device.type == "cpu":
-            return self._eager
-        if self._compiled is None:
-            self._compiled = torch.compile(self._eager, dynamic=False)
-        return self._compiled
+    def _call(self, device: torch.device, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        with warnings.catch_warnings():
+            # Eager FlexAttention warns that it is unfused: the CPU target declares it, and a
+            # compiled target's fallback gets its own warning below.
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch")
+            if device.type in self._compiled_devices:
+                if self._compiled is None:
+                    self._compiled = self._compile(self._eager)
+                try:
+                    return self._compiled(*args, **kwargs)
+                except _recompile_limit_errors() as error:
+                    self._fell_back(error)
+            return self._eager(*args, **kwargs)
+
+    def _fell_back(self, error: BaseException) -> None:
+        if not self.uncompiled_calls:
+            warnings.warn(
+                "FlexAttention hit torch.compile's recompile limit and runs uncompiled (unfused, "
+                f"every score materialised) for these shapes: {str(error).splitlines()[0]}",
+                FlexFallbackWarning,
+                stacklevel=5,
+            )
+        self.uncompiled_calls += 1
 
     def _run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
@@ -72,18 +162,16 @@ class FlexKernel:
         if options.needs_mask(q_len, k_len):
             assert options.causal_offset is not None
             mask = _block_mask(q_len, k_len, options.causal_offset, str(q.device))
-        with warnings.catch_warnings():
-            # Eager CPU FlexAttention warns that it is unfused; the CPU target declares as much.
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch")
-            out, aux = self._attention(q.device)(
-                q,
-                k,
-                v,
-                block_mask=mask,
-                scale=options.scale,
-                enable_gqa=q.shape[1] != k.shape[1],
-                return_aux=self._aux,
-            )
+        out, aux = self._call(
+            q.device,
+            q,
+            k,
+            v,
+            block_mask=mask,
+            scale=options.scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_aux=self._aux,
+        )
         return out, aux.lse
 
     def forward(
@@ -147,13 +235,9 @@ FLEX_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
+        batch_limit=BatchLimit(problems=GRID_LIMIT, problems_x_kv_heads=GRID_LIMIT),
     ),
     priority=-10,
     priority_rules=(PriorityRule(20, "cuda"),),
     description="FlexAttention with the causal offset as a block mask",
 )
-
-
-@hookimpl
-def ringdilated_kernels() -> list[KernelSpec]:
-    return [FLEX_SPEC]

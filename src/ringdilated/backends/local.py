@@ -9,9 +9,8 @@ import torch
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["LocalCommunicator"]
+__all__ = ["LOCAL_SPEC", "LocalCommunicator"]
 
 
 class _Done:
@@ -52,8 +51,3 @@ LOCAL_SPEC = CommunicatorSpec(
     distributed=False,
     description="one process; no communication",
 )
-
-
-@hookimpl
-def ringdilated_communicators() -> list[CommunicatorSpec]:
-    return [LOCAL_SPEC]

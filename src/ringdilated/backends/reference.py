@@ -14,9 +14,8 @@ from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import Capabilities, KernelSpec, Target
 from ringdilated.core.kernel import BlockOptions
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["ReferenceKernel"]
+__all__ = ["REFERENCE_SPEC", "ReferenceKernel"]
 
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -88,17 +87,12 @@ REFERENCE_SPEC = KernelSpec(
     name="reference",
     factory=ReferenceKernel,
     capabilities=Capabilities(
-        targets=(Target("cpu", _FLOATS), Target("cuda", _FLOATS)),
+        targets=(Target("cpu", _FLOATS), Target("cuda", _FLOATS), Target("rocm", _FLOATS)),
         causal=True,
         backward=True,
         dropout=True,
         gqa=True,
     ),
     priority=0,
-    description="plain PyTorch math; O(L^2) memory per block; any device and dtype; dropout",
+    description="plain PyTorch math; O(L^2) memory per block; CPU, CUDA, ROCm; any dtype; dropout",
 )
-
-
-@hookimpl
-def ringdilated_kernels() -> list[KernelSpec]:
-    return [REFERENCE_SPEC]

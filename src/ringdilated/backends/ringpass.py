@@ -18,9 +18,8 @@ import torch.distributed as dist
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["RingPassCommunicator", "Works", "point_to_point"]
+__all__ = ["RINGPASS_SPEC", "RingPassCommunicator", "Works", "point_to_point"]
 
 
 @attrs.frozen
@@ -83,8 +82,3 @@ RINGPASS_SPEC = CommunicatorSpec(
     distributed=True,
     description="point-to-point rotation (isend/irecv), overlapped with compute",
 )
-
-
-@hookimpl
-def ringdilated_communicators() -> list[CommunicatorSpec]:
-    return [RINGPASS_SPEC]

@@ -1,27 +1,32 @@
 """PyTorch's own fused attention kernels, called through their aten ops so the lse comes back.
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
-  float32, float64; any head dim; grouped-query heads natively; no dropout). A fully masked row
-  comes back with ``lse = 0``; this kernel reports ``-inf`` as the contract says.
-- CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward (float32 and float16 from
-  compute capability 5.0, bfloat16 from 8.0; head dims that are multiples of 8). Its lse is padded
-  to a multiple of 32 rows; the pad is cut off forward and restored for backward. Key/value heads
-  are repeated for grouped-query attention. Not yet verified on GPU hardware in this project's CI.
+  float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
+  tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
+  reports ``-inf`` as the contract says.
+- CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
+  (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
+  8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
+  hands the ops follows torch's kernel source (see :class:`EfficientAttention`) and is checked on
+  FakeTensor ``cuda`` tensors and against a stand-in that reads memory the way the kernel does.
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
+from ringdilated.backends._memeff import finite_lse, packed_bmhk, padded_bias, padded_lse
 from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.capabilities import Capabilities, KernelSpec, Target
+from ringdilated.core.capabilities import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, Target
 from ringdilated.core.kernel import BlockOptions
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["SdpaKernel"]
+__all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
 _aten = torch.ops.aten
 _NEG_INF = float("-inf")
@@ -39,7 +44,7 @@ def _additive_mask(
 def _mask_args(
     q: torch.Tensor, k: torch.Tensor, options: BlockOptions
 ) -> tuple[bool, torch.Tensor | None]:
-    """``(is_causal, additive mask)`` for the block."""
+    """``(is_causal, additive (q_len, k_len) mask)`` for the block."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     if not options.needs_mask(q_len, k_len):
         return False, None
@@ -49,26 +54,16 @@ def _mask_args(
     return False, _additive_mask(q_len, k_len, options.causal_offset, q.dtype, q.device)
 
 
-def _without_neg_inf(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The ops recompute ``P = exp(s - lse)``; an empty row has every ``s = -inf``, so any finite
-    stand-in gives ``P = 0`` where ``-inf`` would give NaN."""
-    lse = lse.to(dtype)
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
-class SdpaKernel:
-    """PyTorch's fused attention kernels behind the kernel contract."""
+class CpuFlashAttention:
+    """The CPU path: PyTorch's flash attention for CPU, through its aten ops."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        if q.device.type == "cpu":
-            out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
-            )
-        else:
-            out, lse = _cuda_forward(q, k, v, is_causal, mask, options.scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
+        )
         empty_rows = options.visible_rows_start()
         if empty_rows:
             lse[..., :empty_rows] = _NEG_INF
@@ -85,81 +80,139 @@ class SdpaKernel:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        lse = _without_neg_inf(lse, accumulation_dtype(q.dtype))
-        if q.device.type == "cpu":
-            dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=options.scale
-            )
-            return dq, dk, dv
-        return _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, options.scale)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            finite_lse(lse, accumulation_dtype(q.dtype)),
+            0.0,
+            is_causal,
+            attn_mask=mask,
+            scale=options.scale,
+        )
+        return dq, dk, dv
 
 
-def _cuda_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
-    if mask is None:
-        return None
-    q_len, k_len = mask.shape
-    # The efficient kernel wants the bias's last dim 16-aligned in memory.
-    aligned = torch.empty(q_len, -(-k_len // 16) * 16, dtype=mask.dtype, device=mask.device)
-    bias = aligned[:, :k_len].copy_(mask)
-    return bias.expand(q.shape[0], q.shape[1], q_len, k_len)
+EfficientForward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+EfficientBackward = Callable[..., tuple[Any, Any, Any, Any]]
 
 
-def _cuda_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h = q.shape[1]
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        q,
-        repeat_kv(k, h),
-        repeat_kv(v, h),
-        _cuda_bias(mask, q),
-        True,
-        0.0,
-        is_causal,
-        scale=scale,
-    )
-    return out, lse[..., : q.shape[-2]]
+class EfficientAttention:
+    """The CUDA path: ``aten._scaled_dot_product_efficient_attention`` and its backward.
+
+    What the ops get, from torch's ``mem_eff_attention`` kernels (``kernel_backward.h``,
+    ``attention_backward.cu``), not from their docs:
+
+    - ``out`` in the backward: the kernel reads it with a hard-coded row stride
+      (``o_strideM() = head_dim_value * num_heads``) when computing ``rowsum(dout * out)`` in half
+      precision, so it must be laid out as contiguous ``(N, L, H, D)``, which is what the forward
+      returns. The driver's ``out`` is a strided selection, so it is packed here
+      (:func:`packed_bmhk`).
+    - ``lse`` in the backward: float32, contiguous in the row dimension (there is no lse row
+      stride), read up to a multiple of 32 rows: :func:`padded_lse`.
+    - ``dout``: the op makes it contiguous itself. ``q``, ``k``, ``v``: read through their
+      strides; only the last dimension must be contiguous (it is, in the kernel contract).
+    - the bias: 4-D, last dimension contiguous, rows aligned, pad zeroed: :func:`padded_bias`.
+
+    ``forward_op`` and ``backward_op`` default to the aten ops; tests pass stand-ins that read
+    memory as the CUDA kernels do.
+    """
+
+    def __init__(
+        self,
+        forward_op: EfficientForward | None = None,
+        backward_op: EfficientBackward | None = None,
+    ) -> None:
+        self._forward: EfficientForward = (
+            forward_op or _aten._scaled_dot_product_efficient_attention
+        )
+        self._backward: EfficientBackward = (
+            backward_op or _aten._scaled_dot_product_efficient_attention_backward
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        is_causal, mask = _mask_args(q, k, options)
+        heads = q.shape[1]
+        out, lse, _, _ = self._forward(
+            q,
+            repeat_kv(k, heads),
+            repeat_kv(v, heads),
+            padded_bias(mask, q),
+            True,
+            0.0,
+            is_causal,
+            scale=options.scale,
+        )
+        lse = lse.narrow(-1, 0, q.shape[-2])
+        empty_rows = options.visible_rows_start()
+        if empty_rows:
+            lse.narrow(-1, 0, min(empty_rows, q.shape[-2])).fill_(_NEG_INF)
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        is_causal, mask = _mask_args(q, k, options)
+        heads = q.shape[1]
+        unused = torch.empty((), dtype=torch.long)  # philox seed and offset: no dropout
+        dq, dk, dv, _ = self._backward(
+            dout,
+            q,
+            repeat_kv(k, heads),
+            repeat_kv(v, heads),
+            padded_bias(mask, q),
+            packed_bmhk(out),
+            padded_lse(lse),
+            unused,
+            unused,
+            0.0,
+            [True, True, True, False],
+            is_causal,
+            scale=options.scale,
+        )
+        return dq, sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
 
 
-def _cuda_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    is_causal: bool,
-    mask: torch.Tensor | None,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    h, q_len = q.shape[1], q.shape[-2]
-    padded = torch.zeros(
-        *lse.shape[:-1], -(-q_len // 32) * 32, dtype=torch.float32, device=q.device
-    )
-    padded[..., :q_len] = lse
-    seed = torch.empty((), dtype=torch.long)
-    offset = torch.empty((), dtype=torch.long)
-    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout,
-        q,
-        repeat_kv(k, h),
-        repeat_kv(v, h),
-        _cuda_bias(mask, q),
-        out,
-        padded,
-        seed,
-        offset,
-        0.0,
-        [True, True, True, False],
-        is_causal,
-        scale=scale,
-    )
-    return dq, sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
+class SdpaKernel:
+    """PyTorch's fused attention kernels behind the kernel contract: the CPU flash op on CPU
+    tensors, the memory-efficient op on CUDA tensors."""
+
+    def __init__(
+        self, cpu: CpuFlashAttention | None = None, cuda: EfficientAttention | None = None
+    ) -> None:
+        self._cpu = cpu or CpuFlashAttention()
+        self._cuda = cuda or EfficientAttention()
+
+    def _path(self, q: torch.Tensor) -> CpuFlashAttention | EfficientAttention:
+        return self._cpu if q.device.type == "cpu" else self._cuda
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._path(q).forward(q, k, v, options)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._path(q).backward(dout, q, k, v, out, lse, options)
 
 
 SDPA_SPEC = KernelSpec(
@@ -191,12 +244,8 @@ SDPA_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
+        batch_limit=BatchLimit(problems=GRID_LIMIT),
     ),
     priority=100,
     description="PyTorch's fused attention ops (flash for CPU; memory-efficient on CUDA)",
 )
-
-
-@hookimpl
-def ringdilated_kernels() -> list[KernelSpec]:
-    return [SDPA_SPEC]

@@ -1,16 +1,27 @@
-"""xformers' memory-efficient attention (its CUTLASS operators) behind the kernel contract.
+"""xformers' memory-efficient attention (its ``cutlass`` operators) behind the kernel contract.
 
 Forward is ``xformers.ops.fmha.memory_efficient_attention_forward_requires_grad`` (``(out,
 lse)``), backward ``memory_efficient_attention_backward`` fed the final merged ``out`` and
-``lse``; both with the CUTLASS operators forced, so what this kernel declares is what those
+``lse``; both with the ``cutlass`` operators forced, so what this kernel declares is what those
 operators declare: CUDA compute capability 5.0 to 9.0, float16 and float32 (bfloat16 from 8.0),
-head dims that are multiples of 8. The CUTLASS operators have no "partial" mode, which is why
-``memory_efficient_attention_partial`` is not used: the lse from ``forward_requires_grad`` is the
-same quantity. Causal offsets use ``LowerTriangularFromBottomRightMask`` in at most two calls
-(:mod:`ringdilated.core.causal`). Key/value heads are repeated for grouped-query attention.
+head dims that are multiples of 8. Read against xformers 0.0.35, whose ``cutlass`` operators are
+torch's own ``aten._efficient_attention_forward``/``_backward``, so the layout rules of
+:mod:`ringdilated.backends._memeff` apply: ``out`` is handed over as packed ``(N, L, H, D)`` (the
+backward hard-codes its row stride), and the lse as float32 padded to 32 rows with ``+inf``
+(xformers passes an lse already padded to 32 through unchanged, except on sm75). The raw aten
+kernels do not split batches beyond the 65535 launch-grid limit, so the kernel declares it.
 
-Not yet verified on GPU hardware in this project's CI; the wrapper is tested on CPU against a
-stand-in module with xformers' documented semantics (``tests/standins``).
+The CUTLASS operators have no "partial" mode, which is why ``memory_efficient_attention_partial``
+is not used: the lse from ``forward_requires_grad`` is the same quantity. Causal offsets use
+``LowerTriangularFromBottomRightMask`` in at most two calls (:mod:`ringdilated.core.causal`).
+Key/value heads are repeated for grouped-query attention.
+
+``import xformers`` succeeds, with a logged warning only, when its compiled part fails to load (a
+wheel built for another torch); xformers then rejects every CUDA call ("xFormers wasn't build with
+CUDA support"). The factory asks xformers the same questions (its build flags and its operators'
+``is_available()``) and raises ``ImportError`` with the answer, so the resolver falls back with
+that reason instead of choosing a kernel that cannot run. Not yet run on GPU hardware by this
+project.
 """
 
 from __future__ import annotations
@@ -21,23 +32,51 @@ from typing import Any
 import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
-from ringdilated.core.capabilities import Capabilities, KernelSpec, PriorityRule, Target
+from ringdilated.backends._memeff import packed_bmhk, padded_lse
+from ringdilated.core.capabilities import (
+    GRID_LIMIT,
+    BatchLimit,
+    Capabilities,
+    KernelSpec,
+    PriorityRule,
+    Target,
+)
 from ringdilated.core.causal import BottomRightKernel
-from ringdilated.plugins.hookspecs import hookimpl
 
-__all__ = ["XFORMERS_SPEC", "XformersKernel"]
+__all__ = ["XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
 
 
 def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def unusable_reasons(fmha: Any) -> list[str]:
+    """Why xformers' ``cutlass`` operators cannot run here, asked the way xformers asks itself
+    (``AttentionOpBase.not_supported_reasons``: the build flag, and the operators' availability)."""
+    reasons = []
+    common = getattr(fmha, "common", None)
+    built_with_cuda = getattr(common, "_built_with_cuda", True)
+    if not built_with_cuda and torch.version.hip is None:
+        reasons.append(
+            "xFormers wasn't built with CUDA support: its compiled extension did not load "
+            "(a wheel built for another torch or CUDA?); see python -m xformers.info"
+        )
+    for op in (fmha.cutlass.FwOp, fmha.cutlass.BwOp):
+        if not op.is_available():
+            reasons.append(f"xformers operator {getattr(op, 'NAME', op.__name__)} is not available")
+    return reasons
+
+
 class XformersKernel(BottomRightKernel):
-    """xformers CUTLASS kernels. Construction imports ``xformers.ops.fmha``."""
+    """xformers CUTLASS kernels. Construction imports ``xformers.ops.fmha`` and raises
+    ``ImportError`` with xformers' own reasons when its operators cannot run."""
 
     def __init__(self) -> None:
         self._fmha: Any = importlib.import_module("xformers.ops.fmha")
-        self._cutlass: Any = importlib.import_module("xformers.ops.fmha.cutlass")
+        self._cutlass: Any = self._fmha.cutlass
+        reasons = unusable_reasons(self._fmha)
+        if reasons:
+            raise ImportError("; ".join(reasons))
 
     def _bias(self, causal: bool) -> object:
         return self._fmha.attn_bias.LowerTriangularFromBottomRightMask() if causal else None
@@ -67,14 +106,11 @@ class XformersKernel(BottomRightKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h, q_len = q.shape[1], q.shape[-2]
-        # The CUTLASS operators keep the lse padded to 32 rows; give them that layout.
-        padded = torch.zeros(*lse.shape[:-1], -(-q_len // 32) * 32, device=q.device)
-        padded[..., :q_len] = lse
+        h = q.shape[1]
         dq, dk, dv = self._fmha.memory_efficient_attention_backward(
             _bmhk(dout),
-            _bmhk(out),
-            padded,
+            _bmhk(packed_bmhk(out)),
+            padded_lse(lse),
             _bmhk(q),
             _bmhk(repeat_kv(k, h)),
             _bmhk(repeat_kv(v, h)),
@@ -112,13 +148,9 @@ XFORMERS_SPEC = KernelSpec(
         dropout=False,
         gqa=True,
         requires=("xformers",),
+        batch_limit=BatchLimit(problems=GRID_LIMIT),
     ),
     priority=50,
     priority_rules=(PriorityRule(150, "cuda", min_capability=(7, 0), max_capability=(7, 5)),),
     description="xformers memory-efficient attention (CUTLASS): Maxwell to Hopper",
 )
-
-
-@hookimpl
-def ringdilated_kernels() -> list[KernelSpec]:
-    return [XFORMERS_SPEC]

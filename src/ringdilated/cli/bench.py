@@ -153,7 +153,7 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
 
 
 def rank_task(config: dict[str, Any]) -> dict[str, Any]:
-    """A :class:`~ringdilated.testing.workers.Workers` task: :func:`measure` on this rank."""
+    """A :class:`~ringdilated.pool.Workers` task: :func:`measure` on this rank."""
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, config["threads"]))
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     }
     pool = None
     if args.world_size > 1:
-        from ringdilated.testing.workers import Workers
+        from ringdilated.pool import Workers
 
         pool = Workers(args.world_size)
     rows = []

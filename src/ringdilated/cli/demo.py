@@ -71,7 +71,7 @@ def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> 
 
 
 def rank_task(config: dict[str, Any]) -> dict[str, Any]:
-    """A :class:`~ringdilated.testing.workers.Workers` task: this rank's half, timed."""
+    """A :class:`~ringdilated.pool.Workers` task: this rank's half, timed."""
     import torch.distributed as dist
 
     from ringdilated.functional import default_resolver
@@ -94,9 +94,10 @@ def _fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import ringdilated
+    from ringdilated.core.capabilities import Request
     from ringdilated.core.pattern import DilationPattern
+    from ringdilated.pool import Workers
     from ringdilated.testing import FLOORS, max_error
-    from ringdilated.testing.workers import Workers
 
     config = {
         "length": args.length,
@@ -112,12 +113,12 @@ def run(args: argparse.Namespace) -> int:
             f"--world-size must be at least 2 and divide --length {args.length}, "
             f"got {args.world_size}"
         )
-    attn = ringdilated.DilatedAttention(config["segments"], config["rates"], causal=True)
     print(
         f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "
         f"{config['segments']}, rates {config['rates']}, causal, float32\n"
     )
-    print(attn.plan.explain())
+    request = Request(head_dim=args.head_dim, causal=True, backward=True)
+    print(ringdilated.default_resolver().resolve(request).explain())
     print(ringdilated.default_resolver().explain_communicator(args.world_size, True, "ringpass"))
     _run_once(config, torch.float32)  # warm-up
     single = _fastest([_run_once(config, torch.float32) for _ in range(REPEATS)])

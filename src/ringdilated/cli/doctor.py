@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nplugins:")
     print(load_registry().describe())
     request = Request(
-        device.type,
+        env.device_type(device),
         dtype,
         args.head_dim,
         env.capability(device),

@@ -1,8 +1,11 @@
-"""Run the conformance kits against every installed backend; non-zero exit on any failure.
+"""Run the conformance kits against every installed backend; non-zero exit unless all passed.
 
 Kernels are checked on ``--device`` where they declare a target there (others are listed as
-skipped, with why); distributed communicators on real gloo groups of ``--world-sizes`` ranks.
-Needs the test extra (``pip install 'ringdilated[test]'``).
+skipped, with why); distributed communicators on real gloo groups of ``--world-sizes`` ranks
+(CPU only: on another device they are listed as skipped). The exit status is 1 when a backend
+failed its checks, when one that declares ``--device`` could not run there (unavailable), and
+when nothing at all was verified (no CUDA device for ``--device cuda``, say). Needs the test
+extra (``pip install -e '.[test]'``).
 """
 
 from __future__ import annotations
@@ -10,13 +13,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+
 from ringdilated.cli.progress import progress, table
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--max-examples", type=int, default=10, help="hypothesis examples/check")
     parser.add_argument("--world-sizes", default="2,4", help="gloo group sizes for communicators")
     parser.add_argument("--only", action="append", default=[], help="check only these backends")
@@ -46,6 +51,8 @@ def _communicator_row(
 
     if not spec.distributed:
         return ("skipped", "serves one process (every kernel check exercises it)", "")
+    if args.device != "cpu":
+        return ("skipped", "checked on gloo (CPU) groups: run with --device cpu", "")
     try:
         report = check_communicator(
             name, world_sizes=sizes, pools=pools, max_examples=args.max_examples
@@ -58,15 +65,38 @@ def _communicator_row(
     return ("pass", "matches-local", runs)
 
 
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--world-sizes must be comma-separated ints, got {text!r}") from None
+    if not sizes or any(s < 2 for s in sizes):
+        raise ValueError(f"--world-sizes must name group sizes of at least 2, got {text!r}")
+    return sizes
+
+
+def _device_problem(name: str) -> str | None:
+    """Why nothing can be verified on ``--device name`` here (``None``: it exists)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as exc:
+        message = f"--device must be a torch device such as cpu or cuda, got {name!r}"
+        raise ValueError(message) from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}, but torch.cuda.is_available() is False on this machine"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import hypothesis  # noqa: F401
     except ModuleNotFoundError:
-        raise RuntimeError("verify needs the test extra: pip install 'ringdilated[test]'") from None
+        raise RuntimeError("verify needs the test extra: pip install -e '.[test]'") from None
+    if args.max_examples < 1:
+        raise ValueError(f"--max-examples must be at least 1, got {args.max_examples}")
+    sizes = _world_sizes(args.world_sizes)
     from ringdilated.functional import default_resolver
-    from ringdilated.testing.workers import Workers
 
-    sizes = [int(x) for x in args.world_sizes.split(",") if x.strip()]
     resolver = default_resolver()
     backends: list[tuple[str, str, Any]] = [
         ("kernel", n, s) for n, s in sorted(resolver.specs.items())
@@ -77,21 +107,37 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--only names unknown backends: {', '.join(sorted(unknown))}")
     if args.only:
         backends = [b for b in backends if b[1] in args.only]
+    problem = _device_problem(args.device)
+    if problem is not None:
+        print(f"nothing was verified: {problem}")
+        return 1
+    from ringdilated.pool import Workers
+
     pools: dict[int, Any] = {}
     rows = []
+    labels = [f"{kind} {name}" for kind, name, _ in backends]
     try:
-        for kind, name, spec in progress(backends, "verify", enabled=not args.no_progress):
+        for label in progress(labels, "verify", enabled=not args.no_progress):
+            kind, name, spec = backends[labels.index(label)]
             if kind == "kernel":
                 rows.append((kind, name, *_kernel_row(name, spec, args)))
                 continue
-            if spec.distributed:
+            if spec.distributed and args.device == "cpu":
                 for size in sizes:
-                    pools.setdefault(size, Workers(size))
+                    if size not in pools:
+                        pools[size] = Workers(size)
             rows.append((kind, name, *_communicator_row(name, spec, sizes, pools, args)))
     finally:
         for pool in pools.values():
             pool.close()
     print(table(rows, ["kind", "backend", "result", "checks", "notes"]))
-    failed = [r for r in rows if r[2] == "FAIL"]
-    print(f"\n{len(rows) - len(failed)} of {len(rows)} backends without failures")
-    return 1 if failed else 0
+    counts = {r: sum(1 for row in rows if row[2] == r) for r in ("pass", "FAIL", "unavailable")}
+    skipped = len(rows) - sum(counts.values())
+    print(
+        f"\non {args.device}: {counts['pass']} passed, {counts['FAIL']} failed, "
+        f"{counts['unavailable']} unavailable, {skipped} skipped"
+    )
+    if not counts["pass"]:
+        print(f"nothing was verified on {args.device}")
+        return 1
+    return 1 if counts["FAIL"] or counts["unavailable"] else 0

@@ -19,7 +19,9 @@ import torch
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
+    "GRID_LIMIT",
     "PACKAGES_ENV_VAR",
+    "BatchLimit",
     "Capabilities",
     "Environment",
     "KernelSpec",
@@ -48,8 +50,10 @@ def _cc(capability: tuple[int, int] | None) -> str:
 class Request:
     """What an attention call needs, frozen and hashable so resolutions can be cached.
 
-    ``head_dim`` is ``None`` when not yet known (a module before its first call).
-    ``compute_capability`` is ``(major, minor)`` for CUDA devices, ``None`` otherwise.
+    ``device_type`` is ``"cpu"``, ``"cuda"`` (NVIDIA), ``"rocm"`` (a ``cuda`` device of a ROCm
+    build of torch: its kernels differ, so targets tell them apart) or another torch device type.
+    ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
+    CUDA devices, ``None`` otherwise.
     """
 
     device_type: str = "cpu"
@@ -73,13 +77,12 @@ class Request:
         env: Environment | None = None,
     ) -> Request:
         """The request for attention over ``q`` ``(B, L, H, D)`` and ``k`` ``(B, L, Hkv, D)``."""
-        device = q.device
-        capability = (env or Environment()).capability(device)
+        env = env or Environment()
         return cls(
-            device_type=device.type,
+            device_type=env.device_type(q.device),
             dtype=q.dtype,
             head_dim=q.shape[-1],
-            compute_capability=capability,
+            compute_capability=env.capability(q.device),
             causal=causal,
             backward=backward,
             dropout=dropout,
@@ -117,12 +120,15 @@ class Environment:
 
     ``packages``: importable top-level package names; ``None`` asks ``importlib`` each time.
     ``compute_capability``: reported for every CUDA device instead of the real one (``None``:
-    ask the device). :meth:`from_environ` reads both from ``RINGDILATED_PACKAGES``
-    (comma-separated names) and ``RINGDILATED_COMPUTE_CAPABILITY`` (e.g. ``8.0``).
+    ask the device). ``rocm``: whether torch's ``cuda`` devices are AMD GPUs (``None``: ask
+    ``torch.version.hip``). :meth:`from_environ` reads the first two from
+    ``RINGDILATED_PACKAGES`` (comma-separated names) and ``RINGDILATED_COMPUTE_CAPABILITY``
+    (e.g. ``8.0``).
     """
 
     packages: frozenset[str] | None = None
     compute_capability: tuple[int, int] | None = None
+    rocm: bool | None = None
 
     @classmethod
     def from_environ(cls) -> Environment:
@@ -140,9 +146,14 @@ class Environment:
             return name in self.packages
         return importlib.util.find_spec(name) is not None
 
+    def device_type(self, device: torch.device) -> str:
+        """``device.type``, except ``"rocm"`` for the ``cuda`` devices of a ROCm build."""
+        rocm = self.rocm if self.rocm is not None else torch.version.hip is not None
+        return "rocm" if device.type == "cuda" and rocm else device.type
+
     def capability(self, device: torch.device) -> tuple[int, int] | None:
-        """The compute capability of a CUDA ``device`` (``None`` for other devices)."""
-        if device.type != "cuda":
+        """The compute capability of an NVIDIA ``device`` (``None`` for other devices)."""
+        if self.device_type(device) != "cuda":
             return None
         if self.compute_capability is not None:
             return self.compute_capability
@@ -207,8 +218,38 @@ class Target:
 
 
 @attrs.frozen
+class BatchLimit:
+    """How many independent problems (the ``N`` of the kernel layout) one kernel call may hold.
+
+    Kernels that put the batch into a CUDA launch-grid dimension (``gridDim.y`` and ``gridDim.z``
+    are capped at 65535) declare it. ``problems``: ``N`` at most this; ``problems_x_kv_heads``:
+    ``N`` times the call's key/value heads at most this (a grid dimension holding both). The
+    driver splits its calls to respect both; no request is rejected for them.
+    """
+
+    problems: int | None = None
+    problems_x_kv_heads: int | None = None
+
+    def per_call(self, kv_heads: int) -> int | None:
+        """The most problems a call with ``kv_heads`` key/value heads may hold (``None``: any)."""
+        limits = [self.problems] if self.problems is not None else []
+        if self.problems_x_kv_heads is not None:
+            limits.append(max(1, self.problems_x_kv_heads // max(1, kv_heads)))
+        return min(limits, default=None)
+
+
+#: The CUDA limit on ``gridDim.y`` and ``gridDim.z``.
+GRID_LIMIT = 65535
+#: No limit on problems per call.
+UNLIMITED = BatchLimit()
+
+
+@attrs.frozen
 class Capabilities:
-    """Everything a backend supports, as data. See :meth:`reasons`."""
+    """Everything a backend supports, as data. See :meth:`reasons`.
+
+    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`).
+    """
 
     targets: tuple[Target, ...]
     causal: bool = True
@@ -216,6 +257,18 @@ class Capabilities:
     dropout: bool = False
     gqa: bool = True
     requires: tuple[str, ...] = ()
+    batch_limit: BatchLimit = UNLIMITED
+
+    def target_for(self, request: Request) -> Target | None:
+        """The first declared target that serves ``request``'s device, dtype and head dim."""
+        return next(
+            (
+                t
+                for t in self.targets
+                if t.device_type == request.device_type and not t.reasons(request)
+            ),
+            None,
+        )
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
         """Every reason this backend cannot serve ``request`` (empty: it can)."""

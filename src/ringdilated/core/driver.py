@@ -26,10 +26,12 @@ import attrs
 import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
+from ringdilated.core.capabilities import UNLIMITED, BatchLimit
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
 __all__ = [
+    "BatchLimitedKernel",
     "DilatedAttentionFunction",
     "Executor",
     "Run",
@@ -50,6 +52,8 @@ class Run:
     so results are copied rather than merged. ``causal`` selects the diagonal mask in every block.
     ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
+    ``batch_limit``: how many problems one kernel call may hold (the kernel's declared grid
+    limit, :class:`~ringdilated.core.capabilities.BatchLimit`).
     """
 
     kernel: Kernel = attrs.field(eq=False)
@@ -61,6 +65,7 @@ class Run:
     dropout_seed: int = 0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     complete: bool = True
+    batch_limit: BatchLimit = UNLIMITED
 
     def chunks(self, batch: int, seq_len: int, head_dim: int) -> Iterator[_Chunk]:
         """Every kernel call of the pattern, in a fixed order (backward replays the same one)."""
@@ -68,7 +73,12 @@ class Run:
         for block in self.blocks:
             per_segment = block.selection.count * block.heads.num_heads * head_dim
             for batches, selection in _split(
-                block.selection, batch, seq_len, per_segment, self.chunk_elements
+                block.selection,
+                batch,
+                seq_len,
+                per_segment,
+                self.chunk_elements,
+                self.batch_limit.per_call(block.heads.num_kv_heads),
             ):
                 options = BlockOptions(
                     scale=self.scale,
@@ -98,14 +108,22 @@ class Run:
 
 
 def _split(
-    selection: Selection, batch: int, seq_len: int, per_segment: int, budget: int
+    selection: Selection,
+    batch: int,
+    seq_len: int,
+    per_segment: int,
+    budget: int,
+    max_batch: int | None = None,
 ) -> Iterator[tuple[slice, Selection]]:
-    """Pieces of ``selection`` x batch whose kernel-layout views need no copy, within budget.
+    """Pieces of ``selection`` x batch whose kernel-layout views need no copy, within budget,
+    each holding at most ``max_batch`` problems (batch rows times segments).
 
     Batch and segment dimensions merge into one kernel batch dimension as a view only when the
     segments tile the whole sequence (or there is one segment); otherwise go one batch at a time.
     """
     segments = max(1, budget // max(1, per_segment))
+    if max_batch is not None:
+        segments = min(segments, max_batch)
     tiles = selection.num_segments == 1 or (selection.start == 0 and selection.stop == seq_len)
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)
@@ -297,6 +315,50 @@ def lse_gradient(
     return dq, dk
 
 
+class BatchLimitedKernel:
+    """``kernel`` with every call split along the problem dimension ``N`` to its
+    :class:`~ringdilated.core.capabilities.BatchLimit`, results concatenated: for calls the driver
+    cannot split by segments (a sharded run's crossing pieces hold one problem per batch row)."""
+
+    def __init__(self, kernel: Kernel, limit: BatchLimit) -> None:
+        self.kernel, self.limit = kernel, limit
+
+    def _pieces(self, n: int, kv_heads: int) -> list[slice] | None:
+        """Slices of at most the limit, or ``None`` when one call may take all ``n``."""
+        step = self.limit.per_call(kv_heads)
+        if step is None or n <= step:
+            return None
+        return [slice(i, i + step) for i in range(0, n, step)]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces = self._pieces(q.shape[0], k.shape[1])
+        if pieces is None:
+            return self.kernel.forward(q, k, v, options)
+        parts = [self.kernel.forward(q[p], k[p], v[p], options) for p in pieces]
+        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pieces = self._pieces(q.shape[0], k.shape[1])
+        if pieces is None:
+            return self.kernel.backward(dout, q, k, v, out, lse, options)
+        parts = [
+            self.kernel.backward(dout[p], q[p], k[p], v[p], out[p], lse[p], options) for p in pieces
+        ]
+        dq, dk, dv = (torch.cat([part[i] for part in parts]) for i in range(3))
+        return dq, dk, dv
+
+
 class Executor(Protocol):
     """Runs one attention call's forward and backward: :class:`Run` on one process,
     :class:`~ringdilated.core.sharded.ShardedRun` on a shard."""
@@ -373,9 +435,11 @@ def pattern_run(
     dropout_seed: int,
     complete: bool = True,
     blocks: tuple[Block, ...] | None = None,
+    batch_limit: BatchLimit = UNLIMITED,
 ) -> Run:
     """The :class:`Run` of one call: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
-    (``blocks`` replaces them, e.g. a shard's inner blocks), scale defaulting to ``1/sqrt(D)``."""
+    (``blocks`` replaces them, e.g. a shard's inner blocks), scale defaulting to ``1/sqrt(D)``,
+    no kernel call holding more problems than ``batch_limit`` allows."""
     _, length, heads, dim = q.shape
     return Run(
         kernel=kernel,
@@ -386,4 +450,5 @@ def pattern_run(
         dropout_p=float(dropout_p),
         dropout_seed=dropout_seed,
         complete=complete,
+        batch_limit=batch_limit,
     )

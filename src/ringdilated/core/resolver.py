@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.capabilities import UNLIMITED, BatchLimit, Environment, KernelSpec, Request
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.kernel import Kernel
@@ -40,7 +40,12 @@ class ResolutionError(ValueError):
 
 @attrs.frozen
 class Plan:
-    """The resolver's decision for one request: the chosen kernel and every rejection."""
+    """The resolver's decision for one request: the chosen kernel and every rejection.
+
+    ``batch_limit`` is the chosen kernel's declared limit on problems per call (its launch
+    grid), which the driver honours when it splits the work; ``target_note`` is the note of the
+    declared target that serves the request (e.g. "eager FlexAttention: forward only, unfused").
+    """
 
     request: Request
     kernel_name: str
@@ -49,14 +54,17 @@ class Plan:
     forced_by: str | None = None
     plugin_failures: tuple[str, ...] = ()
     priorities: tuple[tuple[str, int], ...] = ()
+    batch_limit: BatchLimit = UNLIMITED
+    target_note: str = ""
 
     def explain(self) -> str:
         """A human-readable account: the request, the choice and why each other one lost."""
         priority = dict(self.priorities)
         lines = [f"request: {self.request.describe()}"]
         how = f"forced by {self.forced_by}" if self.forced_by else "highest priority that fits"
+        note = f": {self.target_note}" if self.target_note else ""
         lines.append(
-            f"kernel: {self.kernel_name} (priority {priority.get(self.kernel_name)}, {how})"
+            f"kernel: {self.kernel_name} (priority {priority.get(self.kernel_name)}, {how}){note}"
         )
         for name, reasons in self.rejected:
             if reasons:
@@ -87,6 +95,16 @@ class Resolver:
 
     def names(self) -> tuple[str, ...]:
         return tuple(sorted(self.specs))
+
+    def check_kernel_name(self, kernel: object) -> None:
+        """Raise unless ``kernel`` is ``"auto"`` or the name of a known kernel (no request yet)."""
+        if not isinstance(kernel, str):
+            raise TypeError(f"kernel must be 'auto' or a backend name (str), got {kernel!r}")
+        if kernel != "auto" and kernel not in self.specs:
+            raise ValueError(
+                f"unknown kernel {kernel!r}; known kernels: "
+                f"{', '.join(self.names()) or 'none'}, or 'auto'"
+            )
 
     def resolve(self, request: Request, kernel: str = "auto") -> Plan:
         """The plan for ``request``: ``kernel`` is ``"auto"`` or a backend name to force."""
@@ -137,6 +155,8 @@ class Resolver:
             forced_by=forced_by,
             plugin_failures=self.plugin_failures,
             priorities=tuple((s.name, s.priority_for(request)) for s in ranked),
+            batch_limit=spec.capabilities.batch_limit,
+            target_note=getattr(spec.capabilities.target_for(request), "note", ""),
         )
 
     def explain_communicator(

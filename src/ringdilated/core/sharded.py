@@ -29,7 +29,13 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.communicator import Communicator, Pending
-from ringdilated.core.driver import Run, lse_gradient, run_backward, run_forward
+from ringdilated.core.driver import (
+    BatchLimitedKernel,
+    Run,
+    lse_gradient,
+    run_backward,
+    run_forward,
+)
 from ringdilated.core.kernel import BlockOptions, Kernel
 from ringdilated.core.shard import Crossing, Payload, ShardPlan, payload
 
@@ -47,7 +53,9 @@ class ShardedRun:
 
     @property
     def kernel(self) -> Kernel:
-        return self.inner.kernel
+        """The kernel for crossing pieces (one problem per batch row), split to the kernel's
+        declared batch limit where the batch exceeds it."""
+        return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

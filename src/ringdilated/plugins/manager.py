@@ -39,12 +39,12 @@ import pluggy
 from ringdilated.core.capabilities import KernelSpec
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.plugins import hookspecs
+from ringdilated.plugins.builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, BuiltinPlugin
 
 __all__ = [
     "ALLOW_ENV_VAR",
     "AUTOLOAD_ENV_VAR",
     "BLOCK_ENV_VAR",
-    "BUILTIN_PLUGINS",
     "STRICT_ENV_VAR",
     "PluginError",
     "PluginInfo",
@@ -58,16 +58,6 @@ AUTOLOAD_ENV_VAR = "RINGDILATED_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV_VAR = "RINGDILATED_ALLOW_PLUGINS"
 BLOCK_ENV_VAR = "RINGDILATED_BLOCK_PLUGINS"
 STRICT_ENV_VAR = "RINGDILATED_STRICT_PLUGINS"
-BUILTIN_PLUGINS = (
-    "ringdilated.backends.sdpa",
-    "ringdilated.backends.reference",
-    "ringdilated.backends.flash",
-    "ringdilated.backends.xformers",
-    "ringdilated.backends.flex",
-    "ringdilated.backends.local",
-    "ringdilated.backends.ringpass",
-    "ringdilated.backends.allgather",
-)
 
 
 class PluginWarning(UserWarning):
@@ -160,7 +150,7 @@ def _entry_points() -> Sequence[importlib.metadata.EntryPoint]:
 
 
 def build_registry(
-    builtins: Iterable[str] = BUILTIN_PLUGINS,
+    builtins: Iterable[BuiltinPlugin] = BUILTIN_PLUGINS,
     *,
     autoload: bool | None = None,
     allowed: Iterable[str] | None = None,
@@ -171,13 +161,21 @@ def build_registry(
     """Build a registry. An argument left ``None`` comes from its environment variable.
 
     ``allowed``: entry-point names to load (``None`` or empty: all). ``blocked``: entry-point
-    names or built-in module names to skip. ``strict``: raise :class:`PluginError` on the first
-    failing plugin instead of warning and skipping it.
+    names or built-in plugin names (``ringdilated.backends.sdpa``) to skip; blocking an
+    essential built-in (``local``, ``reference``) raises :class:`PluginError`. ``strict``: raise
+    :class:`PluginError` on the first failing plugin instead of warning and skipping it.
     """
     if autoload is None:
         autoload = not _env_flag(AUTOLOAD_ENV_VAR)
     allow = frozenset(allowed) if allowed is not None else _names(ALLOW_ENV_VAR)
     block = frozenset(blocked) if blocked is not None else _names(BLOCK_ENV_VAR)
+    essential = sorted(block & ESSENTIAL_PLUGINS)
+    if essential:
+        raise PluginError(
+            f"plugin(s) {', '.join(map(repr, essential))} cannot be blocked: they are essential "
+            f"(one-process calls and the fallback kernel need them); remove them from "
+            f"{BLOCK_ENV_VAR} or blocked="
+        )
     strict = _env_flag(STRICT_ENV_VAR) if strict is None else strict
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
@@ -199,14 +197,11 @@ def build_registry(
         else:
             infos[info.name] = info
 
-    for module_name in builtins:
-        if module_name in block:
+    for builtin in builtins:
+        if builtin.name in block:
             continue
-        dist, version = _distribution_of(module_name)
-        register(
-            importlib.import_module(module_name),
-            PluginInfo(module_name, "built-in", dist, version),
-        )
+        dist, version = _distribution_of(builtin.name)
+        register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
     if autoload:
         for ep in _entry_points_safely(entry_points, fail):
             if ep.name in block or (allow and ep.name not in allow):

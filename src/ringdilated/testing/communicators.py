@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
+from ringdilated.pool import Workers
 from ringdilated.testing._oracle import oracle
 from ringdilated.testing._tolerance import FLOORS, max_error
 from ringdilated.testing.conformance import ConformanceError
-from ringdilated.testing.workers import Workers
 
 __all__ = [
     "COMMUNICATOR_CHECKS",

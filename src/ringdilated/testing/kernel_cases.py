@@ -1,0 +1,272 @@
+"""The problems the kernel conformance kit draws, and the float64 references it judges them by.
+
+A :class:`KernelCase` is one kernel-level problem: ``q (n, heads, q_len, D)`` against
+``k, v (n, kv_heads, k_len, D)`` with a scale and a causal offset. Real kernels break where
+shape-only tests never look, so :func:`kernel_cases` draws, within what a backend declares:
+
+- lengths past the usual tile sizes (64 and 128 rows): about one draw in five is 129 to 300 long;
+- every head dim the backend declares, up to 256 (most draws small, about one in five large);
+- the strided inputs the driver really passes (``layout="strided"``): dilated selections of a
+  ``(n, L, H, D)`` buffer, so the sequence stride is ``rate * H * D`` and heads are a slice of a
+  larger head dimension; and contiguous ``(n, heads, L, D)`` inputs (``layout="contiguous"``);
+- batches of 1 to 5 problems.
+
+:class:`CaseSpace` bounds all of this; the default is the kit's, and a narrower one shows what a
+dimension catches (a wrong kernel that passes without it and fails with it).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from hypothesis import strategies as st
+
+from ringdilated.core.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.kernel import BlockOptions
+
+__all__ = [
+    "DEFAULT_SPACE",
+    "LAYOUTS",
+    "CaseSpace",
+    "KernelCase",
+    "contract_backward",
+    "dense",
+    "kernel_cases",
+]
+
+LAYOUTS = ("contiguous", "strided")
+
+
+@attrs.frozen
+class CaseSpace:
+    """Bounds of the drawn problems.
+
+    ``max_len``: longest ``q_len``/``k_len``; lengths above ``short_len`` are drawn about one time
+    in ``long_every``. ``max_head_dim``: the largest head dim drawn (the backend's own limit
+    applies too); head dims above ``small_head_dim`` are drawn about one time in ``large_every``.
+    ``layouts``: which input layouts to draw. ``max_batch``: the largest ``n``.
+    """
+
+    max_len: int = 300
+    short_len: int = 24
+    long_every: int = 5
+    max_head_dim: int = 256
+    small_head_dim: int = 64
+    large_every: int = 5
+    layouts: tuple[str, ...] = LAYOUTS
+    max_batch: int = 5
+
+    def __attrs_post_init__(self) -> None:
+        unknown = set(self.layouts) - set(LAYOUTS)
+        if unknown or not self.layouts:
+            raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {self.layouts}")
+
+
+DEFAULT_SPACE = CaseSpace()
+
+
+@attrs.frozen
+class KernelCase:
+    """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``.
+
+    ``layout="strided"``: each input is a view of a larger ``(n, length * rate, heads + 1, D)``
+    buffer, every ``rate``-th position from ``offset`` and heads ``1 .. heads``, permuted to
+    kernel layout: exactly the kind of view :mod:`ringdilated.core.driver` hands a kernel.
+    """
+
+    n: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    k_len: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+    causal_offset: int | None
+    seed: int
+    device: str = "cpu"
+    layout: str = "contiguous"
+    rate: int = 1
+    offset: int = 0
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed)
+        shapes = (
+            (self.n, self.heads, self.q_len, self.head_dim),
+            (self.n, self.kv_heads, self.k_len, self.head_dim),
+            (self.n, self.kv_heads, self.k_len, self.head_dim),
+        )
+        q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+        return tuple(self.lay_out(x.to(self.device, self.dtype)) for x in (q, k, v))  # type: ignore[return-value]
+
+    def lay_out(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``(n, heads, L, D)``, or an lse ``(n, heads, L)``) in this case's layout: as is,
+        or a copy in a strided view of a NaN-filled buffer, as the driver selects from its
+        ``(B, L, H, D)`` tensors and ``(B, H, L)`` lse (a kernel that reads outside the view
+        gets NaN, never plausible numbers)."""
+        if self.layout == "contiguous":
+            return x
+        n, heads, length = x.shape[:3]
+        span = self.offset + (length - 1) * self.rate + 1
+        if x.dim() == 3:
+            buffer = torch.full((n, heads + 1, span), float("nan"), dtype=x.dtype, device=x.device)
+            view = buffer[:, 1:, self.offset :: self.rate]
+        else:
+            shape = (n, span, heads + 1, x.shape[3])
+            buffer = torch.full(shape, float("nan"), dtype=x.dtype, device=x.device)
+            view = buffer[:, self.offset :: self.rate, 1:].transpose(1, 2)
+        return view.copy_(x)
+
+    def options(self) -> BlockOptions:
+        return BlockOptions(scale=self.scale, causal_offset=self.causal_offset)
+
+
+def _length(d: st.DrawFn, space: CaseSpace) -> int:
+    if space.max_len > space.short_len and d(st.integers(1, space.long_every)) == 1:
+        return d(st.integers(min(space.max_len, 129), space.max_len))
+    return d(st.integers(1, min(space.short_len, space.max_len)))
+
+
+def _head_dim(d: st.DrawFn, multiple: int, limit: int, space: CaseSpace) -> int:
+    top = max(1, min(limit, space.max_head_dim) // multiple)
+    small = max(1, min(top, space.small_head_dim // multiple))
+    if top > small and d(st.integers(1, space.large_every)) == 1:
+        return multiple * d(st.integers(small + 1, top))
+    return multiple * d(st.integers(1, small))
+
+
+def kernel_cases(
+    spec: KernelSpec,
+    device: str = "cpu",
+    env: Environment | None = None,
+    *,
+    causal: bool | None = None,
+    backward: bool = True,
+    space: CaseSpace = DEFAULT_SPACE,
+) -> st.SearchStrategy[KernelCase]:
+    """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
+
+    ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
+    ``backward``: draw only problems whose request needs (and the backend declares) gradients.
+    """
+    env = env or Environment.from_environ()
+    capability = env.capability(torch.device(device))
+    targets = [t for t in spec.capabilities.targets if t.device_type == device]
+    if not targets:
+        raise ValueError(f"kernel {spec.name!r} declares no target on {device!r}")
+
+    @st.composite
+    def draw(d: st.DrawFn) -> KernelCase:
+        dtype = d(st.sampled_from(sorted({dt for t in targets for dt in t.dtypes}, key=str)))
+        multiple = max(t.head_dim_multiple for t in targets)
+        limit = min((t.max_head_dim for t in targets if t.max_head_dim), default=256)
+        head_dim = _head_dim(d, multiple, limit, space)
+        kv_heads = d(st.integers(1, 3))
+        heads = kv_heads * (d(st.integers(1, 3)) if spec.capabilities.gqa else 1)
+        q_len, k_len = _length(d, space), _length(d, space)
+        offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
+        if causal is None:
+            offsets = st.none() | offsets if spec.capabilities.causal else st.none()
+        elif not causal:
+            offsets = st.none()
+        offset = d(offsets)
+        layout = d(st.sampled_from(space.layouts))
+        strided = layout == "strided"
+        case = KernelCase(
+            n=d(st.integers(1, space.max_batch)),
+            heads=heads,
+            kv_heads=kv_heads,
+            q_len=q_len,
+            k_len=k_len,
+            head_dim=head_dim,
+            dtype=dtype,
+            scale=d(st.floats(0.05, 1.0)),
+            causal_offset=offset,
+            seed=d(st.integers(0, 2**31 - 1)),
+            device=device,
+            layout=layout,
+            rate=d(st.integers(1, 3)) if strided else 1,
+            offset=d(st.integers(0, 2)) if strided else 0,
+        )
+        request = Request(
+            device_type=device,
+            dtype=dtype,
+            head_dim=head_dim,
+            compute_capability=capability,
+            causal=offset is not None,
+            gqa=heads != kv_heads,
+            backward=backward,
+        )
+        d(st.just(None).filter(lambda _: not spec.reasons(request, env)))
+        return case
+
+    return draw()
+
+
+def _visible(q_len: int, k_len: int, offset: int | None, device: torch.device) -> torch.Tensor:
+    if offset is None:
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    cols = torch.arange(k_len, device=device).unsqueeze(0)
+    return cols <= torch.arange(q_len, device=device).unsqueeze(1) + offset
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    group = q.shape[1] // k.shape[1]
+    return q.to(dtype) @ k.to(dtype).repeat_interleave(group, 1).transpose(-1, -2) * scale
+
+
+def dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    offset: int | None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd)."""
+    group = q.shape[1] // k.shape[1]
+    vd = v.to(dtype).repeat_interleave(group, 1)
+    s = _scores(q, k, scale, dtype)
+    visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
+    empty = ~visible.any(-1, keepdim=True)
+    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(empty.squeeze(-1), float("-inf"))
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    return p @ vd, lse
+
+
+def contract_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    offset: int | None,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel contract's backward in plain dense ops in ``dtype``, given ``out`` and ``lse``.
+
+    ``P = exp(scale * q k^T - lse)``, ``D = rowsum(dout * out)``, ``dS = P * (dout v^T - D)``.
+    In float64 this is what an exact kernel returns: its distance from the true gradient is
+    what the contract's own rounding of ``out`` (to the input dtype) and ``lse`` (to float32)
+    costs any kernel. In the input dtype it is the plain dense computation of the same
+    gradient, with the cancellation in ``dout v^T - D`` that fused kernels share.
+    """
+    group = q.shape[1] // k.shape[1]
+    kd, vd = (x.to(dtype).repeat_interleave(group, 1) for x in (k, v))
+    s = _scores(q, k, scale, dtype)
+    visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
+    lse_d = lse.to(dtype)
+    finite = torch.where(torch.isneginf(lse_d), torch.zeros_like(lse_d), lse_d)
+    p = torch.exp(s - finite.unsqueeze(-1)).masked_fill(~visible, 0.0)
+    do = dout.to(dtype)
+    delta = (do * out.to(dtype)).sum(-1, keepdim=True)
+    ds = p * (do @ vd.transpose(-1, -2) - delta) * scale
+    n, kv_heads, k_len, dim = k.shape
+
+    def fold(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(n, kv_heads, group, k_len, dim).sum(2)
+
+    return ds @ kd, fold(ds.transpose(-1, -2) @ q.to(dtype)), fold(p.transpose(-1, -2) @ do)

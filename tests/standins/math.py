@@ -1,0 +1,85 @@
+"""Attention in float64 for the stand-ins, in the ``(B, L, H, D)`` layout the packages use."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attend", "bottom_right", "grads", "top_left"]
+
+
+def bottom_right(q_len: int, k_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """flash-attn's and xformers' causal mask: key ``j`` visible iff ``j <= i + k_len - q_len``."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    return torch.arange(k_len, device=device).unsqueeze(0) <= rows + (k_len - q_len)
+
+
+def top_left(q_len: int, k_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The memory-efficient kernel's ``is_causal``: key ``j`` visible iff ``j <= i``."""
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
+    return torch.arange(k_len, device=device).unsqueeze(0) <= rows
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, L, Hkv, D)`` to float64 ``(B, heads, L, D)``, grouped heads repeated."""
+    return x.double().transpose(1, 2).repeat_interleave(heads // x.shape[2], 1)
+
+
+def scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(B, H, Lq, Lk)`` float64 scores; ``bias`` ``(B, H, Lq, Lk)`` is added."""
+    s = q.double().transpose(1, 2) @ _expand(k, q.shape[2]).transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.double()
+    return s if visible is None else s.masked_fill(~visible, float("-inf"))
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Lq, H, D) float64, lse (B, H, Lq) float64)``; ``lse = -inf`` on empty rows."""
+    s = scores(q, k, scale, visible, bias)
+    lse = torch.logsumexp(s, -1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - lse.masked_fill(empty, 0).unsqueeze(-1))
+    out = p @ _expand(v, q.shape[2])
+    return out.transpose(1, 2), lse
+
+
+def grads(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused kernels' backward given ``out`` and ``lse`` (``P = exp(s - lse)``,
+    ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    s = scores(q, k, scale, visible, bias)
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    do = dout.double().transpose(1, 2)
+    d = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
+    ds = p * (do @ _expand(v, heads).transpose(-1, -2) - d)
+    dq = ds @ _expand(k, heads) * scale
+    dk = ds.transpose(-1, -2) @ q.double().transpose(1, 2) * scale
+    dv = p.transpose(-1, -2) @ do
+
+    def fold(x: torch.Tensor) -> torch.Tensor:
+        b, h, n, e = x.shape
+        return x.view(b, kv_heads, h // kv_heads, n, e).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2), fold(dk), fold(dv)

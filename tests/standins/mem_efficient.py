@@ -1,0 +1,197 @@
+"""Stand-ins for torch's memory-efficient attention CUDA kernels, on CPU, in float64.
+
+:func:`kernel_forward` and :func:`kernel_backward` are ``aten._efficient_attention_forward`` and
+``_efficient_attention_backward`` on ``(B, M, H, K)`` views: they read memory the way the CUDA
+kernels do (``kernel_forward.h``, ``kernel_backward.h``, ``attention_backward.cu`` of torch 2.13),
+so a wrapper that hands them the wrong layout gets wrong numbers here, as it would on hardware:
+
+- backward, half precision: ``out`` is read with the hard-coded row stride
+  ``o_strideM() = head_dim_value * num_heads`` (only its batch and head strides are taken from
+  the tensor) when computing ``rowsum(dout * out)``; float32 computes that on the host with the
+  real strides.
+- backward: ``logsumexp`` is read as float32, with row stride 1 and ``ceil32(M)`` rows
+  (``kAlignLSE``) per (batch, head); a pad row that is NaN or ``-inf`` (rather than ``+inf``) leaks
+  NaN into dk and dv (``0 * NaN`` in the padded tile).
+- the bias is loaded 128 bits at a time, so each row is read up to the next multiple of 8 (half)
+  or 4 (float) elements; the backward does not mask what it read past ``k_len``, so a non-finite
+  value there makes dq NaN.
+- ``grad_out`` is made contiguous by the host; q, k, v are read through their strides, which must
+  keep the last dimension contiguous and be aligned to 4 elements.
+- forward: ``out`` is ``(B, M, H, K)``-contiguous; ``logsumexp`` is float32 ``(B, H, ceil32(M))``
+  with ``+inf`` pad rows and ``0`` for rows with no visible key.
+
+:func:`efficient_attention` and :func:`efficient_attention_backward` are the SDPA-level aten ops
+(``_scaled_dot_product_efficient_attention[_backward]``, ``(B, H, L, D)`` arguments), which
+transpose to those views and call the kernels, as ``attention.cu`` does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tests.standins.math import attend, grads, top_left
+from tests.standins.memory import read_as
+
+__all__ = [
+    "efficient_attention",
+    "efficient_attention_backward",
+    "kernel_backward",
+    "kernel_forward",
+]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LSE_ALIGN = 32
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _vector(dtype: torch.dtype) -> int:
+    """Elements in one 128-bit load."""
+    return 128 // (torch.empty((), dtype=dtype).element_size() * 8)
+
+
+def _check_bmhk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    _check(q.dim() == k.dim() == v.dim() == 4, "query, key, value must be 4-D")
+    _check(q.dtype in _DTYPES, f"unsupported dtype {q.dtype}")
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key, value must share a dtype")
+    b, _, h, d = q.shape
+    _check(k.shape[0] == b and k.shape[2] == h and k.shape[3] == d, "key shape")
+    _check(v.shape[:3] == k.shape[:3], "value shape")
+    for x in (q, k, v):  # check_supported: kMinimumAlignment is 4 elements from sm75
+        _check(x.stride(-1) == 1, "last dimension must be contiguous")
+        for s in x.stride()[:-1]:
+            _check(s % 4 == 0, f"stride {s} not aligned to 4 elements")
+        _check(x.storage_offset() % 4 == 0, "data pointer not aligned")
+
+
+def _read_bias(
+    bias: torch.Tensor | None, shape: tuple[int, int, int, int], dtype: torch.dtype
+) -> tuple[torch.Tensor | None, bool]:
+    """``(bias as the scores see it, whether the over-read pad holds a non-finite value)``."""
+    if bias is None:
+        return None, False
+    _check(bias.dim() == 4, "Bias expected in BMHK format")
+    _check(tuple(bias.shape) == shape, f"bias shape {tuple(bias.shape)}, expected {shape}")
+    _check(bias.dtype == dtype, "bias must have the query's dtype")
+    _check(bias.stride(3) == 1, "attn_bias: wrong alignment (last dimension must be contiguous)")
+    vector = _vector(bias.dtype)
+    for size, stride in zip(shape[:3], bias.stride()[:3], strict=True):
+        _check(size <= 1 or stride % vector == 0, f"bias stride {stride} not aligned")
+    k_len = shape[3]
+    read = -(-k_len // vector) * vector
+    rows = read_as(bias, (*shape[:3], read), (*bias.stride()[:3], 1))
+    return rows[..., :k_len].double(), not bool(torch.isfinite(rows[..., k_len:]).all())
+
+
+def kernel_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, M, H, K) contiguous, logsumexp float32 (B, H, ceil32(M)))`` from BMHK views."""
+    _check_bmhk(q, k, v)
+    b, m, h, _ = q.shape
+    read_bias, _ = _read_bias(bias, (b, h, m, k.shape[1]), q.dtype)
+    out, lse = attend(q, k, v, scale, visible, read_bias)
+    empty = torch.isneginf(lse)
+    result = torch.empty(b, m, h, v.shape[-1], dtype=q.dtype)
+    result.copy_(out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0))
+    logsumexp = torch.full((b, h, -(-m // _LSE_ALIGN) * _LSE_ALIGN), float("inf"))
+    logsumexp[..., :m] = lse.masked_fill(empty, 0.0).float()
+    return result, logsumexp
+
+
+def kernel_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    visible: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``, each ``(B, M, H, K)``-contiguous, from BMHK views."""
+    _check_bmhk(q, k, v)
+    b, m, h, _ = q.shape
+    n, dv = k.shape[1], v.shape[-1]
+    _check(out.shape == (b, m, h, dv) and out.dtype == q.dtype, "out shape/dtype")
+    _check(grad_out.shape == out.shape, "grad_out shape")
+    _check(logsumexp.dim() == 3 and logsumexp.shape[:2] == (b, h), "logsumexp shape")
+    _check(h <= 1 or logsumexp.stride(1) % 8 == 0, "LSE is not correctly aligned (strideH)")
+    grad_out = grad_out.contiguous()  # the host copies it
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # kernel_backward.h: o_strideM() = head_dim_value * num_heads; only the batch and head
+        # strides come from the tensor.
+        out = read_as(out, (b, m, h, dv), (out.stride(0), h * dv, out.stride(2), 1))
+    rows = -(-m // _LSE_ALIGN) * _LSE_ALIGN
+    # lse_scalar_t is float; there is no lse row stride.
+    lse = read_as(logsumexp, (b, h, rows), (*logsumexp.stride()[:2], 1), torch.float32)
+    pad = lse[..., m:]
+    pad_poisons = bool((torch.isnan(pad) | torch.isneginf(pad)).any())
+    read_bias, bias_poisons = _read_bias(bias, (b, h, m, n), q.dtype)
+    dq, dk, dv_ = grads(grad_out, q, k, v, out, lse[..., :m], scale, visible, read_bias)
+    if bias_poisons:
+        dq = torch.full_like(dq, float("nan"))
+    if pad_poisons:
+        dk, dv_ = torch.full_like(dk, float("nan")), torch.full_like(dv_, float("nan"))
+    return tuple(torch.empty(g.shape, dtype=q.dtype).copy_(g) for g in (dq, dk, dv_))  # type: ignore[return-value]
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1 / math.sqrt(head_dim) if scale is None else scale
+
+
+def efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    compute_log_sumexp: bool,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._scaled_dot_product_efficient_attention`` on ``(B, H, L, D)`` arguments."""
+    assert dropout_p == 0.0 and compute_log_sumexp, "the wrapper never asks otherwise"
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BMHK views, no copy
+    visible = top_left(q.shape[1], k.shape[1]) if is_causal else None
+    out, lse = kernel_forward(q, k, v, attn_bias, visible, _scale(scale, q.shape[-1]))
+    unused = torch.empty((), dtype=torch.long)
+    return out.transpose(1, 2), lse, unused, unused
+
+
+def efficient_attention_backward(
+    grad_out_: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor | None,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    philox_seed: torch.Tensor,
+    philox_offset: torch.Tensor,
+    dropout_p: float,
+    grad_input_mask: list[bool],
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    """``aten._scaled_dot_product_efficient_attention_backward`` on ``(B, H, L, D)`` arguments."""
+    assert dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+    q, k, v, o, g = (x.transpose(1, 2) for x in (query, key, value, out, grad_out_))
+    visible = top_left(q.shape[1], k.shape[1]) if is_causal else None
+    dq, dk, dv = kernel_backward(
+        g, q, k, v, attn_bias, o, logsumexp, visible, _scale(scale, q.shape[-1])
+    )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None

@@ -1,0 +1,200 @@
+"""The sdpa CUDA path on FakeTensor ``cuda`` tensors, through torch's own meta kernels, with every
+attention op's arguments checked against what the CUDA kernels assume (torch 2.13's
+``mem_eff_attention`` sources; see :mod:`ringdilated.backends._memeff`).
+
+A CPU-only torch runs no autograd on fake CUDA tensors and cannot index them with slices, so the
+driver runs on CPU with a recording kernel, and each call it makes (forward, backward, the lse
+gradient) is replayed on fake ``cuda`` tensors with the same sizes, strides and offsets: exactly
+the strided views the driver really sends. FlexAttention cannot be replayed this way (building a
+block mask indexes with tensors, which a CPU-only torch refuses for fake CUDA tensors); its CUDA
+path is covered by the eager-backend dynamo tests in tests/test_gpu_kernel_wrappers.py.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ringdilated.backends.reference import ReferenceKernel
+from ringdilated.backends.sdpa import SDPA_SPEC, SdpaKernel
+from ringdilated.core.driver import DilatedAttentionFunction, pattern_run
+from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.pattern import DilationPattern
+
+_aten = torch.ops.aten
+LSE_ALIGN = 32
+GRID = 65535
+
+
+@attrs.frozen
+class Layout:
+    """A tensor argument as the kernel received it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage: int  # elements
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Layout:
+        storage = x.untyped_storage().nbytes() // x.element_size()
+        return cls(tuple(x.shape), x.stride(), x.storage_offset(), storage, x.dtype)
+
+    def fake(self) -> torch.Tensor:
+        base = torch.empty(self.storage, dtype=self.dtype, device="cuda")
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+class Recorder(ReferenceKernel):
+    """Computes with the reference kernel on CPU; records every call's argument layouts."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Layout, ...], BlockOptions]] = []
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        self.calls.append(("forward", tuple(map(Layout.of, (q, k, v))), options))
+        return super().forward(q, k, v, options)
+
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        args = (dout, q, k, v, out, lse)
+        self.calls.append(("backward", tuple(map(Layout.of, args)), options))
+        return super().backward(dout, q, k, v, out, lse, options)
+
+
+def _aligned(x: torch.Tensor, elements: int) -> bool:
+    return x.storage_offset() % elements == 0 and all(
+        s % elements == 0 for n, s in zip(x.shape[:-1], x.stride()[:-1], strict=True) if n > 1
+    )
+
+
+class EfficientAttentionContract(TorchDispatchMode):
+    """Checks each memory-efficient attention op's arguments against the CUDA kernels' rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def _inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            assert x.device.type == "cuda" and x.dim() == 4, name
+            assert x.stride(-1) == 1, f"{name}: last dimension must be contiguous"
+            assert _aligned(x, 4), f"{name}: strides/offset not aligned to 4 elements"
+            assert x.dtype == q.dtype, name
+        assert k.shape[1] == q.shape[1] == v.shape[1], "the op takes equal head counts"
+        assert q.shape[0] <= GRID and q.shape[1] <= GRID, "batch and heads are grid dimensions"
+
+    def _bias(self, bias: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
+        if bias is None:
+            return
+        assert bias.dim() == 4 and tuple(bias.shape) == (*q.shape[:3], k.shape[2])
+        assert bias.dtype == q.dtype and bias.stride(-1) == 1
+        assert _aligned(bias, 16), "bias rows aligned for 128-bit loads"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is _aten._scaled_dot_product_efficient_attention.default:
+            q, k, v, bias, compute_lse = args[:5]
+            self._inputs(q, k, v)
+            self._bias(bias, q, k)
+            assert compute_lse is True
+            self.seen["forward"] = self.seen.get("forward", 0) + 1
+        elif func is _aten._scaled_dot_product_efficient_attention_backward.default:
+            grad_out, q, k, v, bias, out, lse = args[:7]
+            self._inputs(q, k, v)
+            self._bias(bias, q, k)
+            assert grad_out.shape == out.shape == (*q.shape[:3], v.shape[3])
+            # kernel_backward.h: o_strideM() = head_dim_value * num_heads.
+            assert out.transpose(1, 2).is_contiguous(), f"out must be packed: {out.stride()}"
+            rows = -(-q.shape[2] // LSE_ALIGN) * LSE_ALIGN
+            assert lse.dtype == torch.float32 and lse.is_contiguous()
+            assert tuple(lse.shape) == (*q.shape[:2], rows), "lse padded to 32 rows"
+            assert lse.stride(1) % 8 == 0, "LSE is not correctly aligned (strideH)"
+            self.seen["backward"] = self.seen.get("backward", 0) + 1
+        return func(*args, **kwargs)
+
+
+def _record(
+    dtype: torch.dtype, mode: str, causal: bool, heads: int, kv_heads: int, lse_grad: bool
+) -> Recorder:
+    recorder = Recorder()
+    pattern = DilationPattern([8, 16], [1, 2], mode)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, heads, 16, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 40, kv_heads, 16, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(2, 40, kv_heads, 16, generator=g).to(dtype).requires_grad_()
+    run = pattern_run(recorder, pattern, q, k, causal=causal, scale=None, dropout_p=0.0,
+                      dropout_seed=0)  # fmt: skip
+    out, lse = DilatedAttentionFunction.apply(q, k, v, run)
+    loss = out.float().square().sum() + (lse.exp().sum() if lse_grad else 0)
+    loss.backward()
+    return recorder
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("mode", "causal", "heads", "kv_heads", "lse_grad"),
+    [
+        ("head_groups", False, 4, 4, False),
+        ("head_groups", True, 4, 2, True),
+        ("longnet", True, 4, 1, False),
+        ("longnet", False, 6, 3, True),
+    ],
+)
+def test_sdpa_cuda_path_hands_the_ops_what_the_kernels_assume(
+    dtype: torch.dtype, mode: str, causal: bool, heads: int, kv_heads: int, lse_grad: bool
+) -> None:
+    recorder = _record(dtype, mode, causal, heads, kv_heads, lse_grad)
+    assert {c[0] for c in recorder.calls} == {"forward", "backward"}
+    kernel = SdpaKernel()
+    contract = EfficientAttentionContract()
+    with FakeTensorMode(), contract:
+        for kind, layouts, options in recorder.calls:
+            tensors = [layout.fake() for layout in layouts]
+            if kind == "forward":
+                out, lse = kernel.forward(*tensors, options)
+                assert out.device.type == "cuda" and out.shape == tensors[0].shape
+                assert lse.shape == tensors[0].shape[:-1] and lse.dtype == torch.float32
+            else:
+                dout, q, k, v, out, lse = tensors
+                if lse.dtype != torch.float32:  # the reference records float64 for float64
+                    lse = lse.float()
+                grads = kernel.backward(dout, q, k, v, out, lse, options)
+                assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert contract.seen["forward"] >= 1 and contract.seen["backward"] >= 1
+
+
+def test_driver_keeps_every_call_within_the_grid_at_a_million_tokens_of_segment_4() -> None:
+    """Segment length 4 over 2**18 positions makes 65536 problems per block; the driver splits
+    them for the sdpa CUDA path's declared limit."""
+    recorder = Recorder()
+    pattern = DilationPattern([4], [1])
+    q = torch.zeros(1, 2**18, 1, 8)
+    run = pattern_run(recorder, pattern, q, q, causal=False, scale=None, dropout_p=0.0,
+                      dropout_seed=0, batch_limit=SDPA_SPEC.capabilities.batch_limit)  # fmt: skip
+    with torch.no_grad():
+        run.forward(q, q, q)
+    contract = EfficientAttentionContract()
+    with FakeTensorMode(), contract:
+        for _, layouts, options in recorder.calls:
+            SdpaKernel().forward(*(layout.fake() for layout in layouts), options)
+    assert contract.seen["forward"] == 2
+
+
+def test_the_contract_check_catches_an_unpacked_out() -> None:
+    """The check above is not vacuous: the pre-fix backward (``out`` passed as the driver's
+    strided view) fails it."""
+    contract = EfficientAttentionContract()
+    with FakeTensorMode(), contract:
+        base = torch.empty(2, 40, 4, 16, dtype=torch.float16, device="cuda")
+        view = base.as_strided((2, 2, 20, 16), (2560, 16, 128, 1), 0)  # rate 2, heads 0-1
+        lse = torch.empty(2, 2, 32, device="cuda")
+        seed = torch.empty((), dtype=torch.long)
+        with pytest.raises(AssertionError, match="out must be packed"):
+            _aten._scaled_dot_product_efficient_attention_backward(
+                view, view, view, view, None, view, lse, seed, seed, 0.0,
+                [True, True, True, False], False, scale=0.25,
+            )  # fmt: skip
