@@ -172,7 +172,14 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
         _spec(ReferenceKernel), capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, causal=False)
     )
     report = check_kernel(spec, max_examples=10)
-    assert report.passed == ("capabilities", "forward", "gradients", "split-merge", "no-mutation")
+    assert report.passed == (
+        "capabilities",
+        "forward",
+        "gradients",
+        "split-merge",
+        "no-mutation",
+        "non-finite",
+    )
     assert report.not_applicable == ("causal", "empty-rows")
 
 
@@ -223,3 +230,31 @@ def test_each_dimension_of_the_case_space_catches_a_kernel_nothing_else_does(
     with pytest.raises(ConformanceError) as info:
         check_kernel(_spec(kernel), max_examples=40, checks=(check,))
     assert info.value.check == check
+
+
+class RawCpuFlash(ReferenceKernel):
+    """PyTorch's CPU flash op with nothing around it: a NaN query row comes back as zeros."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        offset = options.causal_offset
+        mask = None
+        if offset is not None:
+            rows = torch.arange(q.shape[-2]).unsqueeze(1)
+            hidden = torch.arange(k.shape[-2]) > rows + offset
+            mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill(hidden, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=options.scale
+        )
+        if offset is not None and offset < 0:
+            lse[..., : min(-offset, q.shape[-2])] = float("-inf")
+        return out, lse
+
+
+def test_a_kernel_that_turns_nan_into_zeros_is_rejected() -> None:
+    """The bug the sdpa wrapper had: only the non-finite check catches it."""
+    spec = _spec(RawCpuFlash, frozenset({torch.float32}))
+    check_kernel(spec, max_examples=15, checks=("forward", "causal", "empty-rows"))
+    with pytest.raises(ConformanceError) as info:
+        check_kernel(spec, max_examples=30, checks=("non-finite",))
+    assert info.value.check == "non-finite"
+    assert "NaN at" in str(info.value) and "missing at" in str(info.value)

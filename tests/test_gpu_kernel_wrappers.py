@@ -367,7 +367,14 @@ def test_flex_past_the_recompile_limit_warns_once_and_stays_exact() -> None:
 
 def test_flex_on_cpu_is_forward_only_and_conforms() -> None:
     report = check_kernel("flex", max_examples=10)
-    assert report.passed == ("capabilities", "forward", "causal", "empty-rows", "no-mutation")
+    assert report.passed == (
+        "capabilities",
+        "forward",
+        "causal",
+        "empty-rows",
+        "no-mutation",
+        "non-finite",
+    )
     assert report.not_applicable == ("gradients", "split-merge")
     reasons = FLEX_SPEC.reasons(Request(head_dim=16, backward=True), Environment())
     assert reasons == (

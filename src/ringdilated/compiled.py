@@ -17,7 +17,7 @@ import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import Request
-from ringdilated.core.driver import Run, pattern_run
+from ringdilated.core.driver import Run, first_order_only, pattern_run
 from ringdilated.core.pattern import DilationPattern
 
 __all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
@@ -54,6 +54,7 @@ def _run(
         dropout_p=dropout_p,
         dropout_seed=int(seed.item()),
         batch_limit=plan.batch_limit,
+        kernel_name=plan.kernel_name,
     )
 
 
@@ -155,7 +156,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     grads = dilated_attention_backward_op(
         torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *params
     )
-    return (*grads, *(None,) * 9)
+    return (*first_order_only(grads, q), *(None,) * 9)
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)

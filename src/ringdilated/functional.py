@@ -31,7 +31,7 @@ from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard import ShardPlan, shard_plan
 from ringdilated.core.sharded import ShardedRun
-from ringdilated.core.validation import check_inputs, check_options
+from ringdilated.core.validation import check_bool, check_inputs, check_options
 from ringdilated.plugins.manager import load_registry
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
@@ -61,8 +61,12 @@ def world_size(process_group: object) -> int:
     return dist.get_world_size(process_group)
 
 
+PatternArgs = tuple[object, object, object]
+"""``(segment_lengths, dilation_rates, mode)`` not yet validated."""
+
+
 def _validate(
-    pattern: DilationPattern,
+    pattern_args: DilationPattern | PatternArgs,
     q: object,
     k: object,
     v: object,
@@ -70,17 +74,23 @@ def _validate(
     causal: object,
     scale: object,
     dropout_p: object,
+    return_lse: object,
     kernel: str,
     communicator: str,
     ranks: int,
     resolver: Resolver,
-) -> tuple[Plan, Communicator, tuple[ShardPlan, ...]]:
-    """Every check of a call; returns the kernel plan, the communicator and every rank's shard
-    plan (empty on one process)."""
+) -> tuple[DilationPattern, Plan, Communicator, tuple[ShardPlan, ...]]:
+    """Every check of a call, the pattern's included; returns the pattern, the kernel plan, the
+    communicator and every rank's shard plan (empty on one process)."""
+    pattern = (
+        pattern_args
+        if isinstance(pattern_args, DilationPattern)
+        else DilationPattern(*pattern_args)  # type: ignore[arg-type]
+    )
     q, k, v = check_inputs(q, k, v, pattern)
     check_options(scale, dropout_p)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     request = Request.for_tensors(
         q,
@@ -98,11 +108,11 @@ def _validate(
         if ranks > 1
         else ()
     )
-    return plan, resolver.communicator_for(ranks, causal, communicator, shards), shards
+    return pattern, plan, resolver.communicator_for(ranks, causal, communicator, shards), shards
 
 
 def attend(
-    pattern: DilationPattern,
+    pattern: DilationPattern | PatternArgs,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -114,21 +124,20 @@ def attend(
     process_group: object = None,
     communicator: str = "auto",
     resolver: Resolver | None = None,
+    return_lse: object = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``.
 
-    Under ``torch.compile`` a single-process call validates, then runs as one custom op
-    (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the graph).
+    ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
+    validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
+    on every rank). Under ``torch.compile`` a single-process call validates, then runs as one
+    custom op (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the
+    graph).
     """
     if process_group is None and torch.compiler.is_compiling():
+        if not isinstance(pattern, DilationPattern):
+            pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
         return _attend_compiled(
-            pattern, q, k, v, causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel
-        )
-    resolver = resolver or default_resolver()
-    ranks = world_size(process_group)
-
-    def validate() -> tuple[Plan, Communicator, tuple[ShardPlan, ...]]:
-        return _validate(
             pattern,
             q,
             k,
@@ -137,25 +146,46 @@ def attend(
             scale=scale,
             dropout_p=dropout_p,
             kernel=kernel,
+            return_lse=return_lse,
+        )
+    resolver = resolver or default_resolver()
+    ranks = world_size(process_group)
+
+    def validate() -> tuple[DilationPattern, Plan, Communicator, tuple[ShardPlan, ...]]:
+        return _validate(
+            pattern,
+            q,
+            k,
+            v,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            return_lse=return_lse,
+            kernel=kernel,
             communicator=communicator,
             ranks=ranks,
             resolver=resolver,
         )
 
+    checked: DilationPattern | None = None
     plan: Plan | None = None
     comm: Communicator | None = None
     plans: tuple[ShardPlan, ...] = ()
     if ranks == 1:
-        plan, comm, _ = validate()
+        checked, plan, comm, _ = validate()
     else:
         assert isinstance(process_group, dist.ProcessGroup)
         error: Exception | None = None
         try:
-            plan, comm, plans = validate()
+            checked, plan, comm, plans = validate()
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         signature = CallSignature(
-            pattern=(pattern.segment_lengths, pattern.dilation_rates, pattern.mode),
+            pattern=(
+                (checked.segment_lengths, checked.dilation_rates, checked.mode)
+                if checked is not None
+                else tuple(map(repr, pattern if isinstance(pattern, tuple) else (pattern,)))
+            ),
             causal=causal,
             scale=scale,
             dropout_p=dropout_p,
@@ -166,7 +196,7 @@ def attend(
             communicator=None if comm is None else type(comm).__name__,
         )
         agree(process_group, error, signature)
-    assert plan is not None and comm is not None  # validate() returned on this rank
+    assert checked is not None and plan is not None and comm is not None  # validate() returned
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     shards = None
@@ -176,7 +206,7 @@ def attend(
         comm.prepare(process_group, plans, causal)
     run = pattern_run(
         plan.kernel,
-        pattern,
+        checked,
         q,
         k,
         causal=causal,
@@ -186,6 +216,7 @@ def attend(
         complete=shards is None,
         blocks=None if shards is None else shards.inner,
         batch_limit=plan.batch_limit,
+        kernel_name=plan.kernel_name,
     )
     executor: Executor = run
     if shards is not None:
@@ -204,11 +235,12 @@ def _attend_compiled(
     scale: float | None,
     dropout_p: float,
     kernel: str,
+    return_lse: object,
 ) -> tuple[torch.Tensor, torch.Tensor, None]:
     q, k, v = check_inputs(q, k, v, pattern)
     check_options(scale, dropout_p)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    causal = check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     seed = (
         torch.randint(0, 2**62, (), dtype=torch.int64)
@@ -308,9 +340,8 @@ def dilated_attention(
 
     Raises ``TypeError``/``ValueError`` naming the offending value before any work starts.
     """
-    pattern = DilationPattern(segment_lengths, dilation_rates, mode)
     out, lse, _ = attend(
-        pattern,
+        (segment_lengths, dilation_rates, mode),
         q,
         k,
         v,
@@ -320,5 +351,6 @@ def dilated_attention(
         kernel=kernel,
         process_group=process_group,
         communicator=communicator,
+        return_lse=return_lse,
     )
     return (out, lse) if return_lse else out

@@ -76,6 +76,7 @@ class DilatedAttention(nn.Module):
             kernel=self.kernel,
             process_group=self.process_group,
             communicator=self.communicator,
+            return_lse=return_lse,
         )
         if plan is not None:  # None under torch.compile, where the op resolves in the graph
             self.plan = plan

@@ -9,6 +9,7 @@ and Xavier-normal initialisation with gain ``gamma_init`` on the value and outpu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -18,9 +19,10 @@ from torch import nn
 from ringdilated.core.dtypes import recommended_dtype
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
+from ringdilated.core.validation import check_bool
 from ringdilated.modules import DilatedAttention
 
-__all__ = ["MultiheadDilatedAttention", "resolve_dtype"]
+__all__ = ["MultiheadDilatedAttention", "positive_float", "positive_int", "resolve_dtype"]
 
 
 def resolve_dtype(
@@ -37,10 +39,22 @@ def resolve_dtype(
     return dtype
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def positive_int(name: str, value: object) -> int:
+    """``value``, or an error naming ``name`` unless it is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def positive_float(name: str, value: object) -> float:
+    """``value`` as a float, or an error naming ``name`` unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -75,19 +89,21 @@ class MultiheadDilatedAttention(nn.Module):
         dtype: torch.dtype | Literal["auto"] | None = "auto",
     ) -> None:
         super().__init__()
-        embed_dim, num_heads = _positive("embed_dim", embed_dim), _positive("num_heads", num_heads)
+        embed_dim = positive_int("embed_dim", embed_dim)
+        num_heads = positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(
                 f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
             )
-        kv_heads = num_heads if num_kv_heads is None else _positive("num_kv_heads", num_kv_heads)
+        kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if num_heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
-        if not isinstance(gamma_init, (int, float)) or gamma_init <= 0:
-            raise ValueError(f"gamma_init must be a positive number, got {gamma_init!r}")
+        for name, flag in (("bias", bias), ("layer_norm", layer_norm), ("causal", causal)):
+            check_bool(name, flag)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, kv_heads
         self.head_dim = embed_dim // num_heads
-        self.gamma_init = float(gamma_init)
+        self.gamma_init = positive_float("gamma_init", gamma_init)
+        layer_norm_eps = positive_float("layer_norm_eps", layer_norm_eps)
         factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
         kv_dim = kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

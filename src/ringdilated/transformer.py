@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from ringdilated.core.pattern import Mode
-from ringdilated.multihead import MultiheadDilatedAttention, resolve_dtype
+from ringdilated.multihead import (
+    MultiheadDilatedAttention,
+    positive_float,
+    positive_int,
+    resolve_dtype,
+)
 
 __all__ = ["DilatedTransformerBlock"]
 
@@ -48,8 +53,11 @@ class DilatedTransformerBlock(nn.Module):
         dtype: torch.dtype | Literal["auto"] | None = "auto",
     ) -> None:
         super().__init__()
+        embed_dim = positive_int("embed_dim", embed_dim)
         factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
-        ffn_dim = 4 * embed_dim if ffn_dim is None else ffn_dim
+        ffn_dim = 4 * embed_dim if ffn_dim is None else positive_int("ffn_dim", ffn_dim)
+        layer_norm_eps = positive_float("layer_norm_eps", layer_norm_eps)
+        gamma_init = positive_float("gamma_init", gamma_init)
         self.attn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
         self.attn = MultiheadDilatedAttention(
             embed_dim,
@@ -84,6 +92,11 @@ class DilatedTransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape."""
+        embed_dim = self.attn.embed_dim
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
         h = self.attn_norm(x)
         x = x + self.dropout(self.attn(h, h, h)[0])
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ringdilated.backends._dense import ExactBottomRightKernel
 from ringdilated.core.capabilities import (
     GRID_LIMIT,
     BatchLimit,
@@ -46,7 +47,6 @@ from ringdilated.core.capabilities import (
     Request,
     Target,
 )
-from ringdilated.core.causal import BottomRightKernel
 
 __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
 
@@ -78,7 +78,7 @@ def _parameters(function: Any) -> tuple[str, ...] | None:
         return None
 
 
-class FlashKernel(BottomRightKernel):
+class FlashKernel(ExactBottomRightKernel):
     """flash-attn 2 kernels. Construction imports the package, checks its version and the
     backward's parameters; any mismatch raises ``ImportError`` with the reason."""
 

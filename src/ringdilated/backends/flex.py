@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ringdilated.backends import _dense
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import (
     GRID_LIMIT,
@@ -177,6 +178,8 @@ class FlexKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v):
+            return _dense.forward(q, k, v, options)
         out, lse = self._run(q, k, v, options)
         empty = options.visible_rows_start()
         if empty:
@@ -194,6 +197,8 @@ class FlexKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v, dout):
+            return _dense.backward(dout, q, k, v, out, lse, options)
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         with torch.enable_grad():
             block_out, block_lse = self._run(qg, kg, vg, options)

@@ -3,7 +3,10 @@
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
   float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
-  reports ``-inf`` as the contract says.
+  reports ``-inf`` as the contract says. The op is wrong for non-finite inputs (a NaN query row
+  comes back as ``out = 0``, ``lse = 0``; a NaN value reaches queries that never see it), so a
+  call whose inputs hold NaN or infinity runs the exact dense math instead
+  (:mod:`ringdilated.backends._dense`); the check is one summing pass over the inputs.
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
   (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
   8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ringdilated.backends import _dense
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import finite_lse, packed_bmhk, padded_bias, padded_lse
 from ringdilated.core.accumulator import accumulation_dtype
@@ -60,6 +64,8 @@ class CpuFlashAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v):
+            return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
@@ -79,6 +85,8 @@ class CpuFlashAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v, dout):
+            return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout,
@@ -135,6 +143,8 @@ class EfficientAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v):
+            return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
         out, lse, _, _ = self._forward(
@@ -163,6 +173,8 @@ class EfficientAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _dense.all_finite(q, k, v, dout):
+            return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
         unused = torch.empty((), dtype=torch.long)  # philox seed and offset: no dropout

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ringdilated.backends._dense import ExactBottomRightKernel
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
 from ringdilated.core.capabilities import (
@@ -41,7 +42,6 @@ from ringdilated.core.capabilities import (
     PriorityRule,
     Target,
 )
-from ringdilated.core.causal import BottomRightKernel
 
 __all__ = ["XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
 
@@ -67,7 +67,7 @@ def unusable_reasons(fmha: Any) -> list[str]:
     return reasons
 
 
-class XformersKernel(BottomRightKernel):
+class XformersKernel(ExactBottomRightKernel):
     """xformers CUTLASS kernels. Construction imports ``xformers.ops.fmha`` and raises
     ``ImportError`` with xformers' own reasons when its operators cannot run."""
 

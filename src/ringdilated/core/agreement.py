@@ -3,27 +3,24 @@
 Call flow::
 
     error = None
-    try: validate locally                  # shapes, dtypes, pattern, kernel, communicator
-    except (TypeError, ValueError) as exc: error = exc
+    try: validate locally                  # pattern, shapes, dtypes, layouts, kernel, communicator
+    except Exception as exc: error = exc
     agree(group, error, CallSignature(...))    # one small all_gather_object
 
 If any rank rejected its input, every rank raises (that rank its own error, the others a
 ``ValueError`` naming it); if the ranks' signatures differ, every rank raises a ``ValueError``
-naming each differing field. No rank is left waiting in an exchange. ``RINGDILATED_RANK_CHECK=0``
-skips the gather (then a local error raises on its rank only).
+naming each differing field. No rank is left waiting in an exchange, and there is no way to skip
+the agreement: ranks whose shapes differ would otherwise exchange buffers of different sizes.
 """
 
 from __future__ import annotations
 
-import os
 from typing import cast
 
 import attrs
 import torch.distributed as dist
 
-__all__ = ["RANK_CHECK_ENV_VAR", "CallSignature", "agree"]
-
-RANK_CHECK_ENV_VAR = "RINGDILATED_RANK_CHECK"
+__all__ = ["CallSignature", "agree"]
 
 
 @attrs.frozen
@@ -51,10 +48,6 @@ class CallSignature:
 
 def agree(group: dist.ProcessGroup, error: Exception | None, signature: CallSignature) -> None:
     """Raise on every rank if any rank failed validation or the ranks' signatures differ."""
-    if os.environ.get(RANK_CHECK_ENV_VAR, "1").strip() == "0":
-        if error is not None:
-            raise error
-        return
     gathered: list[object] = [None] * dist.get_world_size(group)
     mine = (None if error is None else f"{type(error).__name__}: {error}", signature)
     dist.all_gather_object(gathered, mine, group=group)

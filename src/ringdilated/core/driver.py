@@ -28,9 +28,11 @@ import torch
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit
 from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.kernel_guard import CheckedKernel
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
 __all__ = [
+    "HIGHER_ORDER_MESSAGE",
     "BatchLimitedKernel",
     "DilatedAttentionFunction",
     "Executor",
@@ -379,6 +381,39 @@ class Executor(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+HIGHER_ORDER_MESSAGE = (
+    "ringdilated does not support higher-order gradients: the gradients of dilated_attention are "
+    "not themselves differentiable (a backward with create_graph=True gives first-order "
+    "gradients only)"
+)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Passes gradients through; differentiating them again raises :data:`HIGHER_ORDER_MESSAGE`
+    (instead of a silently wrong or an unexplained second derivative)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, anchor: torch.Tensor, *grads: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        return tuple(g.clone() for g in grads)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *args: torch.Tensor) -> None:
+        raise RuntimeError(HIGHER_ORDER_MESSAGE)
+
+
+def first_order_only(
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], anchor: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """``grads`` as they are, unless a backward is building a graph (``create_graph=True``):
+    then tied to ``anchor`` (an input that requires grad) through :class:`_FirstOrderOnly`, so a
+    second differentiation raises a clear error."""
+    if not torch.is_grad_enabled():
+        return grads
+    return _FirstOrderOnly.apply(anchor, *grads)  # type: ignore[no-untyped-call,no-any-return]
+
+
 class DilatedAttentionFunction(torch.autograd.Function):
     """``(q, k, v, executor) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
 
@@ -411,16 +446,17 @@ class DilatedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.executor.backward(  # type: ignore[attr-defined]
-            dout.contiguous(),
-            None if dlse is None else dlse.to(lse.dtype).contiguous(),
-            q,
-            k,
-            v,
-            out,
-            lse,
-        )
-        return dq, dk, dv, None
+        with torch.no_grad():
+            grads = ctx.executor.backward(  # type: ignore[attr-defined]
+                dout.contiguous(),
+                None if dlse is None else dlse.to(lse.dtype).contiguous(),
+                q,
+                k,
+                v,
+                out,
+                lse,
+            )
+        return (*first_order_only(grads, q), None)
 
 
 def pattern_run(
@@ -436,13 +472,16 @@ def pattern_run(
     complete: bool = True,
     blocks: tuple[Block, ...] | None = None,
     batch_limit: BatchLimit = UNLIMITED,
+    kernel_name: str | None = None,
 ) -> Run:
     """The :class:`Run` of one call: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks), scale defaulting to ``1/sqrt(D)``,
-    no kernel call holding more problems than ``batch_limit`` allows."""
+    no kernel call holding more problems than ``batch_limit`` allows, and every call's results
+    and inputs checked (:class:`~ringdilated.core.kernel_guard.CheckedKernel`, errors naming
+    ``kernel_name``)."""
     _, length, heads, dim = q.shape
     return Run(
-        kernel=kernel,
+        kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
         blocks=pattern.blocks(length, heads, k.shape[2]) if blocks is None else blocks,
         exclusive=pattern.mode == "head_groups",
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),

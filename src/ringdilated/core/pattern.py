@@ -204,12 +204,16 @@ class DilationPattern:
                 runs.append((i, i % self.dilation_rates[i], start, start + size))
                 start += size
             return tuple(runs)
+        # Walk the heads, not the offsets: the work is O(H) whatever the rate (a rate of 2**62
+        # must not loop 2**62 times).
         for i, r in enumerate(self.dilation_rates):
-            for offset in range(r):
-                first = -(-offset * num_heads // r)
-                stop = -(-(offset + 1) * num_heads // r)
-                if stop > first:
-                    runs.append((i, offset, first, stop))
+            first = 0
+            while first < num_heads:
+                offset = first * r // num_heads
+                # The last head whose offset (h * r) // H is still ``offset``.
+                stop = min(num_heads, -(-(offset + 1) * num_heads // r))
+                runs.append((i, offset, first, stop))
+                first = stop
         return tuple(runs)
 
     def blocks(self, seq_len: int, num_heads: int, num_kv_heads: int) -> tuple[Block, ...]:

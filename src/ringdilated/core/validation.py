@@ -8,7 +8,7 @@ import torch
 
 from ringdilated.core.pattern import DilationPattern
 
-__all__ = ["FLOAT_DTYPES", "check_inputs", "check_options"]
+__all__ = ["FLOAT_DTYPES", "check_bool", "check_inputs", "check_options"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -24,6 +24,11 @@ def check_inputs(
         isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.layout != torch.strided:
+            raise TypeError(
+                f"{name} must be a dense (strided) tensor, got layout {x.layout}; convert it with "
+                f"{name}.to_dense()"
+            )
         if x.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D (batch, seq_len, heads, head_dim), got shape {tuple(x.shape)}"
@@ -50,6 +55,13 @@ def check_inputs(
         raise ValueError(f"k and v head_dim must equal q's {D}, got {k.shape[3]}")
     pattern.check_heads(H, k.shape[2])
     return q, k, v
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value``, or ``TypeError`` naming ``name`` unless it is a bool (not merely truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def check_options(scale: object, dropout_p: object) -> None:

@@ -3,8 +3,13 @@
 Deliberately independent of :mod:`ringdilated.core`: the mask is built position by position from
 the rule in SPEC.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with explicit
 boolean tensors, in O(L^2) memory. Pattern mixing is a softmax over the multiset union of the
-patterns' keys, so the dense form adds ``log(count)`` to each score: one pattern's key adds
-``log 1 = 0``, a key no pattern selects adds ``-inf``.
+patterns' keys, so the dense form adds ``log(count)`` to each score of a key the query sees (one
+pattern's key adds ``log 1 = 0``).
+
+Exact for non-finite inputs (SPEC.md section 4): a key a query does not see takes no part at
+all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), and its value is
+never multiplied by the zero weight (``0 * inf`` is NaN): when a value is not finite the weighted
+sum runs over the seen keys only. So NaN or infinity reaches exactly the queries that see it.
 """
 
 from __future__ import annotations
@@ -89,15 +94,25 @@ def dense_attention(
     weights = pattern_weights(
         L, H, segment_lengths, dilation_rates, mode=mode, causal=causal, device=q.device
     )
+    seen = weights > 0
     # A query with no key has an all -inf row: give it finite scores so neither the values nor
     # the gradients become NaN, then make its output 0 and its lse -inf.
-    empty = (weights.sum(-1) == 0).unsqueeze(-1)
-    scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale + weights.log().to(dtype)
+    empty = ~seen.any(-1, keepdim=True)
+    raw = torch.matmul(qd, kd.transpose(-1, -2)) * scale
+    scores = torch.where(seen, raw + weights.log().to(dtype), raw.new_full((), float("-inf")))
     scores = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
-    out = torch.matmul(probs, vd).transpose(1, 2)
-    return out, lse
+    return _weighted_values(probs, vd, seen).transpose(1, 2), lse
+
+
+def _weighted_values(probs: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``sum_j probs_ij v_j`` over the keys ``j`` query ``i`` sees; a matmul when ``v`` is finite,
+    otherwise unseen keys are dropped before the product (``0 * inf`` would be NaN)."""
+    if bool(torch.isfinite(v).all()):
+        return torch.matmul(probs, v)
+    terms = probs.unsqueeze(-1) * v.unsqueeze(-3)  # (B, H, Lq, Lk, D)
+    return torch.where(seen.unsqueeze(-1), terms, terms.new_zeros(())).sum(-2)
 
 
 def oracle(

@@ -20,7 +20,10 @@ passes, batches above 2 (:mod:`ringdilated.testing.kernel_cases`; ``space=`` nar
 - ``split-merge``: keys split into two blocks, merged by the accumulator, equal the whole block,
   and the two backwards with the merged ``out``/``lse`` sum to the whole gradient (the property
   rings and pattern mixing rely on);
-- ``no-mutation``: inputs are never modified.
+- ``no-mutation``: inputs are never modified;
+- ``non-finite``: with a NaN or an infinity placed in ``q``, ``k`` or ``v``, ``out`` and ``lse``
+  are NaN, ``+inf`` and ``-inf`` exactly where the exact dense evaluation has them (a hidden key
+  reaches no query; a NaN is never turned into a finite number), and within tolerance elsewhere.
 
 Checks that need a feature the backend does not declare on the device (``causal``,
 ``empty-rows`` without causal masking; ``gradients``, ``split-merge`` on a forward-only target)
@@ -68,6 +71,7 @@ CHECKS = (
     "gradients",
     "split-merge",
     "no-mutation",
+    "non-finite",
 )
 _NEEDS_CAUSAL = frozenset({"causal", "empty-rows"})
 _NEEDS_BACKWARD = frozenset({"gradients", "split-merge"})
@@ -300,6 +304,55 @@ def _check_no_mutation(kernel: Kernel, case: KernelCase, backward: bool) -> None
             raise ConformanceError("no-mutation", f"{name} was modified in place for {case}")
 
 
+def _corrupt(case: KernelCase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's inputs with one or two elements of one of them set to NaN, +inf or -inf
+    (which, where and what follow from the seed)."""
+    tensors = list(case.tensors())
+    g = torch.Generator().manual_seed(case.seed + 3)
+    target = tensors[case.seed % 3]
+    value = (float("nan"), float("inf"), float("-inf"))[(case.seed // 3) % 3]
+    for _ in range(1 + case.seed % 2):
+        index = tuple(int(torch.randint(0, n, (), generator=g)) for n in target.shape)
+        target[index] = value
+    return tensors[0], tensors[1], tensors[2]
+
+
+def _non_finite_pattern(
+    what: str, actual: torch.Tensor, expected: torch.Tensor, case: KernelCase
+) -> None:
+    for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = test(actual), test(expected)
+        if not torch.equal(got, want):
+            raise ConformanceError(
+                "non-finite",
+                f"{what}: {name} at {int((got & ~want).sum())} entries the exact result does not "
+                f"have it and missing at {int((want & ~got).sum())} where it does, for {case}",
+            )
+
+
+def _check_non_finite(kernel: Kernel, case: KernelCase) -> None:
+    q, k, v = _corrupt(case)
+    out, lse = kernel.forward(q, k, v, case.options())
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
+    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
+    for what, actual, expected, base in (
+        ("out", out, expected_out, base_out),
+        ("lse", lse, expected_lse, base_lse),
+    ):
+        _non_finite_pattern(what, actual, expected, case)
+        finite = torch.isfinite(expected)
+        zero = torch.zeros((), dtype=expected.dtype)
+        _within(
+            "non-finite",
+            f"{what} where finite",
+            torch.where(finite, actual.to(expected.dtype), zero),
+            torch.where(finite, expected, zero),
+            torch.where(finite, base.to(expected.dtype).nan_to_num(), zero),
+            q.dtype,
+            case,
+        )
+
+
 _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
     "capabilities": _check_capabilities,
     "forward": lambda kernel, case, backward: _check_forward(kernel, case),
@@ -308,6 +361,7 @@ _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
     "gradients": lambda kernel, case, backward: _check_gradients(kernel, case),
     "split-merge": lambda kernel, case, backward: _check_split_merge(kernel, case),
     "no-mutation": _check_no_mutation,
+    "non-finite": lambda kernel, case, backward: _check_non_finite(kernel, case),
 }
 _CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
 

@@ -223,16 +223,23 @@ def dense(
     offset: int | None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd)."""
+    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd).
+
+    Exact for non-finite inputs, as the oracle is: a hidden key takes no part (its score is
+    replaced, not masked by addition, and its value is not multiplied by the zero weight).
+    """
     group = q.shape[1] // k.shape[1]
     vd = v.to(dtype).repeat_interleave(group, 1)
     s = _scores(q, k, scale, dtype)
     visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
     empty = ~visible.any(-1, keepdim=True)
-    s = s.masked_fill(~visible, float("-inf")).masked_fill(empty, 0.0)
+    s = torch.where(visible, s, s.new_full((), float("-inf"))).masked_fill(empty, 0.0)
     lse = torch.logsumexp(s, -1).masked_fill(empty.squeeze(-1), float("-inf"))
     p = torch.softmax(s, -1).masked_fill(empty, 0.0)
-    return p @ vd, lse
+    if bool(torch.isfinite(vd).all()):
+        return p @ vd, lse
+    terms = p.unsqueeze(-1) * vd.unsqueeze(-3)
+    return torch.where(visible.unsqueeze(-1), terms, terms.new_zeros(())).sum(-2), lse
 
 
 def contract_backward(

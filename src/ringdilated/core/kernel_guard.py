@@ -1,0 +1,92 @@
+"""The driver's check on every kernel call: results shaped as the contract says, inputs untouched.
+
+A kernel is trusted to compute, not to be well behaved: a plugin that returns ``out[..., :1]``
+would be broadcast into a silently wrong result, and one that writes into its inputs would change
+the caller's own ``q`` and ``v`` (the driver passes views of them). :class:`CheckedKernel` wraps
+the chosen kernel and, after every call, compares each result's shape and dtype with the
+contract and each input's version counter with its value before the call (both free next to the
+attention itself), raising :class:`KernelContractError` naming the kernel. It catches nothing:
+an exception the kernel raises passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringdilated.core.kernel import BlockOptions, Kernel
+
+__all__ = ["CheckedKernel", "KernelContractError"]
+
+
+class KernelContractError(RuntimeError):
+    """A kernel broke the kernel contract (:mod:`ringdilated.core.kernel`); the message names it."""
+
+
+def _versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    # Inference-mode tensors keep no version counter; they cannot be checked.
+    return {n: t._version for n, t in tensors.items() if not t.is_inference()}
+
+
+class CheckedKernel:
+    """``kernel`` (registered as ``name``) with its results and inputs checked on every call."""
+
+    def __init__(self, kernel: Kernel, name: str) -> None:
+        self.kernel, self.name = kernel, name
+
+    def _fail(self, message: str) -> KernelContractError:
+        return KernelContractError(f"kernel {self.name!r} broke the kernel contract: {message}")
+
+    def _untouched(self, before: dict[str, int], tensors: dict[str, torch.Tensor]) -> None:
+        changed = [n for n, v in _versions(tensors).items() if v != before.get(n, v)]
+        if changed:
+            raise self._fail(
+                f"it modified its input(s) {', '.join(changed)} in place (inputs are views of "
+                "the caller's tensors and must never be written)"
+            )
+
+    def _result(
+        self, what: str, x: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+    ) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise self._fail(f"{what} is {type(x).__name__}, not a torch.Tensor")
+        if tuple(x.shape) != shape or x.dtype not in dtypes:
+            wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise self._fail(
+                f"{what} is {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}, expected "
+                f"{shape} {wanted}"
+            )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {"q": q, "k": k, "v": v}
+        before = _versions(inputs)
+        result = self.kernel.forward(q, k, v, options)
+        self._untouched(before, inputs)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise self._fail(f"forward returned {type(result).__name__}, not (out, lse)")
+        out, lse = result
+        self._result("forward's out", out, (*q.shape[:-1], v.shape[-1]), (q.dtype,))
+        self._result("forward's lse", lse, tuple(q.shape[:-1]), (torch.float32, torch.float64))
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        before = _versions(inputs)
+        result = self.kernel.backward(dout, q, k, v, out, lse, options)
+        self._untouched(before, inputs)
+        if not isinstance(result, tuple) or len(result) != 3:
+            raise self._fail(f"backward returned {type(result).__name__}, not (dq, dk, dv)")
+        floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        for name, grad, like in zip(("dq", "dk", "dv"), result, (q, k, v), strict=True):
+            self._result(f"backward's {name}", grad, tuple(like.shape), floats)
+        return result

@@ -1,0 +1,93 @@
+"""Faults injected into sharded calls, run on every rank of a gloo pool (``Workers``).
+
+Each task makes one call in which some rank misbehaves, and reports, per rank, whether it
+raised, the exception's type and message, how long it took, and whether its inputs survived.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["call_with_fault", "slow_peer"]
+
+
+def _inputs(rank: int, world: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(3, 1, 8 * world, 2, 8, generator=g, dtype=torch.float64)
+    return tuple(x[:, 8 * rank : 8 * (rank + 1)].contiguous() for x in full)
+
+
+def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``payload['rank']`` gets fault ``payload['fault']``; every rank calls
+    ``dilated_attention`` on its shard of a 2-head, head dim 8 problem."""
+    import ringdilated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v = _inputs(rank, world)
+    kwargs: dict[str, Any] = {"process_group": dist.group.WORLD}
+    segments, rates = [16], [1]
+    if rank == payload["rank"]:
+        fault = payload["fault"]
+        if fault == "bad pattern":
+            segments, rates = [4], [8]
+        elif fault == "sparse q":
+            q = q.to_sparse()
+        elif fault == "dtype":
+            q, k, v = q.float(), k.float(), v.float()
+        elif fault == "shard length":
+            q, k, v = q[:, :4].contiguous(), k[:, :4].contiguous(), v[:, :4].contiguous()
+        elif fault == "causal":
+            kwargs["causal"] = True
+        elif fault == "head dim":
+            k = k[..., :4].contiguous()
+        elif fault == "unknown kernel":
+            kwargs["kernel"] = "nonexistent"
+        elif fault == "return_lse":
+            kwargs["return_lse"] = "yes"
+        elif fault == "mode":
+            kwargs["mode"] = "dilated"
+        elif fault == "scale":
+            kwargs["scale"] = 0.5
+        else:
+            raise AssertionError(f"unknown fault {fault!r}")
+    before = [x.clone() if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
+    start = time.monotonic()
+    try:
+        ringdilated.dilated_attention(q, k, v, segments, rates, **kwargs)
+    except Exception as exc:
+        result = {"raised": type(exc).__name__, "message": str(exc)}
+    else:
+        result = {"raised": None, "message": ""}
+    result["seconds"] = time.monotonic() - start
+    after = [x if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
+    result["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return result
+
+
+def slow_peer(payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 arrives ``payload['delay']`` seconds late; returns each rank's outcome and its
+    error against the oracle when it succeeded."""
+    import ringdilated
+    from ringdilated.testing import oracle
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
+        time.sleep(payload["delay"])
+    q, k, v = _inputs(rank, world)
+    start = time.monotonic()
+    try:
+        out = ringdilated.dilated_attention(q, k, v, [16], [1], process_group=dist.group.WORLD)
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "seconds": time.monotonic() - start}
+    shards = [_inputs(r, world) for r in range(world)]
+    full = [torch.cat(parts, 1) for parts in zip(*shards, strict=True)]
+    expected = oracle(*full, [16], [1])[:, 8 * rank : 8 * (rank + 1)]
+    return {
+        "raised": None,
+        "seconds": time.monotonic() - start,
+        "error": float((out - expected).abs().max()),
+    }

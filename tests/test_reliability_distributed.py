@@ -1,0 +1,85 @@
+"""Distributed faults: every rank raises, within a bound, with a message naming the culprit, and
+no rank's inputs change. Runs on the session's gloo pools (2 and 4 ranks) and, for faults that
+break a group (a dead or too-slow peer), on fresh pools with a short timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.distributed_harness import Workers
+
+TASKS = "tests.fault_tasks"
+BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeout involved)
+
+
+@pytest.mark.parametrize(
+    ("fault", "raised", "named"),
+    [
+        ("bad pattern", "ValueError", "dilation_rates[0] = 8 exceeds segment_lengths[0] = 4"),
+        ("sparse q", "TypeError", "q must be a dense (strided) tensor"),
+        ("dtype", "ValueError", "dtype: rank 0 'torch.float64', rank 1 'torch.float32'"),
+        ("shard length", "ValueError", "q_shape: rank 0 (1, 8, 2, 8), rank 1 (1, 4, 2, 8)"),
+        ("causal", "ValueError", "causal: rank 0 False, rank 1 True"),
+        ("head dim", "ValueError", "k and v must have the same shape"),
+        ("unknown kernel", "ValueError", "unknown kernel 'nonexistent'"),
+        ("return_lse", "TypeError", "return_lse must be a bool, got 'yes'"),
+        ("mode", "ValueError", "mode must be one of ('head_groups', 'longnet'), got 'dilated'"),
+        ("scale", "ValueError", "scale: rank 0 None, rank 1 0.5"),
+    ],
+)
+def test_a_fault_on_one_rank_raises_on_every_rank(
+    workers2: Workers, fault: str, raised: str, named: str
+) -> None:
+    results = workers2.results(f"{TASKS}:call_with_fault", {"fault": fault, "rank": 1})
+    for rank, result in enumerate(results):
+        assert result["raised"] is not None, f"rank {rank} returned for fault {fault!r}"
+        assert named in result["message"], (rank, result["message"])
+        assert result["seconds"] < BOUND_S, (rank, result["seconds"])
+        assert result["inputs_unchanged"], rank
+    assert results[1]["raised"] == raised
+    if raised != "ValueError":  # the faulty rank raises its own error; the others a ValueError
+        assert results[0]["raised"] == "ValueError"
+        assert "rank 1 rejected its input, so every rank stops" in results[0]["message"]
+
+
+def test_a_fault_on_a_middle_rank_of_four_stops_all_four(workers4: Workers) -> None:
+    results = workers4.results(f"{TASKS}:call_with_fault", {"fault": "bad pattern", "rank": 2})
+    assert [r["raised"] for r in results] == ["ValueError"] * 4
+    assert all(r["seconds"] < BOUND_S for r in results)
+    assert all("rank 2 rejected its input" in r["message"] for r in (results[0], results[3]))
+
+
+def test_a_slow_peer_within_the_timeout_is_waited_for_and_exact(workers2: Workers) -> None:
+    results = workers2.results(f"{TASKS}:slow_peer", {"delay": 1.5})
+    assert [r["raised"] for r in results] == [None, None]
+    assert results[0]["seconds"] >= 1.0, "rank 0 waited for its peer"
+    assert all(r["error"] < 1e-12 for r in results)
+
+
+def _outcomes(pool: Workers, task: str, payload: dict[str, object], limit: float) -> list:
+    for inbox in pool._inboxes:
+        inbox.put((f"{TASKS}:{task}", payload))
+    outcomes = []
+    deadline = time.monotonic() + limit
+    while len(outcomes) < pool.world_size and time.monotonic() < deadline:
+        try:
+            outcomes.append(pool._outbox.get(timeout=max(0.1, deadline - time.monotonic())))
+        except Exception:
+            break
+    return outcomes
+
+
+def test_a_peer_slower_than_the_timeout_makes_every_rank_raise() -> None:
+    """The group's timeout (3 s here) bounds how long any rank waits: the punctual rank raises
+    after it, and the late one raises when it finds its peer gone."""
+    pool = Workers(2, timeout_s=3, tasks=TASKS)
+    try:
+        outcomes = _outcomes(pool, "slow_peer", {"delay": 6.0}, limit=60)
+        assert len(outcomes) == 2, outcomes
+        for rank, ok, result in outcomes:
+            assert ok and result["raised"] is not None, (rank, result)
+            assert result["seconds"] < 20, (rank, result)
+    finally:
+        pool.close()
