@@ -128,8 +128,10 @@ def test_verify_on_a_missing_device_verifies_nothing_and_says_so(
 def test_verify_exits_non_zero_when_nothing_or_not_everything_was_checked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert main(["verify", "--max-examples", "0"]) == 1
-    assert "--max-examples must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a usage error: argparse's status 2
+        main(["verify", "--max-examples", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --max-examples: must be at least 1, got 0" in capsys.readouterr().err
     assert main(["verify", "--only", "flash", "--no-progress"]) == 1
     assert "nothing was verified on cpu" in capsys.readouterr().out
 

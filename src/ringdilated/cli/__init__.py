@@ -5,7 +5,8 @@
     ringdilated verify     the conformance kits against every installed backend
     ringdilated demo       a 2-process check of the sharded result against one process
 
-Errors print one line (``--debug``: the traceback too).
+Every flag is checked before any work. Errors print one line: status 2 for a usage error (a flag
+wrong on its own), 1 for anything else (``--debug``: the traceback instead). See docs/cli.md.
 """
 
 from ringdilated.cli.main import main

@@ -7,6 +7,8 @@ call added (Linux ``VmHWM``, reset before the call). ``--world-size N`` spawns N
 ranks, each holding ``L / N`` of the sequence; times and memory are then the slowest rank's.
 ``--dense`` adds dense ``scaled_dot_product_attention`` over the whole sequence (forward) for
 comparison; ``--device cuda`` measures on a GPU (CUDA-synchronised times, allocator peaks).
+Every flag is checked before any work, the memory the largest row needs included
+(:func:`ringdilated.cli.memory.bench_bytes`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ringdilated.cli import flags, memory
 from ringdilated.cli.progress import progress, table
 
 __all__ = ["add_arguments", "measure", "run"]
@@ -27,34 +30,34 @@ __all__ = ["add_arguments", "measure", "run"]
 DEFAULT_LENGTHS = [2048, 4096, 8192, 16384, 32768]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=_ints, default=DEFAULT_LENGTHS, help="e.g. 4096,8192")
-    parser.add_argument("--segments", type=_ints, default=[2048, 4096, 8192])
-    parser.add_argument("--rates", type=_ints, default=[1, 2, 4])
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (one process)")
+    ints = flags.int_list()
+    parser.add_argument("--lengths", type=ints, default=DEFAULT_LENGTHS, help="e.g. 4096,8192")
+    parser.add_argument("--segments", type=ints, default=[2048, 4096, 8192])
+    parser.add_argument("--rates", type=ints, default=[1, 2, 4])
+    parser.add_argument("--heads", type=flags.positive_int, default=8)
+    parser.add_argument("--head-dim", type=flags.positive_int, default=64)
+    parser.add_argument(
+        "--dtype", type=flags.dtype_name, default="float32", help="float32/fp32, bf16, fp16, fp64"
+    )
+    parser.add_argument(
+        "--device", type=flags.cpu_or_cuda, default="cpu", help="cpu or cuda (one process)"
+    )
     parser.add_argument(
         "--dense", action="store_true", help="also time dense SDPA (causal if --causal) at each L"
     )
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
     parser.add_argument("--kernel", default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--world-size", type=int, default=1, help="spawn N local gloo ranks")
-    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
-    parser.add_argument("--plot", metavar="FILE.png", help="plot time and memory (matplotlib)")
+    parser.add_argument("--repeats", type=flags.positive_int, default=3)
+    parser.add_argument(
+        "--world-size", type=flags.positive_int, default=1, help="spawn N local gloo ranks"
+    )
+    parser.add_argument("--json", type=flags.output_file, metavar="FILE", help="write rows as JSON")
+    parser.add_argument("--csv", type=flags.output_file, metavar="FILE", help="write rows as CSV")
+    parser.add_argument(
+        "--plot", type=flags.output_file, metavar="FILE.png", help="plot time and memory"
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -101,7 +104,7 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
     world = dist.get_world_size(process_group) if process_group is not None else 1
     length = config["length"]
     local = length // world
-    dtype = getattr(torch, config["dtype"])
+    dtype = flags.to_dtype(config["dtype"])
     g = torch.Generator().manual_seed(0)
     device = config.get("device", "cpu")
     q, k, v = (
@@ -178,12 +181,8 @@ def _row(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any
     return row
 
 
-def _check(args: argparse.Namespace) -> None:
-    from ringdilated.core.pattern import DilationPattern
-
-    DilationPattern(args.segments, args.rates)  # raises with the rule it breaks
-    if args.world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
+def _check_ranks(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` when ``--world-size`` conflicts with the other flags."""
     uneven = [n for n in args.lengths if n % args.world_size]
     if uneven:
         raise ValueError(f"lengths {uneven} are not divisible by --world-size {args.world_size}")
@@ -193,13 +192,65 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.dense and args.world_size > 1:
         raise ValueError("--dense times one process; drop --world-size")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+
+
+def _check_kernel(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming ``--kernel`` unless it can serve the benchmarked call."""
+    from ringdilated.core import Request
+    from ringdilated.functional import default_resolver
+
+    resolver = default_resolver()
+    device = torch.device(args.device)
+    request = Request(
+        resolver.env.device_type(device),
+        flags.to_dtype(args.dtype),
+        args.head_dim,
+        resolver.env.capability(device),
+        causal=args.causal,
+        backward=args.backward,
+    )
+    try:
+        resolver.resolve(request, args.kernel)
+    except ValueError as exc:  # ResolutionError is a ValueError
+        raise ValueError(f"--kernel {args.kernel}: {exc}") from None
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Raise ``MemoryError`` when the largest row cannot fit (see :func:`memory.bench_bytes`)."""
+    longest = max(args.lengths)
+    need = memory.bench_bytes(
+        longest,
+        args.heads,
+        args.head_dim,
+        flags.to_dtype(args.dtype),
+        world_size=args.world_size,
+        backward=args.backward,
+        dense=args.dense,
+    )
+    what = f"--lengths {longest} with --heads {args.heads}, --head-dim {args.head_dim}, "
+    what += f"--dtype {args.dtype}"
+    what += ", --backward" if args.backward else ""
+    what += ", --dense" if args.dense else ""
+    what += f", --world-size {args.world_size}" if args.world_size > 1 else ""
+    reduce = "--lengths, --heads or --head-dim"
+    drop = [flag for flag, on in (("--backward", args.backward), ("--dense", args.dense)) if on]
+    reduce += f", or drop {' and '.join(drop)}" if drop else ""
+    reduce += ", or lower --world-size" if args.world_size > 1 else ""
+    memory.require_fits("bench", need, args.device, what, reduce)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every check that needs more than one flag or this machine; all before any work."""
+    flags.check_pattern(args.segments, args.rates, args.heads)
+    _check_ranks(args)
+    flags.require_device(args.device)
+    _check_kernel(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:
             raise ValueError("--plot needs matplotlib: pip install 'ringdilated[plot]'") from None
+    _check_memory(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ One process computes the result and its gradients; two local gloo ranks compute 
 with the ring-pass communicator; both are compared with the same computation in float64 under
 SPEC.md's tolerance rule (twice the single process's own float32 error plus the floor). Prints
 the resolver's plan, times (best of 3 warm runs), GFLOP/s, bytes each rank sent, and the
-verdict.
+verdict. Every flag is checked before any work, the memory the run needs included
+(:func:`ringdilated.cli.memory.demo_bytes`).
 """
 
 from __future__ import annotations
@@ -16,18 +17,36 @@ from typing import Any
 
 import torch
 
+from ringdilated.cli import flags, memory
+
 __all__ = ["add_arguments", "run"]
 
 REPEATS = 3  # times are the best of this many warm runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--segments", default="2048,4096,8192")
-    parser.add_argument("--rates", default="1,2,4")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--length", type=flags.positive_int, default=8192)
+    parser.add_argument("--heads", type=flags.positive_int, default=8)
+    parser.add_argument("--head-dim", type=flags.positive_int, default=64)
+    parser.add_argument("--segments", type=flags.int_list(), default=[2048, 4096, 8192])
+    parser.add_argument("--rates", type=flags.int_list(), default=[1, 2, 4])
+    parser.add_argument(
+        "--world-size", type=flags.at_least(2), default=2, help="local gloo ranks (at least 2)"
+    )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Every check that needs more than one flag or this machine; all before any work."""
+    flags.check_pattern(args.segments, args.rates, args.heads)
+    if args.length % args.world_size:
+        raise ValueError(f"--world-size {args.world_size} must divide --length {args.length}")
+    need = memory.demo_bytes(args.length, args.heads, args.head_dim, args.world_size)
+    what = (
+        f"--length {args.length} with --heads {args.heads}, --head-dim {args.head_dim}, "
+        f"--world-size {args.world_size}"
+    )
+    reduce = "--length, --heads, --head-dim or --world-size"
+    memory.require_fits("demo", need, "cpu", what, reduce)
 
 
 def _inputs(config: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -99,20 +118,16 @@ def run(args: argparse.Namespace) -> int:
     from ringdilated.pool import Workers
     from ringdilated.testing import FLOORS, max_error
 
+    _check(args)
     config = {
         "length": args.length,
         "heads": args.heads,
         "head_dim": args.head_dim,
-        "segments": [int(x) for x in args.segments.split(",")],
-        "rates": [int(x) for x in args.rates.split(",")],
+        "segments": args.segments,
+        "rates": args.rates,
         "threads": max(1, torch.get_num_threads() // args.world_size),
     }
     pattern = DilationPattern(config["segments"], config["rates"])
-    if args.world_size < 2 or args.length % args.world_size:
-        raise ValueError(
-            f"--world-size must be at least 2 and divide --length {args.length}, "
-            f"got {args.world_size}"
-        )
     print(
         f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "
         f"{config['segments']}, rates {config['rates']}, causal, float32\n"

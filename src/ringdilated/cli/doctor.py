@@ -12,28 +12,35 @@ import platform
 
 import torch
 
+from ringdilated.cli import flags
+
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     parser.add_argument(
-        "--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto (the policy)"
+        "--device",
+        type=flags.device_name,
+        default=None,
+        help="cpu, cuda, cuda:1 (default: cuda if any)",
     )
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument(
+        "--dtype",
+        type=flags.dtype_or_auto,
+        default="auto",
+        help="float32/fp32, bfloat16/bf16, float16/fp16, float64/fp64 or auto (the policy)",
+    )
+    parser.add_argument("--head-dim", type=flags.positive_int, default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--world-size", type=int, default=2, help="ranks for the communicator")
+    parser.add_argument(
+        "--world-size", type=flags.positive_int, default=2, help="ranks for the communicator"
+    )
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     from ringdilated.core.dtypes import recommended_dtype
 
-    if name == "auto":
-        return recommended_dtype(device)
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"--dtype must be a floating dtype name or 'auto', got {name!r}")
-    return dtype
+    return recommended_dtype(device) if name == "auto" else flags.to_dtype(name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     from ringdilated.functional import default_resolver
     from ringdilated.plugins import load_registry
 
+    if args.device is not None:
+        flags.require_device(args.device)
     env = Environment.from_environ()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype, device)

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ringdilated.cli import bench, demo, doctor, verify
+from ringdilated.cli.flags import Parser
 
 __all__ = ["CommandError", "build_parser", "main"]
 
@@ -18,7 +19,7 @@ class CommandError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ringdilated",
         description="Exact dilated attention on pluggable kernels, one process or many.",
     )
@@ -35,9 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    """Run the command line; returns the exit status (0 ok, 1 failure).
+
+    A usage error (an unknown flag, or a flag value that is wrong on its own) is printed as one
+    line by :class:`~ringdilated.cli.flags.Parser` and raises ``SystemExit(2)``; any other error
+    is printed as one line ``ringdilated COMMAND: error: Type: message`` and returns 1.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so the line names the command
+        Parser(prog=f"{parser.prog} {args.command}").error(
+            f"unrecognized arguments: {' '.join(extra)}"
+        )
     try:
         status: int = args.run(args)
     except KeyboardInterrupt:

@@ -13,17 +13,25 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
+from ringdilated.cli import flags
 from ringdilated.cli.progress import progress, table
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    parser.add_argument("--max-examples", type=int, default=10, help="hypothesis examples/check")
-    parser.add_argument("--world-sizes", default="2,4", help="gloo group sizes for communicators")
+    parser.add_argument(
+        "--device", type=flags.device_name, default="cpu", help="cpu or cuda (default: cpu)"
+    )
+    parser.add_argument(
+        "--max-examples", type=flags.positive_int, default=10, help="hypothesis examples/check"
+    )
+    parser.add_argument(
+        "--world-sizes",
+        type=flags.int_list(minimum=2),
+        default=[2, 4],
+        help="gloo group sizes for communicators (each at least 2)",
+    )
     parser.add_argument("--only", action="append", default=[], help="check only these backends")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -65,36 +73,12 @@ def _communicator_row(
     return ("pass", "matches-local", runs)
 
 
-def _world_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--world-sizes must be comma-separated ints, got {text!r}") from None
-    if not sizes or any(s < 2 for s in sizes):
-        raise ValueError(f"--world-sizes must name group sizes of at least 2, got {text!r}")
-    return sizes
-
-
-def _device_problem(name: str) -> str | None:
-    """Why nothing can be verified on ``--device name`` here (``None``: it exists)."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError) as exc:
-        message = f"--device must be a torch device such as cpu or cuda, got {name!r}"
-        raise ValueError(message) from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {name}, but torch.cuda.is_available() is False on this machine"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import hypothesis  # noqa: F401
     except ModuleNotFoundError:
         raise RuntimeError("verify needs the test extra: pip install -e '.[test]'") from None
-    if args.max_examples < 1:
-        raise ValueError(f"--max-examples must be at least 1, got {args.max_examples}")
-    sizes = _world_sizes(args.world_sizes)
+    sizes = args.world_sizes
     from ringdilated.functional import default_resolver
 
     resolver = default_resolver()
@@ -107,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--only names unknown backends: {', '.join(sorted(unknown))}")
     if args.only:
         backends = [b for b in backends if b[1] in args.only]
-    problem = _device_problem(args.device)
+    problem = flags.device_problem(args.device)
     if problem is not None:
         print(f"nothing was verified: {problem}")
         return 1
