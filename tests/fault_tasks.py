@@ -91,3 +91,28 @@ def slow_peer(payload: dict[str, Any]) -> dict[str, Any]:
         "seconds": time.monotonic() - start,
         "error": float((out - expected).abs().max()),
     }
+
+
+def nan_on_a_shard(payload: dict[str, Any]) -> dict[str, Any]:
+    """Position ``payload['position']`` of ``payload['tensor']`` is NaN; returns whether this
+    rank's ``out`` and ``lse`` are NaN exactly where the single-process oracle's slice is."""
+    import ringdilated
+    from ringdilated.testing import oracle
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = [_inputs(r, world) for r in range(world)]
+    full = [torch.cat(parts, 1) for parts in zip(*shards, strict=True)]
+    which = "qkv".index(payload["tensor"])
+    full[which][0, payload["position"], 0, 0] = float("nan")
+    mine = [x[:, 8 * rank : 8 * (rank + 1)].contiguous() for x in full]
+    kwargs = {"causal": payload["causal"], "mode": payload["mode"]}
+    out, lse = ringdilated.dilated_attention(
+        *mine, [16], [2], **kwargs, return_lse=True, process_group=dist.group.WORLD
+    )
+    expected, expected_lse = oracle(*full, [16], [2], **kwargs, return_lse=True)
+    rows = slice(8 * rank, 8 * (rank + 1))
+    return {
+        "out": torch.equal(out.isnan(), expected[:, rows].isnan()),
+        "lse": torch.equal(lse.isnan(), expected_lse[..., rows].isnan()),
+        "nan_rows": int(out.isnan().any(-1).sum()),
+    }

@@ -83,3 +83,15 @@ def test_a_peer_slower_than_the_timeout_makes_every_rank_raise() -> None:
             assert result["seconds"] < 20, (rank, result)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+@pytest.mark.parametrize(("mode", "causal"), [("head_groups", True), ("longnet", False)])
+def test_nan_on_one_shard_reaches_exactly_the_queries_that_see_it(
+    workers2: Workers, tensor: str, mode: str, causal: bool
+) -> None:
+    """A NaN at position 10 (rank 1's shard, a segment crossing the shard boundary)."""
+    payload = {"tensor": tensor, "position": 10, "mode": mode, "causal": causal}
+    results = workers2.results(f"{TASKS}:nan_on_a_shard", payload)
+    assert all(r["out"] and r["lse"] for r in results), results
+    assert sum(r["nan_rows"] for r in results) > 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch
+
 from ringdilated.cli import flags
 from ringdilated.cli.progress import progress, table
 
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"nothing was verified: {problem}")
         return 1
+    args.device = torch.device(args.device).type  # targets are declared per device type
     from ringdilated.pool import Workers
 
     pools: dict[int, Any] = {}

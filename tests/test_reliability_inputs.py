@@ -1,0 +1,276 @@
+"""Bad input, hostile kernels and non-finite values on one process: a clear exception that names
+the culprit, raised before any work, with the caller's tensors unchanged; or, for NaN and
+infinity, exactly the outputs dense attention gives (never silently finite)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import ringdilated
+from ringdilated.backends.local import LOCAL_SPEC
+from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated.core import DilationPattern, Resolver
+from ringdilated.core.kernel_guard import KernelContractError
+from ringdilated.functional import attend
+from ringdilated.testing import oracle
+
+
+def _qkv(length: int = 16, heads: int = 2, dim: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, length, heads, dim, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+def _call(**change: Any) -> Callable[[list[torch.Tensor]], object]:
+    def call(tensors: list[torch.Tensor]) -> object:
+        q, k, v = tensors
+        kwargs: dict[str, Any] = {"segment_lengths": [8], "dilation_rates": [1]}
+        kwargs.update(change)
+        args = [kwargs.pop(name, x) for name, x in (("q", q), ("k", k), ("v", v))]
+        return ringdilated.dilated_attention(*args, **kwargs)
+
+    return call
+
+
+BAD_CALLS = [
+    ("segment 0", _call(segment_lengths=[0]), ValueError, "segment_lengths must be positive"),
+    ("rate above segment", _call(dilation_rates=[9]), ValueError, "dilation_rates[0] = 9"),
+    ("counts differ", _call(dilation_rates=[1, 2]), ValueError, "same length"),
+    ("float segment", _call(segment_lengths=[8.0]), TypeError, "segment_lengths must hold ints"),
+    ("bool rate", _call(dilation_rates=[True]), TypeError, "dilation_rates must hold ints"),
+    ("string pattern", _call(segment_lengths="8"), TypeError, "segment_lengths must be a seq"),
+    ("mode", _call(mode="dilated"), ValueError, "mode must be one of"),
+    ("causal 1", _call(causal=1), TypeError, "causal must be a bool, got 1"),
+    ("return_lse 'no'", _call(return_lse="no"), TypeError, "return_lse must be a bool"),
+    ("scale -1", _call(scale=-1.0), ValueError, "scale must be a positive finite number"),
+    ("scale nan", _call(scale=float("nan")), ValueError, "scale must be a positive finite"),
+    ("dropout 1", _call(dropout_p=1.0), ValueError, "dropout_p must satisfy 0 <= dropout_p < 1"),
+    ("kernel 3", _call(kernel=3), TypeError, "kernel must be 'auto' or a backend name"),
+    ("unknown kernel", _call(kernel="fast"), ValueError, "unknown kernel 'fast'"),
+    ("communicator", _call(communicator="mpi"), ValueError, "unknown communicator 'mpi'"),
+    ("q 3-D", _call(q=torch.zeros(1, 16, 8)), ValueError, "q must be 4-D"),
+    ("int q", _call(q=torch.zeros(1, 16, 2, 8, dtype=torch.int64)), TypeError, "q must be float"),
+    ("list q", _call(q=[[1.0]]), TypeError, "q must be a torch.Tensor, got list"),
+    ("sparse k", _call(k=torch.zeros(1, 16, 2, 8).to_sparse()), TypeError, "k must be a dense"),
+    ("empty q", _call(q=torch.zeros(1, 0, 2, 8)), ValueError, "q must have no empty dimension"),
+    ("dtypes differ", _call(v=torch.zeros(1, 16, 2, 8)), TypeError, "share one dtype"),
+    ("k longer than q", _call(k=torch.zeros(1, 17, 2, 8, dtype=torch.float64)), ValueError, "k"),
+    ("head dims", _call(v=torch.zeros(1, 16, 2, 4, dtype=torch.float64)), ValueError, "same shape"),
+    ("kv heads", _call(k=torch.zeros(1, 16, 3, 8, dtype=torch.float64)), ValueError, "k and v"),
+    (
+        "too few heads",
+        _call(segment_lengths=[4, 8, 16], dilation_rates=[1, 1, 1]),
+        ValueError,
+        "num_heads >= 3",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "named"), [c[1:] for c in BAD_CALLS],
+                         ids=[c[0] for c in BAD_CALLS])  # fmt: skip
+def test_bad_input_is_rejected_naming_the_culprit_and_nothing_changes(
+    call: Callable[[list[torch.Tensor]], object], error: type[Exception], named: str
+) -> None:
+    tensors = _qkv()
+    before = [t.clone() for t in tensors]
+    with pytest.raises(error) as info:
+        call(tensors)
+    assert named in str(info.value), str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+
+
+def test_huge_rates_cost_nothing_per_call() -> None:
+    """Per-call work depends on the number of patterns, heads and blocks, not on w or r."""
+    q, k, v = _qkv(10, heads=4)
+    start = time.monotonic()
+    for mode in ("longnet", "head_groups"):
+        out = ringdilated.dilated_attention(q, k, v, [2**62], [2**62], mode=mode)
+        assert torch.equal(out, oracle(q, k, v, [2**62], [2**62], mode=mode))
+    assert time.monotonic() - start < 2.0
+
+
+# NaN and infinity --------------------------------------------------------------------------------
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(actual), test(expected)), test.__name__
+    finite = torch.isfinite(expected)
+    assert torch.allclose(actual[finite], expected[finite], atol=1e-5, rtol=0)
+
+
+def _nan_q_element(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    q[0, 5, 0, 3] = float("nan")
+
+
+def _every_key_of_a_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    k[0, 8:16, 1] = float("nan")
+
+
+def _only_visible_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    k[0, 8, 0] = float("nan")  # causal: position 8 is the only key of query 8 in its segment
+
+
+def _inf_value(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    v[0, 12, 1, 2] = float("inf")  # only queries 12..15 of that segment see it (causal)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "reference"])
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+@pytest.mark.parametrize(
+    "corrupt", [_nan_q_element, _every_key_of_a_query, _only_visible_key, _inf_value]
+)
+def test_nan_and_inf_propagate_exactly_as_dense_attention(
+    kernel: str, mode: str, corrupt: Callable[..., None]
+) -> None:
+    q, k, v = (x.float() for x in _qkv())
+    corrupt(q, k, v)
+    out, lse = ringdilated.dilated_attention(
+        q, k, v, [8], [1], mode=mode, causal=True, kernel=kernel, return_lse=True
+    )
+    expected, expected_lse = oracle(q, k, v, [8], [1], mode=mode, causal=True, return_lse=True)
+    assert not bool(torch.isfinite(expected).all()), "the case has non-finite outputs"
+    _same(out.double(), expected)
+    _same(lse.double(), expected_lse)
+
+
+def test_multihead_attention_with_an_all_nan_query_row_gives_nan_not_zeros() -> None:
+    mha = ringdilated.MultiheadDilatedAttention(
+        16, 2, segment_lengths=[8], dilation_rates=[1], dtype=torch.float32
+    )
+    x = torch.randn(1, 16, 16)
+    x[0, 3] = float("nan")
+    out, _ = mha(x, x, x)
+    assert bool(out[0, 3].isnan().all()), "the NaN row stays NaN"
+    assert bool(torch.isnan(out[0, :8]).any(-1).all()), "its keys are NaN for its whole segment"
+    assert bool(torch.isfinite(out[0, 8:]).all()), "the other segment never sees it"
+
+
+def test_the_oracle_keeps_infinity_away_from_queries_that_never_see_it() -> None:
+    q, k, v = _qkv()
+    v[0, 3, 0, 0] = float("inf")
+    out = oracle(q, k, v, [8], [1], causal=True)
+    assert bool(torch.isposinf(out[0, 3:8, 0, 0]).all())
+    assert bool(torch.isfinite(out[0, :3]).all()) and bool(torch.isfinite(out[0, 8:]).all())
+
+
+# hostile kernels ---------------------------------------------------------------------------------
+
+
+class Narrow(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out[..., :1], lse
+
+
+class WrongLseDtype(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out, lse.half()
+
+
+class WritesIntoV(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        v.add_(1.0)
+        return super().forward(q, k, v, options)
+
+
+class ReturnsOneThing(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        return super().forward(q, k, v, options)[0]
+
+
+class WrongGradShape(ReferenceKernel):
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        return dq, dk[:, :1], dv
+
+
+@pytest.mark.parametrize(
+    ("kernel", "named"),
+    [
+        (Narrow, "forward's out is (2, 2, 8, 1) float64, expected (2, 2, 8, 8) float64"),
+        (WrongLseDtype, "forward's lse is (2, 2, 8) float16, expected (2, 2, 8) float32 or"),
+        (WritesIntoV, "it modified its input(s) v in place"),
+        (ReturnsOneThing, "forward returned Tensor, not (out, lse)"),
+        (WrongGradShape, "backward's dk is (2, 1, 8, 8)"),
+    ],
+)
+def test_a_kernel_that_breaks_the_contract_is_named(kernel: type, named: str) -> None:
+    resolver = Resolver(
+        [attrs.evolve(REFERENCE_SPEC, name="hostile", factory=kernel)], communicators=[LOCAL_SPEC]
+    )
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    before = [x.detach().clone() for x in (q, k, v)]
+
+    def forward_and_backward() -> None:
+        out, _, _ = attend(
+            DilationPattern([8], [1]), q, k, v, causal=False, scale=None, dropout_p=0.0,
+            kernel="hostile", resolver=resolver,
+        )  # fmt: skip
+        out.sum().backward()
+
+    with pytest.raises(KernelContractError) as info:
+        forward_and_backward()
+    assert str(info.value).startswith("kernel 'hostile' broke the kernel contract: ")
+    assert named in str(info.value)
+    if kernel is not WritesIntoV:
+        assert all(torch.equal(x.detach(), b) for x, b in zip((q, k, v), before, strict=True))
+
+
+def test_double_backward_says_it_is_not_supported() -> None:
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    out = ringdilated.dilated_attention(q, k, v, [8], [1])
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="ringdilated does not support higher-order gradients"):
+        dq.sum().backward()
+
+
+# modules -----------------------------------------------------------------------------------------
+
+
+def _mha(**change: Any) -> object:
+    kwargs: dict[str, Any] = {"segment_lengths": [8], "dilation_rates": [1]}
+    kwargs.update(change)
+    return ringdilated.MultiheadDilatedAttention(kwargs.pop("embed_dim", 16), 2, **kwargs)
+
+
+def _block(**change: Any) -> object:
+    return ringdilated.DilatedTransformerBlock(
+        16, 2, segment_lengths=[8], dilation_rates=[1], **change
+    )
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "named"),
+    [
+        (lambda: _mha(layer_norm_eps=-1), ValueError, "layer_norm_eps must be a positive"),
+        (lambda: _mha(gamma_init=float("nan")), ValueError, "gamma_init must be a positive"),
+        (lambda: _mha(embed_dim=15), ValueError, "embed_dim (15) must be divisible"),
+        (lambda: _mha(num_kv_heads=3), ValueError, "num_kv_heads (3) must divide"),
+        (lambda: _mha(bias="yes"), TypeError, "bias must be a bool"),
+        (lambda: _mha(kernel="fast"), ValueError, "unknown kernel 'fast'"),
+        (lambda: _block(ffn_dim=0), ValueError, "ffn_dim must be a positive int, got 0"),
+        (lambda: _block(ffn_dim=-5), ValueError, "ffn_dim must be a positive int, got -5"),
+        (lambda: _block(layer_norm_eps=0.0), ValueError, "layer_norm_eps must be a positive"),
+    ],
+)
+def test_bad_module_arguments_are_rejected_on_construction(
+    build: Callable[[], object], error: type[Exception], named: str
+) -> None:
+    with pytest.raises(error) as info:
+        build()
+    assert named in str(info.value)
+
+
+def test_a_wrong_embed_dim_in_forward_is_named() -> None:
+    x = torch.randn(1, 16, 12)
+    with pytest.raises(ValueError, match=r"query must be \(batch, seq_len, embed_dim=16\)"):
+        _mha(dtype=torch.float32)(x, x, x)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"x must be \(batch, seq_len, embed_dim=16\)"):
+        _block(dtype=torch.float32)(x)  # type: ignore[operator]
