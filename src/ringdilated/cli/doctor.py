@@ -2,7 +2,8 @@
 
 For the sample configuration (``--device``, ``--dtype``, ``--head-dim``, ``--causal``,
 ``--world-size``) it prints the kernel and communicator the resolver would pick and the reason
-every other one was rejected.
+every other one was rejected. Plugins that failed are listed, not raised; in strict mode
+(``RINGDILATED_STRICT_PLUGINS=1``) a failing plugin is printed and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     import ringdilated
     from ringdilated.core import Environment, Request
     from ringdilated.functional import default_resolver
-    from ringdilated.plugins import load_registry
+    from ringdilated.plugins import PluginError, load_registry
 
     if args.device is not None:
         flags.require_device(args.device)
@@ -72,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         )
     print(f"recommended dtype on {device}: {ringdilated.recommended_dtype(device, env)}")
     print("\nplugins:")
-    print(load_registry().describe())
+    try:
+        print(load_registry().describe())
+    except PluginError as exc:  # strict mode: a failing plugin stops the registry
+        print(f"the plugin registry could not be built: {exc}")
+        return 1
     request = Request(
         env.device_type(device),
         dtype,

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 
+from ringdilated.core import rules
+
 __all__ = [
     "CAPABILITY_ENV_VAR",
     "GRID_LIMIT",
@@ -167,16 +169,25 @@ class Target:
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
     ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
     ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
+    Every field is validated on construction (:mod:`ringdilated.core.rules`): ``dtypes`` is a
+    non-empty frozenset of floating dtypes, the bounds are ``(int, int)`` or ``None``, the head
+    dim limits positive ints.
     """
 
-    device_type: str
-    dtypes: frozenset[torch.dtype]
-    min_capability: tuple[int, int] | None = None
-    max_capability: tuple[int, int] | None = None
-    max_head_dim: int | None = None
-    head_dim_multiple: int = 1
-    note: str = ""
-    backward: bool = True
+    device_type: str = attrs.field(validator=rules.non_empty_str)
+    dtypes: frozenset[torch.dtype] = attrs.field(validator=rules.floating_dtypes)
+    min_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
+    max_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
+    max_head_dim: int | None = attrs.field(
+        default=None, validator=rules.optional(rules.positive_int)
+    )
+    head_dim_multiple: int = attrs.field(default=1, validator=rules.positive_int)
+    note: str = attrs.field(default="", validator=rules.strs)
+    backward: bool = attrs.field(default=True, validator=rules.bools)
 
     def reasons(self, request: Request) -> tuple[str, ...]:
         out: list[str] = []
@@ -224,11 +235,14 @@ class BatchLimit:
     Kernels that put the batch into a CUDA launch-grid dimension (``gridDim.y`` and ``gridDim.z``
     are capped at 65535) declare it. ``problems``: ``N`` at most this; ``problems_x_kv_heads``:
     ``N`` times the call's key/value heads at most this (a grid dimension holding both). The
-    driver splits its calls to respect both; no request is rejected for them.
+    driver splits its calls to respect both; no request is rejected for them. Each is ``None``
+    or a positive int.
     """
 
-    problems: int | None = None
-    problems_x_kv_heads: int | None = None
+    problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
+    problems_x_kv_heads: int | None = attrs.field(
+        default=None, validator=rules.optional(rules.positive_int)
+    )
 
     def per_call(self, kv_heads: int) -> int | None:
         """The most problems a call with ``kv_heads`` key/value heads may hold (``None``: any)."""
@@ -248,16 +262,24 @@ UNLIMITED = BatchLimit()
 class Capabilities:
     """Everything a backend supports, as data. See :meth:`reasons`.
 
-    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`).
+    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`). ``targets`` is a
+    non-empty tuple of :class:`Target`, ``requires`` a tuple of package names; every field is
+    validated on construction.
     """
 
-    targets: tuple[Target, ...]
-    causal: bool = True
-    backward: bool = True
-    dropout: bool = False
-    gqa: bool = True
-    requires: tuple[str, ...] = ()
-    batch_limit: BatchLimit = UNLIMITED
+    targets: tuple[Target, ...] = attrs.field(
+        validator=rules.tuple_of(Target, "Target", non_empty=True), metadata={"items": Target}
+    )
+    causal: bool = attrs.field(default=True, validator=rules.bools)
+    backward: bool = attrs.field(default=True, validator=rules.bools)
+    dropout: bool = attrs.field(default=False, validator=rules.bools)
+    gqa: bool = attrs.field(default=True, validator=rules.bools)
+    requires: tuple[str, ...] = attrs.field(default=(), validator=rules.requirements)
+    batch_limit: BatchLimit = attrs.field(
+        default=UNLIMITED,
+        validator=rules.Rule("a BatchLimit", lambda v: isinstance(v, BatchLimit)),
+        metadata={"spec": BatchLimit},
+    )
 
     def target_for(self, request: Request) -> Target | None:
         """The first declared target that serves ``request``'s device, dtype and head dim."""
@@ -308,13 +330,20 @@ class PriorityRule:
     """A backend's priority on matching hardware: the first rule that matches a request wins.
 
     ``device_type`` and the inclusive compute-capability bounds are ``None`` when they do not
-    matter. Hardware preferences are data here, not branches in the resolver.
+    matter. Hardware preferences are data here, not branches in the resolver. Every field is
+    validated on construction.
     """
 
-    priority: int
-    device_type: str | None = None
-    min_capability: tuple[int, int] | None = None
-    max_capability: tuple[int, int] | None = None
+    priority: int = attrs.field(validator=rules.ints)
+    device_type: str | None = attrs.field(
+        default=None, validator=rules.optional(rules.non_empty_str)
+    )
+    min_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
+    max_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
 
     def matches(self, request: Request) -> bool:
         if self.device_type is not None and request.device_type != self.device_type:
@@ -329,20 +358,33 @@ class PriorityRule:
 class KernelSpec:
     """A kernel backend as a plugin offers it: a name, a priority, capabilities and a factory.
 
-    ``factory`` builds the kernel (it may import optional packages; it is called only after the
-    capabilities accepted a request; if it raises, the resolver records why and moves on).
-    ``extra_reasons`` adds checks that are not expressible as data; it returns reasons, never
-    raises. Higher priority wins among backends that fit: the first of ``priority_rules`` that
-    matches the request, else ``priority``.
+    ``name`` is a non-empty str without whitespace or commas (users list names in environment
+    variables) and never ``"auto"``. ``factory`` builds the kernel (it may import optional
+    packages; it is called only after the capabilities accepted a request; if it raises, the
+    resolver records why and moves on). ``extra_reasons`` adds checks that are not expressible
+    as data and returns an iterable of str; if it raises or returns anything else,
+    :meth:`reasons` turns that into a reason against this kernel. Higher priority wins among
+    backends that fit: the first of ``priority_rules`` that matches the request, else
+    ``priority`` (an int, not a bool). Every field is validated on construction; the plugin
+    manager validates again when the registry is built.
     """
 
-    name: str
-    factory: Callable[[], object]
-    capabilities: Capabilities
-    priority: int = 0
-    description: str = ""
-    extra_reasons: Callable[[Request, Environment], Iterable[str]] | None = None
-    priority_rules: tuple[PriorityRule, ...] = ()
+    name: str = attrs.field(validator=rules.names)
+    factory: Callable[[], object] = attrs.field(validator=rules.callables)
+    capabilities: Capabilities = attrs.field(
+        validator=rules.Rule("a Capabilities", lambda v: isinstance(v, Capabilities)),
+        metadata={"spec": Capabilities},
+    )
+    priority: int = attrs.field(default=0, validator=rules.ints)
+    description: str = attrs.field(default="", validator=rules.strs)
+    extra_reasons: Callable[[Request, Environment], Iterable[str]] | None = attrs.field(
+        default=None, validator=rules.optional(rules.callables)
+    )
+    priority_rules: tuple[PriorityRule, ...] = attrs.field(
+        default=(),
+        validator=rules.tuple_of(PriorityRule, "PriorityRule"),
+        metadata={"items": PriorityRule},
+    )
 
     def priority_for(self, request: Request) -> int:
         for rule in self.priority_rules:
@@ -351,7 +393,11 @@ class KernelSpec:
         return self.priority
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
+        """Every reason this kernel cannot serve ``request`` (empty: it can); never raises for
+        what ``extra_reasons`` does."""
         reasons = list(self.capabilities.reasons(request, env))
         if self.extra_reasons is not None:
-            reasons.extend(self.extra_reasons(request, env))
+            reasons.extend(
+                rules.contained_reasons("extra_reasons", self.extra_reasons, request, env)
+            )
         return tuple(reasons)

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from ringdilated.core import rules
+
 if TYPE_CHECKING:
     from ringdilated.core.shard import ShardPlan
 
@@ -20,21 +22,29 @@ class CommunicatorSpec:
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
     ``causal``: honours the causal rule of sending only toward later ranks.
     ``plan_reasons``: given every rank's shard plan and the causal flag, the reasons this
-    communicator cannot move that plan's data exactly (empty: it can).
+    communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
+    anything but str, :meth:`reasons` turns that into a reason against this communicator.
+    ``name`` follows the kernel name rule (non-empty, no whitespace or commas, not ``"auto"``),
+    ``priority`` is an int (not a bool); every field is validated on construction, and again
+    by the plugin manager.
     """
 
-    name: str
-    factory: Callable[[], object]
-    priority: int = 0
-    distributed: bool = True
-    causal: bool = True
-    description: str = ""
-    plan_reasons: Callable[[Sequence[ShardPlan], bool], tuple[str, ...]] | None = None
+    name: str = attrs.field(validator=rules.names)
+    factory: Callable[[], object] = attrs.field(validator=rules.callables)
+    priority: int = attrs.field(default=0, validator=rules.ints)
+    distributed: bool = attrs.field(default=True, validator=rules.bools)
+    causal: bool = attrs.field(default=True, validator=rules.bools)
+    description: str = attrs.field(default="", validator=rules.strs)
+    plan_reasons: Callable[[Sequence[ShardPlan], bool], tuple[str, ...]] | None = attrs.field(
+        default=None, validator=rules.optional(rules.callables)
+    )
 
     def reasons(
         self, world_size: int, causal: bool, plans: Sequence[ShardPlan] = ()
     ) -> tuple[str, ...]:
-        out = []
+        """Every reason this communicator cannot serve the group (empty: it can); never raises
+        for what ``plan_reasons`` does."""
+        out: list[str] = []
         if world_size > 1 and not self.distributed:
             out.append(f"serves one process only, the group has {world_size} ranks")
         if world_size == 1 and self.distributed:
@@ -42,5 +52,5 @@ class CommunicatorSpec:
         if causal and not self.causal:
             out.append("cannot restrict sends to later ranks under causal=True")
         if plans and self.plan_reasons is not None and not out:
-            out.extend(self.plan_reasons(plans, causal))
+            out.extend(rules.contained_reasons("plan_reasons", self.plan_reasons, plans, causal))
         return tuple(out)

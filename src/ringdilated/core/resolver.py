@@ -10,13 +10,17 @@ Call flow::
 ``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name).
 A name forces that backend: it fits, or :class:`ResolutionError` lists its reasons. It never
 falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever ``"auto"`` was asked.
+
+Plugins are contained: whatever a spec's ``priority_for``/``reasons`` (or the ``extra_reasons``,
+``plan_reasons`` and factory it carries) raises or returns becomes a reason against that one
+backend, so it never breaks a call that another backend serves.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -25,6 +29,7 @@ from ringdilated.core.capabilities import UNLIMITED, BatchLimit, Environment, Ke
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.kernel import Kernel
+from ringdilated.core.rules import describe, describe_exception
 
 if TYPE_CHECKING:
     from ringdilated.core.shard import ShardPlan
@@ -124,8 +129,9 @@ class Resolver:
         return self._resolve(request, kernel, forced_by)
 
     def _resolve_uncached(self, request: Request, kernel: str, forced_by: str | None) -> Plan:
-        ranked = sorted(self.specs.values(), key=lambda s: (-s.priority_for(request), s.name))
-        verdicts = {spec.name: spec.reasons(request, self.env) for spec in ranked}
+        judged = {name: _judge(spec, request, self.env) for name, spec in self.specs.items()}
+        ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
+        verdicts = {name: reasons for name, (_, reasons) in judged.items()}
         candidates = [self.specs[kernel]] if kernel != "auto" else ranked
         chosen: tuple[KernelSpec, Kernel] | None = None
         for spec in candidates:
@@ -154,7 +160,7 @@ class Resolver:
             rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
             forced_by=forced_by,
             plugin_failures=self.plugin_failures,
-            priorities=tuple((s.name, s.priority_for(request)) for s in ranked),
+            priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
             batch_limit=spec.capabilities.batch_limit,
             target_note=getattr(spec.capabilities.target_for(request), "note", ""),
         )
@@ -173,7 +179,7 @@ class Resolver:
         lines = [f"communicator: {chosen_name} ({how}) for {world_size} rank(s)"]
         for spec in sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name)):
             if spec.name != chosen_name:
-                reasons = spec.reasons(world_size, causal, plans)
+                reasons = _communicator_reasons(spec, world_size, causal, plans)
                 detail = "; ".join(reasons) if reasons else "fits, lower priority"
                 lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
         return "\n".join(lines)
@@ -198,10 +204,12 @@ class Resolver:
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
         ranked = sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name))
-        verdicts = [(spec, spec.reasons(world_size, causal, plans)) for spec in ranked]
+        verdicts = [
+            (spec, _communicator_reasons(spec, world_size, causal, plans)) for spec in ranked
+        ]
         if name != "auto":
             spec = self.communicator_specs[name]
-            reasons = spec.reasons(world_size, causal, plans)
+            reasons = _communicator_reasons(spec, world_size, causal, plans)
             if reasons:
                 raise ResolutionError(
                     f"communicator {name!r} cannot serve {world_size} rank(s): "
@@ -236,3 +244,45 @@ class Resolver:
                 )
             self._kernels[spec.name] = kernel
         return self._kernels[spec.name]
+
+
+#: The rank of a backend whose priority could not be read: below every real one.
+_UNRANKED = -(2**63)
+
+
+def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, tuple[str, ...]]:
+    """``spec``'s priority for ``request`` and every reason against it; never raises.
+
+    A spec's methods may be overridden by a subclass, and a spec may reach a resolver without
+    the plugin manager's checks: what they raise or return wrongly becomes a reason.
+    """
+    try:
+        priority = spec.priority_for(request)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"returned {describe(priority)}, not an int")
+    except Exception as exc:  # a plugin's spec may fail in any way
+        return _UNRANKED, (_failed("priority_for", exc),)
+    return priority, _contained("reasons", lambda: spec.reasons(request, env))
+
+
+def _communicator_reasons(
+    spec: CommunicatorSpec, world_size: int, causal: bool, plans: Sequence[ShardPlan]
+) -> tuple[str, ...]:
+    """``spec.reasons(...)``; what it raises or returns wrongly becomes a reason. Never raises."""
+    return _contained("reasons", lambda: spec.reasons(world_size, causal, plans))
+
+
+def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:
+    """``call()``'s reasons, or one reason saying how ``method`` failed."""
+    try:
+        reasons = tuple(call())
+        bad = next((r for r in reasons if not isinstance(r, str)), None)
+        if bad is not None:
+            raise TypeError(f"returned {describe(bad)}, not a str, among its reasons")
+    except Exception as exc:  # a plugin's spec may fail in any way
+        return (_failed(method, exc),)
+    return tuple(str(r) for r in reasons)
+
+
+def _failed(method: str, exc: Exception) -> str:
+    return f"{method}() failed: {type(exc).__name__}: {describe_exception(exc)}"

@@ -10,10 +10,14 @@ Call flow::
     registry.plugins               # one PluginInfo per plugin: distribution, version, what it gave
     print(registry.describe())     # the same as a table, failures included
 
-A plugin that fails to import, raises in a hook, returns something that is not a list of specs,
-or offers a backend name another plugin already took is skipped with a :class:`PluginWarning`
-naming it (and, for a duplicate name, both plugins and their distributions); the failure is
-kept for ``Plan.explain()``. In strict mode the same failure raises :class:`PluginError`.
+A plugin that fails to import, raises in a hook, or returns something that is not a list of specs
+is skipped with a :class:`PluginWarning` naming it. Each spec it returns is validated field by
+field (:func:`~ringdilated.core.spec_validation.validate_spec`, nested values included): a
+malformed spec, or one whose backend name another plugin already took, is skipped on its own
+with a warning naming the plugin, the spec and the field (for a duplicate name, both plugins and
+their distributions); the plugin's other specs still register. Every failure is kept for
+``Plan.explain()`` and ``describe()``. In strict mode the same failure raises
+:class:`PluginError`.
 Controls, as arguments of :func:`build_registry` or as environment variables:
 
 - ``autoload=False`` / ``RINGDILATED_DISABLE_PLUGIN_AUTOLOAD=1``: load the built-ins only.
@@ -31,13 +35,15 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import pluggy
 
 from ringdilated.core.capabilities import KernelSpec
 from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.rules import describe, describe_exception
+from ringdilated.core.spec_validation import SpecError, spec_label, validate_spec
 from ringdilated.plugins import hookspecs
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, BuiltinPlugin
 
@@ -121,6 +127,12 @@ class PluginRegistry:
         return "\n".join(lines)
 
 
+class _Fail(Protocol):
+    """Reports a failing plugin (or one of its specs): warns, or raises in strict mode."""
+
+    def __call__(self, name: str, why: str, spec: str | None = None) -> None: ...
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -156,7 +168,7 @@ def build_registry(
     allowed: Iterable[str] | None = None,
     blocked: Iterable[str] | None = None,
     strict: bool | None = None,
-    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]] = _entry_points,
+    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]] | None = None,
 ) -> PluginRegistry:
     """Build a registry. An argument left ``None`` comes from its environment variable.
 
@@ -164,6 +176,8 @@ def build_registry(
     names or built-in plugin names (``ringdilated.backends.sdpa``) to skip; blocking an
     essential built-in (``local``, ``reference``) raises :class:`PluginError`. ``strict``: raise
     :class:`PluginError` on the first failing plugin instead of warning and skipping it.
+    ``entry_points``: lists the ``ringdilated`` entry-point group (default: from the installed
+    distributions' metadata).
     """
     if autoload is None:
         autoload = not _env_flag(AUTOLOAD_ENV_VAR)
@@ -182,10 +196,13 @@ def build_registry(
     failures: list[str] = []
     infos: dict[str, PluginInfo] = {}
 
-    def fail(name: str, why: str) -> None:
+    def fail(name: str, why: str, spec: str | None = None) -> None:
         if strict:
-            raise PluginError(f"plugin {name!r} failed (strict mode): {why}")
-        message = f"plugin {name!r} skipped: {why}"
+            what = f"{spec}: {why}" if spec else why
+            raise PluginError(f"plugin {name!r} failed (strict mode): {what}")
+        message = (
+            f"plugin {name!r}: {spec} skipped: {why}" if spec else f"plugin {name!r} skipped: {why}"
+        )
         failures.append(message)
         warnings.warn(message, PluginWarning, stacklevel=3)
 
@@ -203,17 +220,26 @@ def build_registry(
         dist, version = _distribution_of(builtin.name)
         register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
     if autoload:
-        for ep in _entry_points_safely(entry_points, fail):
-            if ep.name in block or (allow and ep.name not in allow):
+        for ep in _entry_points_safely(entry_points or _entry_points, fail):
+            ep_name = getattr(ep, "name", None)
+            if not isinstance(ep_name, str) or not ep_name:
+                fail(
+                    str(ep_name),
+                    f"entry point name must be a non-empty str, got {describe(ep_name)}",
+                )
+                continue
+            if ep_name in block or (allow and ep_name not in allow):
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # an entry point may fail to import in any way
-                fail(ep.name, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
+                fail(
+                    ep_name,
+                    f"import of {describe(getattr(ep, 'value', None))} failed: "
+                    f"{type(exc).__name__}: {describe_exception(exc)}",
+                )
                 continue
-            dist = getattr(ep, "dist", None)
-            name, version = (dist.name, dist.version) if dist is not None else (None, None)
-            register(plugin, PluginInfo(ep.name, "entry point", name, version))
+            register(plugin, PluginInfo(ep_name, "entry point", *_distribution_of_entry_point(ep)))
     kernels, kernel_origins = _collect(pm, "ringdilated_kernels", KernelSpec, infos, fail)
     communicators, comm_origins = _collect(
         pm, "ringdilated_communicators", CommunicatorSpec, infos, fail
@@ -231,12 +257,26 @@ def build_registry(
     )
 
 
+def _distribution_of_entry_point(
+    ep: importlib.metadata.EntryPoint,
+) -> tuple[str | None, str | None]:
+    """The entry point's distribution name and version, as str (``None`` where unknown)."""
+    try:
+        dist = getattr(ep, "dist", None)
+        if dist is None:
+            return None, None
+        name, version = dist.name, dist.version
+    except Exception:  # broken distribution metadata must not break the library
+        return None, None
+    return (None if name is None else str(name)), (None if version is None else str(version))
+
+
 def _entry_points_safely(
     entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]],
-    fail: Callable[[str, str], None],
+    fail: _Fail,
 ) -> Sequence[importlib.metadata.EntryPoint]:
     try:
-        return entry_points()
+        return tuple(entry_points())
     except Exception as exc:  # broken distribution metadata must not break the library
         fail("<entry points>", f"listing the {hookspecs.PROJECT_NAME!r} group failed: {exc}")
         return ()
@@ -247,9 +287,13 @@ def _collect(
     hook_name: str,
     spec_type: type[Any],
     infos: dict[str, PluginInfo],
-    fail: Callable[[str, str], None],
+    fail: _Fail,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """Call ``hook_name`` of every plugin on its own, keeping what is a list of ``spec_type``."""
+    """Call ``hook_name`` of every plugin on its own, keeping each valid ``spec_type`` it returned.
+
+    A return value that is not a list of ``spec_type`` skips the plugin's hook; a malformed spec
+    or a taken name skips that spec only.
+    """
     specs_by_name: dict[str, Any] = {}
     spec_origins: dict[str, str] = {}
     impls = {impl.plugin_name: impl for impl in getattr(pm.hook, hook_name).get_hookimpls()}
@@ -258,15 +302,22 @@ def _collect(
         if name not in impls:
             continue
         try:
-            specs: Any = impls[name].function()
+            returned: Any = impls[name].function()
+            specs = tuple(returned) if isinstance(returned, (list, tuple)) else None
         except Exception as exc:  # a plugin's hook may raise anything
-            fail(name, f"{hook_name}() raised {type(exc).__name__}: {exc}")
+            fail(name, f"{hook_name}() raised {type(exc).__name__}: {describe_exception(exc)}")
             continue
-        if not isinstance(specs, (list, tuple)) or not all(isinstance(s, spec_type) for s in specs):
-            fail(name, f"{hook_name}() must return a list of {spec_type.__name__}, got {specs!r}")
+        if specs is None or not all(isinstance(s, spec_type) for s in specs):
+            kind = spec_type.__name__
+            fail(name, f"{hook_name}() must return a list of {kind}, got {describe(returned)}")
             continue
         origin = f"{name} ({infos[name].origin()})"
         for spec in specs:
+            try:
+                validate_spec(spec, spec_type)
+            except SpecError as exc:
+                fail(name, f"malformed {exc}", spec=spec_label(spec, spec_type))
+                continue
             if spec.name in specs_by_name:
                 fail(
                     name,
