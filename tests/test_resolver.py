@@ -196,3 +196,20 @@ def test_communicator_explanation() -> None:
     single = resolver.explain_communicator(1, False)
     assert single.startswith("communicator: local")
     assert "rejected ringpass: a group of one rank needs no communication" in single
+
+
+def test_a_communicator_whose_factory_fails_falls_back_with_the_reason() -> None:
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.core.communicator_spec import CommunicatorSpec
+
+    def broken() -> object:
+        raise ImportError("needs a package that is not installed")
+
+    eager = CommunicatorSpec(name="eager", factory=broken, priority=1000)
+    resolver = Resolver([], communicators=[LOCAL_SPEC, RINGPASS_SPEC, eager])
+    assert type(resolver.communicator_for(2, False)).__name__ == "RingPassCommunicator"
+    with pytest.raises(ResolutionError, match="communicator 'eager' cannot serve 2 rank"):
+        resolver.communicator_for(2, False, "eager")
+    with pytest.raises(ResolutionError, match="factory failed: ImportError: needs a package"):
+        resolver.communicator_for(2, False, "eager")

@@ -204,27 +204,33 @@ class Resolver:
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
         ranked = sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name))
-        verdicts = [
-            (spec, _communicator_reasons(spec, world_size, causal, plans)) for spec in ranked
-        ]
+        verdicts = {
+            spec.name: _communicator_reasons(spec, world_size, causal, plans) for spec in ranked
+        }
+        candidates = [self.communicator_specs[name]] if name != "auto" else ranked
+        for spec in candidates:
+            if verdicts[spec.name]:
+                continue
+            try:
+                return self._communicator(spec)
+            except Exception as exc:  # a plugin's factory may fail in any way
+                verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
         if name != "auto":
-            spec = self.communicator_specs[name]
-            reasons = _communicator_reasons(spec, world_size, causal, plans)
-            if reasons:
-                raise ResolutionError(
-                    f"communicator {name!r} cannot serve {world_size} rank(s): "
-                    + "; ".join(reasons)
-                )
-        else:
-            fitting = [s for s, r in verdicts if not r]
-            if not fitting:
-                detail = "; ".join(f"{s.name}: {', '.join(r)}" for s, r in verdicts)
-                raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
-            spec = fitting[0]
+            raise ResolutionError(
+                f"communicator {name!r} cannot serve {world_size} rank(s): "
+                + "; ".join(verdicts[name])
+            )
+        detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
+        raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
+
+    def _communicator(self, spec: CommunicatorSpec) -> Communicator:
         if spec.name not in self._communicators:
             instance = spec.factory()
             if not isinstance(instance, Communicator):
-                raise TypeError(f"communicator {spec.name!r}: factory returned {instance!r}")
+                raise TypeError(
+                    f"communicator {spec.name!r}: factory returned {instance!r}, which lacks "
+                    "schedule(), prepare() and exchange()"
+                )
             self._communicators[spec.name] = instance
         return self._communicators[spec.name]
 
