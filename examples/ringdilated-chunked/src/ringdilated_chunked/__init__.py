@@ -4,12 +4,18 @@ Forward keeps a running maximum ``m``, normaliser ``l`` and unnormalised output 
 folds in one key chunk at a time, so no ``Lq x Lk`` score matrix is ever held. Backward follows
 the ringdilated kernel contract: with the *final* merged ``out`` and ``lse`` it recomputes each
 chunk's probabilities ``P = exp(scale * q k^T - lse)`` and accumulates the gradients.
+
+The recurrence, like every fused kernel, is not exact for NaN or infinite inputs (a hidden value
+times a zero weight is NaN; ``inf - inf`` is NaN), which the contract's ``non-finite`` check
+catches. So a call whose inputs are not all finite is handed to ringdilated's reference kernel,
+whose dense math is exact for them: one summing pass decides.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target
 from ringdilated.plugins import hookimpl
 
@@ -21,6 +27,11 @@ _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _finite(*tensors: torch.Tensor) -> bool:
+    """No NaN or infinity in ``tensors`` (a sum is non-finite whenever an element is)."""
+    return all(bool(torch.isfinite(t.sum(dtype=_work_dtype(t.dtype)))) for t in tensors)
 
 
 class ChunkedKernel:
@@ -47,6 +58,8 @@ class ChunkedKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not _finite(q, k, v):
+            return ReferenceKernel().forward(q, k, v, options)
         work = _work_dtype(q.dtype)
         qw = q.to(work)
         group = q.shape[1] // k.shape[1]
@@ -80,6 +93,8 @@ class ChunkedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not _finite(q, k, v, dout):
+            return ReferenceKernel().backward(dout, q, k, v, out, lse, options)
         work = _work_dtype(q.dtype)
         qw, dow = q.to(work), dout.to(work)
         group = q.shape[1] // k.shape[1]
