@@ -116,3 +116,45 @@ def nan_on_a_shard(payload: dict[str, Any]) -> dict[str, Any]:
         "lse": torch.equal(lse.isnan(), expected_lse[..., rows].isnan()),
         "nan_rows": int(out.isnan().any(-1).sum()),
     }
+
+
+def batch_limited_shards(payload: dict[str, Any]) -> dict[str, Any]:
+    """A sharded call on a kernel that takes one problem a call: a segment of 16 over two
+    shards of 8 crosses the boundary, so its pieces (one problem per batch row, 3 rows here)
+    go through the crossing path and must be split too. Returns the largest call seen and the
+    error against the oracle."""
+    import attrs
+
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.core import Resolver
+    from ringdilated.core.capabilities import BatchLimit
+    from ringdilated.functional import attend
+    from ringdilated.testing import oracle
+
+    seen = []
+
+    class Spy(ReferenceKernel):
+        def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+            seen.append(q.shape[0])
+            return super().forward(q, k, v, options)
+
+        def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+            seen.append(q.shape[0])
+            return super().backward(dout, q, k, v, out, lse, options)
+
+    capabilities = attrs.evolve(REFERENCE_SPEC.capabilities, batch_limit=BatchLimit(problems=1))
+    spec = attrs.evolve(REFERENCE_SPEC, name="spy", factory=Spy, capabilities=capabilities)
+    resolver = Resolver([spec], communicators=[LOCAL_SPEC, RINGPASS_SPEC])
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(3, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    mine = [x[:, 8 * rank : 8 * (rank + 1)].contiguous().requires_grad_() for x in full]
+    out, _, _ = attend(
+        ([16], [1]), *mine, causal=True, scale=None, dropout_p=0.0, kernel="spy",
+        process_group=dist.group.WORLD, resolver=resolver,
+    )  # fmt: skip
+    out.sum().backward()
+    expected = oracle(*full, [16], [1], causal=True)[:, 8 * rank : 8 * (rank + 1)]
+    return {"most": max(seen), "error": float((out - expected).abs().max())}

@@ -120,3 +120,50 @@ def test_the_cuda_kernels_declare_the_grid_limit() -> None:
         assert spec.capabilities.batch_limit.per_call(1) == 65535, spec.name
     # flex's decoding kernel puts batch x kv heads in one grid dimension.
     assert FLEX_SPEC.capabilities.batch_limit.per_call(8) == 65535 // 8
+
+
+def test_the_compiled_path_honours_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringdilated import DilatedAttention
+    from ringdilated.functional import default_resolver
+
+    spy = SpyKernel()
+    spec = KernelSpec(
+        name="spy",
+        factory=lambda: spy,
+        capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, batch_limit=BatchLimit(problems=3)),
+    )
+    resolver = default_resolver()
+    monkeypatch.setitem(resolver.specs, "spy", spec)
+    monkeypatch.setitem(resolver._kernels, "spy", spy)
+    torch._dynamo.reset()
+    attn = torch.compile(
+        DilatedAttention([4, 16], [1, 2], kernel="spy"), fullgraph=True, backend="aot_eager"
+    )
+    q, k, v = _inputs(3)
+    out = attn(q, k, v)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert 0 < spy.most <= 3
+    assert torch.allclose(out, oracle(q, k, v, [4, 16], [1, 2]), atol=1e-12, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_a_sharded_run_splits_its_crossing_calls(workers2: object) -> None:
+    results = workers2.results("tests.fault_tasks:batch_limited_shards", {})  # type: ignore[attr-defined]
+    for result in results:
+        assert result["most"] == 1, result
+        assert result["error"] < 1e-12, result
+
+
+def test_split_calls_draw_their_own_dropout_masks() -> None:
+    """Pieces of one shape must not repeat a mask; forward and backward must agree."""
+    limited = BatchLimitedKernel(ReferenceKernel(), BatchLimit(problems=1))
+    v = torch.eye(6, dtype=torch.float64).expand(2, 1, 6, 6).contiguous()
+    q = torch.zeros(2, 1, 6, 6, dtype=torch.float64)
+    options = BlockOptions(scale=1.0, dropout_p=0.5, dropout_seed=11)
+    out, lse = limited.forward(q, q, v, options)  # v = identity: out rows are the kept weights
+    assert not torch.equal(out[0], out[1]), "each piece drew its own mask"
+    dout = torch.randn(out.shape, dtype=torch.float64)
+    _, _, dv = limited.backward(dout, q, q, v, out, lse, options)
+    kept = (out != 0).to(torch.float64)  # the forward's masks, per piece
+    expected_dv = torch.matmul((kept / 0.5 / 6).transpose(-1, -2), dout)
+    assert torch.allclose(dv, expected_dv, atol=1e-12), "backward regenerated the same masks"

@@ -33,6 +33,8 @@ def finite_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fake tensors hold no data, so the kernels' "are the inputs finite?" read cannot run:
     take them as finite (the fused path, whose arguments these tests check)."""
     monkeypatch.setattr(_dense, "all_finite", lambda *tensors: True)
+
+
 LSE_ALIGN = 32
 GRID = 65535
 
@@ -101,6 +103,7 @@ class EfficientAttentionContract(TorchDispatchMode):
         assert bias.dim() == 4 and tuple(bias.shape) == (*q.shape[:3], k.shape[2])
         assert bias.dtype == q.dtype and bias.stride(-1) == 1
         assert _aligned(bias, 16), "bias rows aligned for 128-bit loads"
+        self.seen["bias"] = self.seen.get("bias", 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -115,7 +118,10 @@ class EfficientAttentionContract(TorchDispatchMode):
             self._inputs(q, k, v)
             self._bias(bias, q, k)
             assert grad_out.shape == out.shape == (*q.shape[:3], v.shape[3])
-            # kernel_backward.h: o_strideM() = head_dim_value * num_heads.
+            # kernel_backward.h: o_strideM() = head_dim_value * num_heads. (Only half precision
+            # reads out that way; float32 computes rowsum(dout * out) on the host with the real
+            # strides. The check asks it of every dtype, stricter than upstream, as the wrapper
+            # packs out for every dtype.)
             assert out.transpose(1, 2).is_contiguous(), f"out must be packed: {out.stride()}"
             rows = -(-q.shape[2] // LSE_ALIGN) * LSE_ALIGN
             assert lse.dtype == torch.float32 and lse.is_contiguous()
@@ -175,7 +181,25 @@ def test_sdpa_cuda_path_hands_the_ops_what_the_kernels_assume(
     assert contract.seen["forward"] >= 1 and contract.seen["backward"] >= 1
 
 
-def test_driver_keeps_every_call_within_the_grid_at_a_million_tokens_of_segment_4() -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("offset", [-2, 3, 17])
+def test_causal_offsets_other_than_0_hand_the_ops_an_aligned_padded_bias(
+    dtype: torch.dtype, offset: int
+) -> None:
+    """The driver's one-process calls use offsets 0 and None (the ops' own causal flag); any
+    other offset (kernel-contract calls, a sharded run's pieces) goes through the bias."""
+    kernel, contract = SdpaKernel(), EfficientAttentionContract()
+    options = BlockOptions(scale=0.25, causal_offset=offset)
+    with FakeTensorMode(), contract:
+        base = torch.empty(2, 45, 6, 16, dtype=dtype, device="cuda")
+        q = base.as_strided((2, 2, 20, 16), (45 * 96, 16, 192, 1), 32)  # rate 2, heads 2-3
+        k = base.as_strided((2, 2, 45, 16), (45 * 96, 16, 96, 1), 64)
+        out, lse = kernel.forward(q, k, k, options)
+        kernel.backward(out, q, k, k, out, lse, options)
+    assert contract.seen == {"forward": 1, "backward": 1, "bias": 2}
+
+
+def test_driver_keeps_every_call_within_the_grid_at_a_quarter_million_tokens_of_segment_4() -> None:
     """Segment length 4 over 2**18 positions makes 65536 problems per block; the driver splits
     them for the sdpa CUDA path's declared limit."""
     recorder = Recorder()

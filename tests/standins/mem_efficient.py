@@ -10,11 +10,17 @@ so a wrapper that hands them the wrong layout gets wrong numbers here, as it wou
   the tensor) when computing ``rowsum(dout * out)``; float32 computes that on the host with the
   real strides.
 - backward: ``logsumexp`` is read as float32, with row stride 1 and ``ceil32(M)`` rows
-  (``kAlignLSE``) per (batch, head); a pad row that is NaN or ``-inf`` (rather than ``+inf``) leaks
-  NaN into dk and dv (``0 * NaN`` in the padded tile).
+  (``kAlignLSE``) per (batch, head). The last query tile also covers rows past ``M``, whose
+  scores the kernel computes from whatever it reads there; only an lse of ``+inf`` makes their
+  probabilities exactly 0 whatever those scores are (the forward writes ``+inf`` there, the
+  Volta path substitutes it, and xformers forces it on sm75). The stand-in takes the pessimistic
+  reading: a pad row that is not ``+inf`` spoils dV (NaN). dQ and dK come from dS, which the
+  kernel zeroes outside the block's rows and keys, so they are unaffected.
 - the bias is loaded 128 bits at a time, so each row is read up to the next multiple of 8 (half)
-  or 4 (float) elements; the backward does not mask what it read past ``k_len``, so a non-finite
-  value there makes dq NaN.
+  or 4 (float) elements: that memory must exist (a read past the storage raises here). What is
+  read past ``k_len`` is masked out by the kernels (``kernel_forward.h``, and dS in
+  ``kernel_backward.h``), so its values do not matter; the wrapper zeroes it anyway, as torch's
+  own ``pad_bias`` does.
 - ``grad_out`` is made contiguous by the host; q, k, v are read through their strides, which must
   keep the last dimension contiguous and be aligned to 4 elements.
 - forward: ``out`` is ``(B, M, H, K)``-contiguous; ``logsumexp`` is float32 ``(B, H, ceil32(M))``
@@ -71,10 +77,10 @@ def _check_bmhk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _read_bias(
     bias: torch.Tensor | None, shape: tuple[int, int, int, int], dtype: torch.dtype
-) -> tuple[torch.Tensor | None, bool]:
-    """``(bias as the scores see it, whether the over-read pad holds a non-finite value)``."""
+) -> torch.Tensor | None:
+    """The bias as the scores see it, read through the kernel's 128-bit loads."""
     if bias is None:
-        return None, False
+        return None
     _check(bias.dim() == 4, "Bias expected in BMHK format")
     _check(tuple(bias.shape) == shape, f"bias shape {tuple(bias.shape)}, expected {shape}")
     _check(bias.dtype == dtype, "bias must have the query's dtype")
@@ -85,7 +91,7 @@ def _read_bias(
     k_len = shape[3]
     read = -(-k_len // vector) * vector
     rows = read_as(bias, (*shape[:3], read), (*bias.stride()[:3], 1))
-    return rows[..., :k_len].double(), not bool(torch.isfinite(rows[..., k_len:]).all())
+    return rows[..., :k_len].double()  # what was read past k_len is masked by the kernel
 
 
 def kernel_forward(
@@ -99,7 +105,7 @@ def kernel_forward(
     """``(out (B, M, H, K) contiguous, logsumexp float32 (B, H, ceil32(M)))`` from BMHK views."""
     _check_bmhk(q, k, v)
     b, m, h, _ = q.shape
-    read_bias, _ = _read_bias(bias, (b, h, m, k.shape[1]), q.dtype)
+    read_bias = _read_bias(bias, (b, h, m, k.shape[1]), q.dtype)
     out, lse = attend(q, k, v, scale, visible, read_bias)
     empty = torch.isneginf(lse)
     result = torch.empty(b, m, h, v.shape[-1], dtype=q.dtype)
@@ -136,14 +142,11 @@ def kernel_backward(
     rows = -(-m // _LSE_ALIGN) * _LSE_ALIGN
     # lse_scalar_t is float; there is no lse row stride.
     lse = read_as(logsumexp, (b, h, rows), (*logsumexp.stride()[:2], 1), torch.float32)
-    pad = lse[..., m:]
-    pad_poisons = bool((torch.isnan(pad) | torch.isneginf(pad)).any())
-    read_bias, bias_poisons = _read_bias(bias, (b, h, m, n), q.dtype)
+    pad_spoils_dv = not bool(torch.isposinf(lse[..., m:]).all())
+    read_bias = _read_bias(bias, (b, h, m, n), q.dtype)
     dq, dk, dv_ = grads(grad_out, q, k, v, out, lse[..., :m], scale, visible, read_bias)
-    if bias_poisons:
-        dq = torch.full_like(dq, float("nan"))
-    if pad_poisons:
-        dk, dv_ = torch.full_like(dk, float("nan")), torch.full_like(dv_, float("nan"))
+    if pad_spoils_dv:
+        dv_ = torch.full_like(dv_, float("nan"))
     return tuple(torch.empty(g.shape, dtype=q.dtype).copy_(g) for g in (dq, dk, dv_))  # type: ignore[return-value]
 
 

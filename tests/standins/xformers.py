@@ -53,8 +53,10 @@ def _reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: objec
     return reasons
 
 
-def install_xformers(monkeypatch: pytest.MonkeyPatch, built_with_cuda: bool = True) -> None:
-    """Put the stand-in in ``sys.modules``."""
+def install_xformers(
+    monkeypatch: pytest.MonkeyPatch, built_with_cuda: bool = True, version: str = "0.0.35"
+) -> None:
+    """Put the stand-in (claiming ``version``) in ``sys.modules``."""
 
     class FwOp:
         NAME = "cutlassF-pt"
@@ -126,6 +128,7 @@ def install_xformers(monkeypatch: pytest.MonkeyPatch, built_with_cuda: bool = Tr
     ops.fmha = fmha  # type: ignore[attr-defined]
     root = types.ModuleType("xformers")
     root.ops = ops  # type: ignore[attr-defined]
+    root.__version__ = version  # type: ignore[attr-defined]
     for name, module in (
         ("xformers", root),
         ("xformers.ops", ops),

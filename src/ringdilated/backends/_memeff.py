@@ -22,7 +22,7 @@ __all__ = [
 #: bounds check (``kAlignLSE`` in torch's ``mem_eff_attention`` kernels).
 LSE_ALIGNMENT = 32
 #: Row alignment of an attention bias in elements: the kernels load it 128 bits at a time (8
-#: half or 4 float elements); 16 satisfies every dtype, as torch's own padding of masks does.
+#: half or 4 float elements); 16 satisfies every dtype (torch 2.13 pads its own masks to 8).
 BIAS_ALIGNMENT = 16
 
 

@@ -14,10 +14,13 @@ silently runs the unfused eager path, which materialises every score. So:
 
 - the function is compiled once per kernel, with dynamic shapes and ``fullgraph=True`` (hitting
   the limit then raises instead of falling back silently), with a limit of its own where torch
-  offers one (``recompile_limit`` and ``isolate_recompiles``, torch 2.13);
-- every block mask's ``mask_mod`` is the same code closing over a *tensor* offset, never a
-  Python int (dynamo guards on the code and on an int's value, not on a tensor's value), and
-  block masks are cached per (lengths, offset, device);
+  offers one (``recompile_limit`` and ``isolate_recompiles``, torch 2.13); with static shapes
+  every new block length would be a recompile. Dynamic shapes also keep flex off its decoding
+  kernel (it wants a static batch) for blocks under 128 queries: a trade of that kernel's speed
+  on short blocks for one graph, not yet measured on a GPU;
+- every block mask's ``mask_mod`` is the same code closing over a *tensor* offset, so dynamo's
+  guards (on the code, and on an int's value until it marks the int dynamic) never see the
+  offset; block masks are cached per (lengths, offset, device);
 - if the limit is hit anyway, the call runs uncompiled and :class:`FlexFallbackWarning` says so,
   once per kernel; ``uncompiled_calls`` counts them.
 
@@ -66,11 +69,12 @@ class FlexFallbackWarning(UserWarning):
     """FlexAttention ran uncompiled (unfused, every score materialised) on a compiled target."""
 
 
-def compile_flex(attention: Attention) -> Attention:
+def compile_flex(attention: Attention, backend: Any = "inductor") -> Attention:
     """``torch.compile`` for FlexAttention: dynamic shapes, ``fullgraph=True`` (the recompile
-    limit raises rather than silently running eager), and an isolated limit where supported."""
+    limit raises rather than silently running eager), and an isolated limit where supported.
+    ``backend`` is torch.compile's (tests pass a counting eager backend to watch dynamo)."""
     params = inspect.signature(torch.compile).parameters
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"backend": backend}
     if "recompile_limit" in params:
         extra["recompile_limit"] = RECOMPILE_LIMIT
     if "isolate_recompiles" in params:

@@ -43,20 +43,39 @@ from ringdilated.core.capabilities import (
     Target,
 )
 
-__all__ = ["XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
+__all__ = ["MIN_VERSION", "XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
 
 
 def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def unusable_reasons(fmha: Any) -> list[str]:
-    """Why xformers' ``cutlass`` operators cannot run here, asked the way xformers asks itself
-    (``AttentionOpBase.not_supported_reasons``: the build flag, and the operators' availability)."""
+#: The xformers whose ``fmha`` this wrapper was written against (its ``cutlass`` operators are
+#: torch's own kernels from 0.0.35 on).
+MIN_VERSION = (0, 0, 35)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def unusable_reasons(fmha: Any, version: str) -> list[str]:
+    """Why xformers' ``cutlass`` operators cannot run here: a version this wrapper was not written
+    against, or what xformers asks itself (``AttentionOpBase.not_supported_reasons``: the build
+    flag, and the operators' availability)."""
+    if _version(version) < MIN_VERSION:
+        wanted = ".".join(map(str, MIN_VERSION))
+        return [f"xformers {version} is older than the {wanted} this kernel was written against"]
     reasons = []
-    common = getattr(fmha, "common", None)
-    built_with_cuda = getattr(common, "_built_with_cuda", True)
-    if not built_with_cuda and torch.version.hip is None:
+    common: Any = getattr(fmha, "common", None)
+    if not hasattr(common, "_built_with_cuda"):
+        return [f"xformers {version}: fmha.common._built_with_cuda is gone; cannot tell whether "
+                "its compiled extension loaded"]  # fmt: skip
+    if not common._built_with_cuda and torch.version.hip is None:
         reasons.append(
             "xFormers wasn't built with CUDA support: its compiled extension did not load "
             "(a wheel built for another torch or CUDA?); see python -m xformers.info"
@@ -72,9 +91,10 @@ class XformersKernel(ExactBottomRightKernel):
     ``ImportError`` with xformers' own reasons when its operators cannot run."""
 
     def __init__(self) -> None:
+        version = str(getattr(importlib.import_module("xformers"), "__version__", "0"))
         self._fmha: Any = importlib.import_module("xformers.ops.fmha")
         self._cutlass: Any = self._fmha.cutlass
-        reasons = unusable_reasons(self._fmha)
+        reasons = unusable_reasons(self._fmha, version)
         if reasons:
             raise ImportError("; ".join(reasons))
 

@@ -27,7 +27,7 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit
-from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.kernel_guard import CheckedKernel
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
@@ -86,7 +86,7 @@ class Run:
                     scale=self.scale,
                     causal_offset=0 if self.causal else None,
                     dropout_p=self.dropout_p,
-                    dropout_seed=self.dropout_seed + index,
+                    dropout_seed=derive_seed(self.dropout_seed, index),
                 )
                 yield _Chunk(block, batches, selection, options)
                 index += 1
@@ -332,13 +332,24 @@ class BatchLimitedKernel:
             return None
         return [slice(i, i + step) for i in range(0, n, step)]
 
+    @staticmethod
+    def _options(options: BlockOptions, piece: int) -> BlockOptions:
+        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
+        draw the same mask); forward and backward split alike, so they agree."""
+        if piece == 0 or options.dropout_p == 0.0:
+            return options
+        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pieces = self._pieces(q.shape[0], k.shape[1])
         if pieces is None:
             return self.kernel.forward(q, k, v, options)
-        parts = [self.kernel.forward(q[p], k[p], v[p], options) for p in pieces]
+        parts = [
+            self.kernel.forward(q[p], k[p], v[p], self._options(options, i))
+            for i, p in enumerate(pieces)
+        ]
         return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
 
     def backward(
@@ -355,7 +366,10 @@ class BatchLimitedKernel:
         if pieces is None:
             return self.kernel.backward(dout, q, k, v, out, lse, options)
         parts = [
-            self.kernel.backward(dout[p], q[p], k[p], v[p], out[p], lse[p], options) for p in pieces
+            self.kernel.backward(
+                dout[p], q[p], k[p], v[p], out[p], lse[p], self._options(options, i)
+            )
+            for i, p in enumerate(pieces)
         ]
         dq, dk, dv = (torch.cat([part[i] for part in parts]) for i in range(3))
         return dq, dk, dv

@@ -19,12 +19,21 @@ dimension is contiguous. A kernel never modifies its inputs.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
 
-__all__ = ["BlockOptions", "Kernel"]
+__all__ = ["BlockOptions", "Kernel", "derive_seed"]
+
+
+def derive_seed(seed: int, *path: int | str) -> int:
+    """A seed for the part ``path`` of a call seeded with ``seed``: distinct parts get unrelated
+    seeds in every bit. (Adding an offset is not enough: torch's CPU generator keeps only the low
+    32 bits of a seed, so ``seed + (1 << 40)`` draws the same mask as ``seed``.)"""
+    text = ",".join(map(str, (seed, *path))).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 def _check_dropout(instance: object, attribute: attrs.Attribute[float], value: float) -> None:

@@ -36,7 +36,7 @@ from ringdilated.core.driver import (
     run_backward,
     run_forward,
 )
-from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.shard import Crossing, Payload, ShardPlan, payload
 
 __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
@@ -82,7 +82,7 @@ class ShardedRun:
             scale=self.inner.scale,
             causal_offset=0 if (own and self.inner.causal) else None,
             dropout_p=self.inner.dropout_p,
-            dropout_seed=self.inner.dropout_seed + (1 << 40) + seed_index,
+            dropout_seed=derive_seed(self.inner.dropout_seed, "crossing", seed_index),
         )
 
 

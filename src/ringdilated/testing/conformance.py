@@ -112,9 +112,9 @@ def _within(
     gradients: autograd through dense attention in ``dtype``, and the contract's backward formula
     in ``dtype``'s accumulation dtype, as fused kernels compute it); the rule takes the least
     accurate. ``inherent`` (gradients only) is the contract's backward evaluated exactly on the
-    ``out`` and ``lse`` the kernel was given: its distance from ``expected`` is what the
-    contract's own rounding of ``out`` and of the float32 ``lse`` costs any kernel, allowed on
-    top.
+    exact ``out`` and ``lse`` rounded as the contract stores them: its distance from
+    ``expected`` is what that rounding costs any kernel (the float32 ``lse`` above all), allowed
+    on top (see :func:`_contract_terms`).
     """
     error = max_error(actual, expected)
     finite = expected.double().masked_fill(torch.isneginf(expected), 0.0)
@@ -127,6 +127,25 @@ def _within(
         raise ConformanceError(
             check, f"{what}: max error {error:.3e} vs float64 exceeds {allowed:.3e} for {case}"
         )
+
+
+def _contract_terms(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: KernelCase
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """``(given, formula)`` for the gradient checks: the contract's backward on the exact
+    ``out`` and ``lse`` rounded as the contract stores them (``out`` to the input dtype, ``lse``
+    to float32, or float64 for float64 inputs), evaluated exactly (``given``: what that rounding
+    alone costs any kernel) and in the accumulation dtype (``formula``: the plain dense
+    computation a fused kernel makes). Built from the exact forward, never from the kernel's
+    own, so a wrong forward cannot widen its own allowance."""
+    exact_out, exact_lse = dense(q, k, v, case.scale, case.causal_offset)
+    stored_lse = exact_lse.to(accumulation_dtype(q.dtype))
+    args = (dout.to(q.dtype), q, k, v, exact_out.to(q.dtype), stored_lse, case.scale)
+    offset = case.causal_offset
+    return (
+        contract_backward(*args, offset),
+        contract_backward(*args, offset, dtype=accumulation_dtype(q.dtype)),
+    )
 
 
 def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> None:
@@ -169,11 +188,7 @@ def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    args = (dout.to(q.dtype), q, k, v, out, lse, case.scale, case.causal_offset)
-    given, formula = (
-        contract_backward(*args),
-        contract_backward(*args, dtype=accumulation_dtype(q.dtype)),
-    )
+    given, formula = _contract_terms(dout, q, k, v, case)
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
@@ -260,11 +275,7 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     dk = torch.zeros_like(k, dtype=torch.float64)
     dv = torch.zeros_like(v, dtype=torch.float64)
     merged_out = out.to(q.dtype)
-    args = (dout.to(q.dtype), q, k, v, merged_out, lse, case.scale, case.causal_offset)
-    given, formula = (
-        contract_backward(*args),
-        contract_backward(*args, dtype=accumulation_dtype(q.dtype)),
-    )
+    given, formula = _contract_terms(dout, q, k, v, case)
     for start, stop in parts:
         gq, gk, gv = kernel.backward(
             case.lay_out(dout.to(q.dtype)),

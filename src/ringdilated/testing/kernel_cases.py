@@ -4,7 +4,9 @@ A :class:`KernelCase` is one kernel-level problem: ``q (n, heads, q_len, D)`` ag
 ``k, v (n, kv_heads, k_len, D)`` with a scale and a causal offset. Real kernels break where
 shape-only tests never look, so :func:`kernel_cases` draws, within what a backend declares:
 
-- lengths past the usual tile sizes (64 and 128 rows): about one draw in five is 129 to 300 long;
+- lengths around and past the usual tile sizes: most draws are 1 to 24 long, others 25 to 128,
+  on a tile boundary (31-33, 63-65, 127-129, 191-193, 255-257), or 129 to 300; about one length
+  in five is above 128;
 - every head dim the backend declares, up to 256 (most draws small, about one in five large);
 - the strided inputs the driver really passes (``layout="strided"``): dilated selections of a
   ``(n, L, H, D)`` buffer, so the sequence stride is ``rate * H * D`` and heads are a slice of a
@@ -41,20 +43,24 @@ LAYOUTS = ("contiguous", "strided")
 class CaseSpace:
     """Bounds of the drawn problems.
 
-    ``max_len``: longest ``q_len``/``k_len``; lengths above ``short_len`` are drawn about one time
-    in ``long_every``. ``max_head_dim``: the largest head dim drawn (the backend's own limit
-    applies too); head dims above ``small_head_dim`` are drawn about one time in ``large_every``.
-    ``layouts``: which input layouts to draw. ``max_batch``: the largest ``n``.
+    ``max_len``: longest ``q_len``/``k_len``; lengths above ``short_len`` come from the tile-size
+    mix in the module docstring (none when ``max_len <= short_len``). ``max_head_dim``: the
+    largest head dim drawn (the backend's own limit applies too); head dims above
+    ``small_head_dim`` are drawn about one time in ``large_every``.
+    ``layouts``: which input layouts to draw. ``max_batch``: the largest ``n``. ``max_work``
+    bounds ``n * heads * q_len * k_len * head_dim`` of one problem (the float64 references cost
+    that much), so long blocks and large head dims come with fewer heads and problems: every
+    dimension is reached, not all of them at once.
     """
 
     max_len: int = 300
     short_len: int = 24
-    long_every: int = 5
     max_head_dim: int = 256
     small_head_dim: int = 64
     large_every: int = 5
     layouts: tuple[str, ...] = LAYOUTS
     max_batch: int = 5
+    max_work: int = 1 << 25
 
     def __attrs_post_init__(self) -> None:
         unknown = set(self.layouts) - set(LAYOUTS)
@@ -121,10 +127,23 @@ class KernelCase:
         return BlockOptions(scale=self.scale, causal_offset=self.causal_offset)
 
 
+#: Lengths on either side of the 32-, 64- and 128-row tiles fused kernels use.
+TILE_BOUNDARIES = (31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257)
+
+
 def _length(d: st.DrawFn, space: CaseSpace) -> int:
-    if space.max_len > space.short_len and d(st.integers(1, space.long_every)) == 1:
-        return d(st.integers(min(space.max_len, 129), space.max_len))
-    return d(st.integers(1, min(space.short_len, space.max_len)))
+    short = min(space.short_len, space.max_len)
+    if space.max_len <= short:
+        return d(st.integers(1, short))
+    kind = d(st.integers(1, 10))
+    boundaries = [n for n in TILE_BOUNDARIES if short < n <= space.max_len]
+    if kind <= 2 and boundaries:
+        return d(st.sampled_from(boundaries))
+    if kind == 3:
+        return d(st.integers(short + 1, min(128, space.max_len)))
+    if kind <= 5 and space.max_len > 128:
+        return d(st.integers(129, space.max_len))
+    return d(st.integers(1, short))
 
 
 def _head_dim(d: st.DrawFn, multiple: int, limit: int, space: CaseSpace) -> int:
@@ -161,9 +180,12 @@ def kernel_cases(
         multiple = max(t.head_dim_multiple for t in targets)
         limit = min((t.max_head_dim for t in targets if t.max_head_dim), default=256)
         head_dim = _head_dim(d, multiple, limit, space)
-        kv_heads = d(st.integers(1, 3))
-        heads = kv_heads * (d(st.integers(1, 3)) if spec.capabilities.gqa else 1)
         q_len, k_len = _length(d, space), _length(d, space)
+        room = max(1, space.max_work // (q_len * k_len * head_dim))  # for n * heads
+        kv_heads = d(st.integers(1, max(1, min(3, room))))
+        groups = min(3, room // kv_heads) if spec.capabilities.gqa else 1
+        heads = kv_heads * d(st.integers(1, max(1, groups)))
+        max_n = max(1, min(space.max_batch, room // heads))
         offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
         if causal is None:
             offsets = st.none() | offsets if spec.capabilities.causal else st.none()
@@ -173,7 +195,7 @@ def kernel_cases(
         layout = d(st.sampled_from(space.layouts))
         strided = layout == "strided"
         case = KernelCase(
-            n=d(st.integers(1, space.max_batch)),
+            n=d(st.integers(1, max_n)),
             heads=heads,
             kv_heads=kv_heads,
             q_len=q_len,
