@@ -33,10 +33,9 @@ def main() -> None:
 
     shard = slice(rank * length // world, (rank + 1) * length // world)
     local = [x[:, shard].clone().requires_grad_() for x in full]
-    communicator = ringdilated.default_resolver().communicator_for(world, True, "auto")
-    communicator.stats.reset()
+    stats = ringdilated.TransferStats()
     out = ringdilated.dilated_attention(
-        *local, SEGMENTS, RATES, causal=True, process_group=dist.group.WORLD
+        *local, SEGMENTS, RATES, causal=True, process_group=dist.group.WORLD, transfer_stats=stats
     )
     out.backward(dout[:, shard])
 
@@ -46,7 +45,7 @@ def main() -> None:
         for x, r in zip(local, reference, strict=True)
     ]
     report: list[object] = [None] * world
-    dist.all_gather_object(report, (max(errors), communicator.stats.bytes_sent))
+    dist.all_gather_object(report, (max(errors), stats.bytes_sent))
     if rank == 0:
         for r, (error, sent) in enumerate(report):  # type: ignore[misc]
             print(

@@ -141,3 +141,37 @@ def _train_tiny_module() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stats_and_instances(payload: dict[str, Any]) -> dict[str, Any]:
+    """Two sharded calls, each with its own TransferStats and a communicator instance, and a
+    compiled sharded module (a graph break around the sharded call): bytes per call, errors."""
+    import ringdilated
+    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.shard import shard_plan
+    from ringdilated.testing import oracle
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, 32, 2, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    mine = [x[:, 16 * rank : 16 * (rank + 1)].contiguous() for x in full]
+    expected = oracle(*full, [32], [2])[:, 16 * rank : 16 * (rank + 1)]
+    first, second = ringdilated.TransferStats(), ringdilated.TransferStats()
+    errors = []
+    for stats, communicator in ((first, RingPassCommunicator()), (second, "ringpass")):
+        out = ringdilated.dilated_attention(
+            *mine, [32], [2], process_group=dist.group.WORLD, communicator=communicator,
+            transfer_stats=stats,
+        )  # fmt: skip
+        errors.append(float((out - expected).abs().max()))
+    module = ringdilated.DilatedAttention([32], [2], process_group=dist.group.WORLD)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="aot_eager")
+    errors.append(float((compiled(*mine) - expected).abs().max()))
+    plan = shard_plan(DilationPattern([32], [2]), 32, 2, 2, rank, world)
+    return {
+        "sent": (first.bytes_sent, second.bytes_sent),
+        "minimum": plan.elements_sent(8, 1, causal=False) * 8,
+        "errors": errors,
+    }

@@ -50,7 +50,7 @@ BAD_CALLS = [
     ("scale -1", _call(scale=-1.0), ValueError, "scale must be a positive finite number"),
     ("scale nan", _call(scale=float("nan")), ValueError, "scale must be a positive finite"),
     ("dropout 1", _call(dropout_p=1.0), ValueError, "dropout_p must satisfy 0 <= dropout_p < 1"),
-    ("kernel 3", _call(kernel=3), TypeError, "kernel must be 'auto' or a backend name"),
+    ("kernel 3", _call(kernel=3), TypeError, "kernel must be 'auto', a backend name"),
     ("unknown kernel", _call(kernel="fast"), ValueError, "unknown kernel 'fast'"),
     ("communicator", _call(communicator="mpi"), ValueError, "unknown communicator 'mpi'"),
     ("q 3-D", _call(q=torch.zeros(1, 16, 8)), ValueError, "q must be 4-D"),

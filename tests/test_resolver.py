@@ -94,7 +94,7 @@ def test_unknown_kernel() -> None:
         ValueError, match=r"unknown kernel 'triton'.*known kernels: fakeflash, reference, sdpa"
     ):
         _resolver().resolve(Request(), "triton")
-    with pytest.raises(TypeError, match="kernel must be 'auto' or a backend name"):
+    with pytest.raises(TypeError, match="kernel must be 'auto', a backend name"):
         _resolver().resolve(Request(), None)  # type: ignore[arg-type]
 
 

@@ -24,10 +24,12 @@ from ringdilated.core import (
     ResolutionError,
     Resolver,
 )
+from ringdilated.core.communicator import TransferStats
 from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
-from ringdilated.functional import default_resolver, dilated_attention
+from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
 from ringdilated.multihead import MultiheadDilatedAttention
+from ringdilated.registry import default_resolver
 from ringdilated.transformer import DilatedTransformerBlock
 
 try:
@@ -47,6 +49,7 @@ __all__ = [
     "ResolutionError",
     "Resolver",
     "SlowDtypeWarning",
+    "TransferStats",
     "__version__",
     "default_resolver",
     "dilated_attention",

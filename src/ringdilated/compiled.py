@@ -36,7 +36,7 @@ def _run(
     kernel: str,
     backward: bool,
 ) -> Run:
-    from ringdilated.functional import default_resolver
+    from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
     request = Request.for_tensors(

@@ -7,10 +7,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ringdilated.core.call import group_size
+from ringdilated.core.communicator import Communicator
+from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_options
-from ringdilated.functional import attend, default_resolver, world_size
+from ringdilated.functional import attend
+from ringdilated.registry import default_resolver
 
 __all__ = ["DilatedAttention"]
 
@@ -42,9 +46,9 @@ class DilatedAttention(nn.Module):
         causal: bool = False,
         scale: float | None = None,
         dropout: float = 0.0,
-        kernel: str = "auto",
+        kernel: str | Kernel = "auto",
         process_group: object = None,
-        communicator: str = "auto",
+        communicator: str | Communicator = "auto",
     ) -> None:
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
@@ -53,7 +57,8 @@ class DilatedAttention(nn.Module):
             raise TypeError(f"causal must be a bool, got {causal!r}")
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
-        resolver.communicator_for(world_size(process_group), causal, communicator)
+        resolver.check_communicator_name(communicator)
+        group_size(process_group)  # a process group, or None
         self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)
@@ -84,7 +89,7 @@ class DilatedAttention(nn.Module):
 
     def explain(self) -> str:
         """The kernel plan and the communicator choice for this module's process group."""
-        ranks = world_size(self.process_group)
+        ranks = group_size(self.process_group)
         kernel = (
             self.plan.explain()
             if self.plan is not None

@@ -16,7 +16,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import recommended_dtype
+from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_bool
@@ -83,8 +85,8 @@ class MultiheadDilatedAttention(nn.Module):
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
         process_group: object = None,
-        kernel: str = "auto",
-        communicator: str = "auto",
+        kernel: str | Kernel = "auto",
+        communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
     ) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.core.communicator import Communicator
+from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
@@ -47,8 +49,8 @@ class DilatedTransformerBlock(nn.Module):
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
         process_group: object = None,
-        kernel: str = "auto",
-        communicator: str = "auto",
+        kernel: str | Kernel = "auto",
+        communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
     ) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core.communicator import Pending, TransferStats
+from ringdilated.core.communicator import Pending
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan, payload
 
@@ -74,7 +74,6 @@ class AllGatherCommunicator:
     """One ``all_gather`` per segment group for pieces; point to point for gradients."""
 
     def __init__(self) -> None:
-        self.stats = TransferStats()
         self._groups: dict[tuple[object, tuple[int, ...]], object] = {}
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -96,7 +95,6 @@ class AllGatherCommunicator:
         recvs: Mapping[int, torch.Tensor],
         uniform: bool = False,
     ) -> Pending:
-        self.stats.record(sends, recvs)
         if not uniform or not (sends or recvs):
             return point_to_point(group, sends, recvs)
         payload_tensor = next(iter(sends.values()))

@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan
 
@@ -20,9 +19,6 @@ class _Done:
 
 class LocalCommunicator:
     """The communicator of a single process: no steps, no peers."""
-
-    def __init__(self) -> None:
-        self.stats = TransferStats()
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return ()

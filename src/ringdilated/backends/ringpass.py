@@ -15,7 +15,6 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core.communicator import TransferStats
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard import ShardPlan
 
@@ -36,9 +35,6 @@ class Works:
 class RingPassCommunicator:
     """Point-to-point exchange with partners at growing distance."""
 
-    def __init__(self) -> None:
-        self.stats = TransferStats()
-
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         steps = []
         for t in range(1, world_size):
@@ -55,7 +51,6 @@ class RingPassCommunicator:
         recvs: Mapping[int, torch.Tensor],
         uniform: bool = False,
     ) -> Works:
-        self.stats.record(sends, recvs)
         return point_to_point(group, sends, recvs)
 
 

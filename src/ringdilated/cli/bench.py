@@ -197,7 +197,7 @@ def _check_ranks(args: argparse.Namespace) -> None:
 def _check_kernel(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming ``--kernel`` unless it can serve the benchmarked call."""
     from ringdilated.core import Request
-    from ringdilated.functional import default_resolver
+    from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
     device = torch.device(args.device)

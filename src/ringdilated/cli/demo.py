@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ringdilated.cli import flags, memory
+from ringdilated.core.communicator import TransferStats
 
 __all__ = ["add_arguments", "run"]
 
@@ -73,7 +74,10 @@ def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> 
         shard = slice(rank * config["length"] // world, (rank + 1) * config["length"] // world)
         q, k, v, dout = (x[:, shard] for x in (q, k, v, dout))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    kw: dict[str, Any] = {"process_group": group, "communicator": "ringpass"} if group else {}
+    stats = TransferStats()
+    kw: dict[str, Any] = {}
+    if group is not None:
+        kw = {"process_group": group, "communicator": "ringpass", "transfer_stats": stats}
     start = time.perf_counter()
     out = _attend(config, *leaves, **kw)
     forward_s = time.perf_counter() - start
@@ -82,10 +86,7 @@ def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> 
     result = {"out": out.detach(), "forward_s": forward_s, "total_s": total_s}
     result.update({f"d{n}": x.grad for n, x in zip("qkv", leaves, strict=True)})
     if group is not None:
-        from ringdilated.functional import default_resolver
-
-        comm = default_resolver().communicator_for(dist.get_world_size(group), True, "ringpass")
-        result["bytes_sent"] = comm.stats.bytes_sent
+        result["bytes_sent"] = stats.bytes_sent
     return result
 
 
@@ -93,15 +94,9 @@ def rank_task(config: dict[str, Any]) -> dict[str, Any]:
     """A :class:`~ringdilated.pool.Workers` task: this rank's half, timed."""
     import torch.distributed as dist
 
-    from ringdilated.functional import default_resolver
-
     torch.set_num_threads(config["threads"])
-    default_resolver().communicator_for(dist.get_world_size(), True, "ringpass").stats.reset()
     _run_once(config, torch.float32, dist.group.WORLD)  # warm-up
-    runs = []
-    for _ in range(REPEATS):
-        default_resolver().communicator_for(dist.get_world_size(), True, "ringpass").stats.reset()
-        runs.append(_run_once(config, torch.float32, dist.group.WORLD))
+    runs = [_run_once(config, torch.float32, dist.group.WORLD) for _ in range(REPEATS)]
     return _fastest(runs)
 
 

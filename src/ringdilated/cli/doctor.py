@@ -47,8 +47,8 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def run(args: argparse.Namespace) -> int:
     import ringdilated
     from ringdilated.core import Environment, Request
-    from ringdilated.functional import default_resolver
     from ringdilated.plugins import PluginError, load_registry
+    from ringdilated.registry import default_resolver
 
     if args.device is not None:
         flags.require_device(args.device)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         raise RuntimeError("verify needs the test extra: pip install -e '.[test]'") from None
     sizes = args.world_sizes
-    from ringdilated.functional import default_resolver
+    from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
     backends: list[tuple[str, str, Any]] = [

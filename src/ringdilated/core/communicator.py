@@ -9,7 +9,8 @@ peers, and with which transport. Call flow, per step::
     pending.wait()          # recvs are filled; sends may be reused
 
 Every rank calls ``exchange`` for the same steps in the same order; a peer with nothing to send
-or receive is simply absent from the mappings. ``stats`` counts the bytes each call moved.
+or receive is simply absent from the mappings. A communicator is a transport and keeps no count:
+the sharded run adds the bytes of each exchange to the call's :class:`TransferStats`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ __all__ = ["Communicator", "Pending", "TransferStats"]
 
 @attrs.define
 class TransferStats:
-    """Bytes this rank sent and received, and exchanges started, since the last :meth:`reset`."""
+    """Bytes this rank sent and received, and exchanges started: one call's (pass an instance as
+    ``dilated_attention(..., transfer_stats=)``), forward and backward, or several calls' sums."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -53,8 +55,6 @@ class Pending(Protocol):
 @runtime_checkable
 class Communicator(Protocol):
     """Moves flat tensors between ranks of a process group."""
-
-    stats: TransferStats
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         """The peers ``rank`` exchanges with at each step; every peer appears exactly once."""

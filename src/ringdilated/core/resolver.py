@@ -102,19 +102,48 @@ class Resolver:
         return tuple(sorted(self.specs))
 
     def check_kernel_name(self, kernel: object) -> None:
-        """Raise unless ``kernel`` is ``"auto"`` or the name of a known kernel (no request yet)."""
+        """Raise unless ``kernel`` is ``"auto"``, a known kernel's name or a Kernel instance
+        (no request yet)."""
+        if isinstance(kernel, Kernel) and not isinstance(kernel, str):
+            return
         if not isinstance(kernel, str):
-            raise TypeError(f"kernel must be 'auto' or a backend name (str), got {kernel!r}")
+            raise TypeError(
+                f"kernel must be 'auto', a backend name (str) or a Kernel instance, got {kernel!r}"
+            )
         if kernel != "auto" and kernel not in self.specs:
             raise ValueError(
                 f"unknown kernel {kernel!r}; known kernels: "
                 f"{', '.join(self.names()) or 'none'}, or 'auto'"
             )
 
-    def resolve(self, request: Request, kernel: str = "auto") -> Plan:
-        """The plan for ``request``: ``kernel`` is ``"auto"`` or a backend name to force."""
+    def check_communicator_name(self, communicator: object) -> None:
+        """Raise unless ``communicator`` is ``"auto"``, a known communicator's name or a
+        Communicator instance (no group yet)."""
+        if isinstance(communicator, Communicator) and not isinstance(communicator, str):
+            return
+        if not isinstance(communicator, str):
+            raise TypeError(
+                "communicator must be 'auto', a communicator name (str) or a Communicator "
+                f"instance, got {communicator!r}"
+            )
+        if communicator != "auto" and communicator not in self.communicator_specs:
+            known = ", ".join(sorted(self.communicator_specs)) or "none"
+            raise ValueError(
+                f"unknown communicator {communicator!r}; known communicators: {known}, or 'auto'"
+            )
+
+    def resolve(self, request: Request, kernel: str | Kernel = "auto") -> Plan:
+        """The plan for ``request``: ``kernel`` is ``"auto"``, a backend name to force, or a
+        :class:`~ringdilated.core.Kernel` instance to use as it is (httpx's ``transport=``
+        style: it declares nothing, so nothing is checked against the request; the driver still
+        checks every call's results)."""
+        if isinstance(kernel, Kernel) and not isinstance(kernel, str):
+            name = f"{type(kernel).__name__} instance"
+            return Plan(request, name, kernel, forced_by="kernel=<instance>")
         if not isinstance(kernel, str):
-            raise TypeError(f"kernel must be 'auto' or a backend name (str), got {kernel!r}")
+            raise TypeError(
+                f"kernel must be 'auto', a backend name (str) or a Kernel instance, got {kernel!r}"
+            )
         forced_by = None
         if kernel == "auto" and os.environ.get(KERNEL_ENV_VAR):
             kernel = os.environ[KERNEL_ENV_VAR]
@@ -169,10 +198,12 @@ class Resolver:
         self,
         world_size: int,
         causal: bool,
-        name: str = "auto",
+        name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
     ) -> str:
         """Which communicator serves ``world_size`` ranks, and why each other one was rejected."""
+        if not isinstance(name, str):
+            return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
         chosen = self.communicator_for(world_size, causal, name, plans)
         chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
         how = f"forced by communicator={name!r}" if name != "auto" else "highest priority that fits"
@@ -188,15 +219,19 @@ class Resolver:
         self,
         world_size: int,
         causal: bool,
-        name: str = "auto",
+        name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
     ) -> Communicator:
-        """The communicator for a group of ``world_size`` ranks: ``name`` forced, or the
-        highest-priority one that fits. A forced one that does not fit raises with its reasons.
-        ``plans`` (every rank's shard plan) lets a communicator check that it can move them."""
+        """The communicator for a group of ``world_size`` ranks: ``name`` forced, the
+        highest-priority one that fits, or a :class:`~ringdilated.core.communicator.Communicator`
+        instance used as it is. A forced one that does not fit raises with its reasons. ``plans``
+        (every rank's shard plan) lets a communicator check that it can move them."""
+        if isinstance(name, Communicator) and not isinstance(name, str):
+            return name
         if not isinstance(name, str):
             raise TypeError(
-                f"communicator must be 'auto' or a communicator name (str), got {name!r}"
+                "communicator must be 'auto', a communicator name (str) or a Communicator "
+                f"instance, got {name!r}"
             )
         if name != "auto" and name not in self.communicator_specs:
             known = ", ".join(sorted(self.communicator_specs)) or "none"

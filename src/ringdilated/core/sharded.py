@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
-from ringdilated.core.communicator import Communicator, Pending
+from ringdilated.core.communicator import Communicator, Pending, TransferStats
 from ringdilated.core.driver import (
     BatchLimitedKernel,
     Run,
@@ -50,6 +50,7 @@ class ShardedRun:
     plan: ShardPlan
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
+    stats: TransferStats = attrs.field(factory=TransferStats, eq=False)
 
     @property
     def kernel(self) -> Kernel:
@@ -177,6 +178,7 @@ class _PieceExchange:
                 numel = _numel(incoming, self.batch, self.head_dim)
                 recvs[peer] = torch.empty(numel, dtype=self.k.dtype, device=self.k.device)
         contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
+        self.run.stats.record(sends, recvs)
         pending = self.run.communicator.exchange(
             self.run.group, sends, recvs, uniform=len(contents) == 1
         )
@@ -363,6 +365,7 @@ def sharded_backward(
                 recvs[peer] = torch.empty(
                     _numel(mine, batch, head_dim), dtype=k.dtype, device=k.device
                 )
+        run.stats.record(sends, recvs)
         run.communicator.exchange(run.group, sends, recvs).wait()
         for peer, flat in recvs.items():
             mine = exchange.payload(me, peer)

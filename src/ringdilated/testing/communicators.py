@@ -125,22 +125,27 @@ def _attend(
 def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
     """A :class:`Workers` task: this rank's shard of :func:`case_inputs`, run with
     ``case['communicator']``; its out, lse, gradients and bytes sent, or ``{"declined": why}``."""
+    from ringdilated.core.communicator import TransferStats
     from ringdilated.core.resolver import ResolutionError
-    from ringdilated.functional import default_resolver
 
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, dout, dlse = case_inputs(case)
     shard = slice(rank * case["seq_len"] // world, (rank + 1) * case["seq_len"] // world)
     q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
+    stats = TransferStats()
     try:
-        comm = default_resolver().communicator_for(world, case["causal"], case["communicator"])
-        comm.stats.reset()
         out, lse = _attend(
-            case, q, k, v, process_group=dist.group.WORLD, communicator=case["communicator"]
+            case,
+            q,
+            k,
+            v,
+            process_group=dist.group.WORLD,
+            communicator=case["communicator"],
+            transfer_stats=stats,
         )
     except ResolutionError as exc:
         return {"declined": str(exc)}
-    forward_bytes = comm.stats.bytes_sent
+    forward_bytes = stats.bytes_sent
     if case.get("lse_grad", True):
         loss = _loss(out, lse, dout[:, shard], dlse[:, :, shard])
     else:
@@ -153,7 +158,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
         "dk": k.grad,
         "dv": v.grad,
         "forward_bytes_sent": forward_bytes,
-        "total_bytes_sent": comm.stats.bytes_sent,
+        "total_bytes_sent": stats.bytes_sent,
     }
 
 

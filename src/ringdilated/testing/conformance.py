@@ -452,7 +452,7 @@ def check_kernel(
     fail (an unexpected pass raises, so a fixed bug is noticed). Raises :class:`ConformanceError`
     on the first unexpected failure.
     """
-    from ringdilated.functional import default_resolver
+    from ringdilated.registry import default_resolver
 
     spec = default_resolver().specs[kernel] if isinstance(kernel, str) else kernel
     unknown = set(checks) - set(CHECKS) | set(expected_failures or ()) - set(CHECKS)

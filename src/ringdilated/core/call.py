@@ -1,0 +1,241 @@
+"""One call's plan: everything a dilated-attention call needs besides its tensors.
+
+:func:`prepare_call` makes it once per call, on every rank, before any work: it validates every
+argument (the pattern included), resolves the kernel for the tensors actually passed, and, on a
+process group, plans every rank's shard and resolves the communicator; then the ranks agree
+(:mod:`ringdilated.core.agreement`), so bad input raises on every rank. The eager, compiled and
+sharded paths all consume the resulting frozen :class:`CallPlan`::
+
+    plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, group)
+    executor = plan.executor(q, k, stats)    # a Run on one process, a ShardedRun on a shard
+    out, lse = DilatedAttentionFunction.apply(q, k, v, executor)
+
+A one-process call resolves no communicator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from ringdilated.core.agreement import CallSignature, agree
+from ringdilated.core.capabilities import Request
+from ringdilated.core.communicator import Communicator, TransferStats
+from ringdilated.core.driver import Executor, Run, pattern_run
+from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.resolver import Plan, Resolver
+from ringdilated.core.shard import ShardPlan, shard_plan
+from ringdilated.core.sharded import ShardedRun
+from ringdilated.core.validation import check_bool, check_inputs, check_options
+
+__all__ = ["CallOptions", "CallPlan", "PatternArgs", "group_size", "prepare_call"]
+
+PatternArgs = tuple[object, object, object]
+"""``(segment_lengths, dilation_rates, mode)``, not yet validated."""
+
+
+def group_size(group: object) -> int:
+    """Ranks in ``group`` (``None``: one process)."""
+    if group is None:
+        return 1
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed.ProcessGroup or None, got {group!r}"
+        )
+    return dist.get_world_size(group)
+
+
+@attrs.frozen
+class CallOptions:
+    """A call's arguments besides its tensors and pattern, as the caller passed them: checked by
+    :func:`prepare_call`, inside the ranks' agreement, never on construction."""
+
+    causal: object = False
+    scale: object = None
+    dropout_p: object = 0.0
+    return_lse: object = False
+    kernel: object = "auto"
+    communicator: object = "auto"
+
+
+@attrs.frozen
+class CallPlan:
+    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``seed`` seeds the
+    call's dropout masks; ``shards`` holds every rank's shard plan (empty on one process) and
+    ``communicator`` moves their pieces (``None`` on one process)."""
+
+    pattern: DilationPattern
+    kernel: Plan
+    causal: bool
+    scale: float
+    dropout_p: float
+    seed: int
+    rank: int = 0
+    shards: tuple[ShardPlan, ...] = ()
+    communicator: Communicator | None = attrs.field(default=None, eq=False)
+    group: object = attrs.field(default=None, eq=False)
+
+    @property
+    def shard(self) -> ShardPlan | None:
+        """This rank's shard plan (``None`` on one process)."""
+        return self.shards[self.rank] if self.shards else None
+
+    def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
+        """The driver's :class:`Run`: the whole pattern, or a shard's inner blocks."""
+        shard = self.shard
+        return pattern_run(
+            self.kernel.kernel,
+            self.pattern,
+            q,
+            k,
+            causal=self.causal,
+            scale=self.scale,
+            dropout_p=self.dropout_p,
+            dropout_seed=self.seed,
+            complete=shard is None,
+            blocks=None if shard is None else shard.inner,
+            batch_limit=self.kernel.batch_limit,
+            kernel_name=self.kernel.kernel_name,
+        )
+
+    def executor(
+        self, q: torch.Tensor, k: torch.Tensor, stats: TransferStats | None = None
+    ) -> Executor:
+        """What runs the call: the :class:`Run`, or a :class:`ShardedRun` over it that adds the
+        bytes it moves to ``stats``."""
+        run = self.run(q, k)
+        shard = self.shard
+        if shard is None:
+            return run
+        assert self.communicator is not None
+        return ShardedRun(
+            inner=run,
+            plan=shard,
+            communicator=self.communicator,
+            group=self.group,
+            stats=stats if stats is not None else TransferStats(),
+        )
+
+
+def _check(
+    pattern_args: DilationPattern | PatternArgs,
+    q: object,
+    k: object,
+    v: object,
+    options: CallOptions,
+    resolver: Resolver,
+    ranks: int,
+) -> tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]:
+    pattern = (
+        pattern_args
+        if isinstance(pattern_args, DilationPattern)
+        else DilationPattern(*pattern_args)  # type: ignore[arg-type]
+    )
+    q, k, v = check_inputs(q, k, v, pattern)
+    check_options(options.scale, options.dropout_p)
+    causal = check_bool("causal", options.causal)
+    check_bool("return_lse", options.return_lse)
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    request = Request.for_tensors(
+        q,
+        k,
+        causal=causal,
+        dropout=options.dropout_p > 0,  # type: ignore[operator]
+        backward=backward,
+        env=resolver.env,
+    )
+    plan = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
+    warn_if_slow(request)
+    if ranks == 1:
+        resolver.check_communicator_name(options.communicator)  # named, though nothing moves
+        return pattern, plan, causal, (), None
+    _, length, heads, _ = q.shape
+    shards = tuple(
+        shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks) for rank in range(ranks)
+    )
+    communicator = resolver.communicator_for(
+        ranks,
+        causal,
+        options.communicator,  # type: ignore[arg-type]
+        shards,
+    )
+    return pattern, plan, causal, shards, communicator
+
+
+def prepare_call(
+    pattern_args: DilationPattern | PatternArgs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    options: CallOptions,
+    resolver: Resolver,
+    group: object = None,
+) -> CallPlan:
+    """Validate the call (on every rank of ``group``, which must all agree) and plan it.
+
+    Raises ``TypeError``/``ValueError`` (a :class:`~ringdilated.core.ResolutionError` for a kernel
+    or communicator that cannot serve) naming the offending value, before any work; on a process
+    group, on every rank (:func:`~ringdilated.core.agreement.agree`).
+    """
+    ranks = group_size(group)
+    if ranks == 1:
+        pattern, plan, causal, shards, communicator = _check(
+            pattern_args, q, k, v, options, resolver, 1
+        )
+    else:
+        checked = None
+        error: Exception | None = None
+        try:
+            checked = _check(pattern_args, q, k, v, options, resolver, ranks)
+        except Exception as exc:  # any failure here must reach every rank, not strand them
+            error = exc
+        assert isinstance(group, dist.ProcessGroup)
+        agree(group, error, _signature(pattern_args, q, k, options, checked))
+        assert checked is not None  # agree() raised otherwise
+        pattern, plan, causal, shards, communicator = checked
+    dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+    scale = options.scale
+    return CallPlan(
+        pattern=pattern,
+        kernel=plan,
+        causal=causal,
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
+        dropout_p=dropout_p,
+        seed=seed,
+        rank=0 if ranks == 1 else dist.get_rank(group),  # type: ignore[arg-type]
+        shards=shards,
+        communicator=communicator,
+        group=group,
+    )
+
+
+def _signature(
+    pattern_args: DilationPattern | PatternArgs,
+    q: object,
+    k: object,
+    options: CallOptions,
+    checked: tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None] | None,
+) -> CallSignature:
+    """What every rank must pass identically (raw values where validation failed)."""
+    if checked is not None:
+        pattern = checked[0]
+        fields: tuple[object, ...] = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
+    else:
+        raw = pattern_args if isinstance(pattern_args, tuple) else (pattern_args,)
+        fields = tuple(map(repr, raw))
+    return CallSignature(
+        pattern=fields,
+        causal=options.causal,
+        scale=options.scale,
+        dropout_p=options.dropout_p,
+        dtype=str(getattr(q, "dtype", None)),
+        q_shape=tuple(getattr(q, "shape", ())),
+        k_shape=tuple(getattr(k, "shape", ())),
+        kernel=None if checked is None else checked[1].kernel_name,
+        communicator=None if checked is None else type(checked[4]).__name__,
+    )
