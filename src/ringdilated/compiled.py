@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.capabilities import Request
-from ringdilated.core.driver import Run, first_order_only, pattern_run
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.call import CallOptions, prepare_call
+from ringdilated.core.driver import Run, first_order_only
 
 __all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
 
@@ -26,6 +25,7 @@ __all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
 def _run(
     q: torch.Tensor,
     k: torch.Tensor,
+    v: torch.Tensor,
     seed: torch.Tensor,
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
@@ -36,26 +36,22 @@ def _run(
     kernel: str,
     backward: bool,
 ) -> Run:
+    """The op's :class:`Run`, from the same :func:`~ringdilated.core.call.prepare_call` as the
+    eager path (re-validating costs microseconds; the resolution is a cached lookup)."""
     from ringdilated.registry import default_resolver
 
-    resolver = default_resolver()
-    request = Request.for_tensors(
-        q, k, causal=causal, dropout=dropout_p > 0, backward=backward, env=resolver.env
-    )
-    pattern = DilationPattern(segment_lengths, dilation_rates, mode)  # type: ignore[arg-type]
-    plan = resolver.resolve(request, kernel)
-    return pattern_run(
-        plan.kernel,
-        pattern,
+    options = CallOptions(causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel)
+    plan = prepare_call(
+        (segment_lengths, dilation_rates, mode),
         q,
         k,
-        causal=causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        dropout_seed=int(seed.item()),
-        batch_limit=plan.batch_limit,
-        kernel_name=plan.kernel_name,
+        v,
+        options,
+        default_resolver(),
+        backward=backward,
+        seed=int(seed.item()),
     )
+    return plan.run(q, k)
 
 
 @torch.library.custom_op("ringdilated::dilated_attention", mutates_args=())
@@ -77,6 +73,7 @@ def dilated_attention_op(
     run = _run(
         q,
         k,
+        v,
         seed,
         segment_lengths,
         dilation_rates,
@@ -123,10 +120,16 @@ def dilated_attention_backward_op(
     dropout_p: float,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`dilated_attention_op` (the same kernel, the same masks)."""
+    """``(dq, dk, dv)`` of :func:`dilated_attention_op` (the same kernel, the same masks).
+
+    The op always returns the lse, so autograd hands this backward a ``dlse`` of zeros whenever
+    the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
+    only when ``dlse`` has a nonzero entry. Skipping it for zeros is exact."""
     run = _run(
-        q, k, seed, segment_lengths, dilation_rates, mode, causal, scale, dropout_p, kernel, True
+        q, k, v, seed, segment_lengths, dilation_rates, mode, causal, scale, dropout_p, kernel, True
     )
+    if dlse is not None and not bool(dlse.any()):
+        dlse = None
     return run.backward(
         dout.contiguous(),
         None if dlse is None else dlse.to(lse.dtype).contiguous(),

@@ -129,6 +129,7 @@ def _check(
     options: CallOptions,
     resolver: Resolver,
     ranks: int,
+    backward: bool | None,
 ) -> tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]:
     pattern = (
         pattern_args
@@ -139,7 +140,9 @@ def _check(
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if backward is None:
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        backward = torch.is_grad_enabled() and grad
     request = Request.for_tensors(
         q,
         k,
@@ -174,8 +177,15 @@ def prepare_call(
     options: CallOptions,
     resolver: Resolver,
     group: object = None,
+    *,
+    backward: bool | None = None,
+    seed: int | None = None,
 ) -> CallPlan:
     """Validate the call (on every rank of ``group``, which must all agree) and plan it.
+
+    ``backward`` says whether gradients will be asked for (default: whether any input requires
+    them with grad mode on); ``seed`` seeds dropout (default: drawn from torch's generator when
+    ``dropout_p > 0``). The compiled op passes both, as it runs without autograd.
 
     Raises ``TypeError``/``ValueError`` (a :class:`~ringdilated.core.ResolutionError` for a kernel
     or communicator that cannot serve) naming the offending value, before any work; on a process
@@ -184,13 +194,13 @@ def prepare_call(
     ranks = group_size(group)
     if ranks == 1:
         pattern, plan, causal, shards, communicator = _check(
-            pattern_args, q, k, v, options, resolver, 1
+            pattern_args, q, k, v, options, resolver, 1, backward
         )
     else:
         checked = None
         error: Exception | None = None
         try:
-            checked = _check(pattern_args, q, k, v, options, resolver, ranks)
+            checked = _check(pattern_args, q, k, v, options, resolver, ranks, backward)
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         assert isinstance(group, dist.ProcessGroup)
@@ -198,7 +208,8 @@ def prepare_call(
         assert checked is not None  # agree() raised otherwise
         pattern, plan, causal, shards, communicator = checked
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     scale = options.scale
     return CallPlan(
         pattern=pattern,
