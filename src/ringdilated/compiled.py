@@ -18,6 +18,7 @@ import torch
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.call import CallOptions, prepare_call
 from ringdilated.core.driver import Run, first_order_only
+from ringdilated.core.dtypes import autocast_off
 
 __all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
 
@@ -84,7 +85,8 @@ def dilated_attention_op(
         kernel,
         backward,
     )
-    return run.forward(q.contiguous(), k.contiguous(), v.contiguous())
+    with autocast_off(q.device.type):
+        return run.forward(q.contiguous(), k.contiguous(), v.contiguous())
 
 
 @dilated_attention_op.register_fake
@@ -130,15 +132,16 @@ def dilated_attention_backward_op(
     )
     if dlse is not None and not bool(dlse.any()):
         dlse = None
-    return run.backward(
-        dout.contiguous(),
-        None if dlse is None else dlse.to(lse.dtype).contiguous(),
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        out,
-        lse,
-    )
+    with autocast_off(q.device.type):
+        return run.backward(
+            dout.contiguous(),
+            None if dlse is None else dlse.to(lse.dtype).contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out,
+            lse,
+        )
 
 
 @dilated_attention_backward_op.register_fake

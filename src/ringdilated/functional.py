@@ -25,6 +25,7 @@ from ringdilated.compiled import dilated_attention_op
 from ringdilated.core.call import CallOptions, PatternArgs, group_size, prepare_call
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import DilatedAttentionFunction
+from ringdilated.core.dtypes import autocast_inputs
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan, Resolver
@@ -62,6 +63,7 @@ def attend(
     op (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the graph);
     anything else runs eagerly behind a graph break.
     """
+    q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
     arguments = (causal, scale, dropout_p, return_lse, kernel, communicator)
     if (
         isinstance(kernel, str)
@@ -211,6 +213,8 @@ def dilated_attention(
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
     - ``return_lse``: also return ``lse`` ``(B, H, L)`` float32, ``-inf`` where a query sees no key.
       Gradients flow through ``out`` and ``lse``.
+    - Under ``torch.autocast``, ``q``, ``k``, ``v`` are cast to the autocast dtype and ``out``
+      comes back in it, as with ``scaled_dot_product_attention``.
     - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``), a backend name,
       which must fit the request or a :class:`~ringdilated.core.ResolutionError` is raised, or a
       :class:`~ringdilated.core.Kernel` instance, used as it is.

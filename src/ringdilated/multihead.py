@@ -62,6 +62,9 @@ def positive_float(name: str, value: object) -> float:
 class MultiheadDilatedAttention(nn.Module):
     """Multi-head dilated attention with its own projections.
 
+    Inputs are in the parameters' dtype, or, under ``torch.autocast``, in the autocast dtype (as
+    ``nn.MultiheadAttention`` accepts them); the attention then computes in the autocast dtype.
+
     ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: key and value project to
     ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` picks
     :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
@@ -182,10 +185,13 @@ class MultiheadDilatedAttention(nn.Module):
                 raise ValueError(
                     f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
                 )
-            if x.dtype != self.dtype:
+            kind = x.device.type
+            autocast = torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
+            if x.dtype != self.dtype and not autocast:
                 raise TypeError(
                     f"{name} is {x.dtype} but the module's parameters are {self.dtype} "
-                    "(dtype='auto' chose it for the device; convert the input or pass dtype=)"
+                    "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
+                    "run under torch.autocast)"
                 )
         b, length, _ = query.shape
         q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)

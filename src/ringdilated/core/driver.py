@@ -27,6 +27,7 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit
+from ringdilated.core.dtypes import autocast_off
 from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.kernel_guard import CheckedKernel
 from ringdilated.core.pattern import Block, DilationPattern, Selection
@@ -445,7 +446,8 @@ class DilatedAttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         executor: Executor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = executor.forward(q, k, v)
+        with autocast_off(q.device.type):
+            out, lse = executor.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.executor = executor  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
@@ -460,7 +462,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         if dout is None:
             dout = torch.zeros_like(out)
-        with torch.no_grad():
+        with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
                 dout.contiguous(),
                 None if dlse is None else dlse.to(lse.dtype).contiguous(),

@@ -7,17 +7,30 @@
 - CUDA 8.0 and newer (Ampere, Hopper): bfloat16 (tensor cores, float32's range).
 
 A call in float16 on a CUDA device below 7.0 warns once per process (:class:`SlowDtypeWarning`).
+
+Under ``torch.autocast``, attention follows ``scaled_dot_product_attention``'s policy: inputs are
+cast to the autocast dtype of their device type and the result comes back in it
+(:func:`autocast_inputs`); inside, the kernels run with autocast off (:func:`autocast_off`), so
+their float32 softmax state stays float32.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
 from ringdilated.core.capabilities import Environment, Request
 
-__all__ = ["DTYPE_POLICY", "SlowDtypeWarning", "recommended_dtype", "warn_if_slow"]
+__all__ = [
+    "DTYPE_POLICY",
+    "SlowDtypeWarning",
+    "autocast_inputs",
+    "autocast_off",
+    "recommended_dtype",
+    "warn_if_slow",
+]
 
 #: ``(minimum compute capability, dtype)`` for CUDA, highest first.
 DTYPE_POLICY: tuple[tuple[tuple[int, int], torch.dtype], ...] = (
@@ -42,6 +55,26 @@ def recommended_dtype(
     if capability is None:
         return torch.float32
     return next(dtype for minimum, dtype in DTYPE_POLICY if capability >= minimum)
+
+
+def autocast_inputs(*tensors: object) -> tuple[object, ...]:
+    """``tensors`` cast to the autocast dtype of their device type where autocast is on there
+    (SDPA's policy: attention computes in the lower precision); anything else unchanged."""
+    out: list[object] = []
+    for x in tensors:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            kind = x.device.type
+            if torch.is_autocast_enabled(kind):
+                x = x.to(torch.get_autocast_dtype(kind))
+        out.append(x)
+    return tuple(out)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """A context with autocast off for ``device_type`` (a no-op where it is not on)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _warned: set[tuple[int, int]] = set()
