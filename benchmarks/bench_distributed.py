@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, store: str, length: int, backward: bool, out: A
     import torch.distributed as dist
 
     import ringdilated
-    from ringdilated.core.shard import payload, shard_plan
+    from ringdilated.core.shard_plan import payload, shard_plan
 
     torch.set_num_threads(1)
     if world > 1:

@@ -149,7 +149,7 @@ def stats_and_instances(payload: dict[str, Any]) -> dict[str, Any]:
     import ringdilated
     from ringdilated.backends.ringpass import RingPassCommunicator
     from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard import shard_plan
+    from ringdilated.core.shard_plan import shard_plan
     from ringdilated.testing import oracle
 
     rank, world = dist.get_rank(), dist.get_world_size()

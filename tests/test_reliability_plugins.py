@@ -32,7 +32,7 @@ from ringdilated.core import Capabilities, KernelSpec, PriorityRule, Target
 from ringdilated.core.capabilities import BatchLimit
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.pattern import DilationPattern
-from ringdilated.core.shard import shard_plan
+from ringdilated.core.shard_plan import shard_plan
 from ringdilated.functional import default_resolver
 from ringdilated.plugins import PluginError, PluginWarning, hookimpl, load_registry, manager
 from ringdilated.testing import max_error, oracle

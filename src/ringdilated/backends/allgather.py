@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ringdilated.backends.ringpass import Works, point_to_point
 from ringdilated.core.communicator import Pending
 from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard import ShardPlan, payload
+from ringdilated.core.shard_plan import ShardPlan, payload
 
 __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator", "segment_groups"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard import ShardPlan
+from ringdilated.core.shard_plan import ShardPlan
 
 __all__ = ["RINGPASS_SPEC", "RingPassCommunicator", "Works", "point_to_point"]
 

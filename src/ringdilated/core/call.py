@@ -28,8 +28,8 @@ from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.core.resolver import Plan, Resolver
-from ringdilated.core.shard import ShardPlan, shard_plan
-from ringdilated.core.sharded import ShardedRun
+from ringdilated.core.shard_plan import ShardPlan, shard_plan
+from ringdilated.core.sharded_run import ShardedRun
 from ringdilated.core.validation import check_bool, check_inputs, check_options
 
 __all__ = ["CallOptions", "CallPlan", "PatternArgs", "group_size", "prepare_call"]

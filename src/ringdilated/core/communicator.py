@@ -1,8 +1,9 @@
 """The communicator interface: moves key/value pieces (and their gradients) between ranks.
 
-The sharded driver (:mod:`ringdilated.core.sharded`) decides *what* moves from the pattern
-(:mod:`ringdilated.core.shard`); a communicator decides *how*: in which steps a rank meets which
-peers, and with which transport. Call flow, per step::
+The sharded run (:mod:`ringdilated.core.sharded_run`) decides *what* moves, from the pattern
+(:mod:`ringdilated.core.shard_plan`) in the wire format of :mod:`ringdilated.core.payload`; a
+communicator decides *how*: in which steps a rank meets which peers, and with which transport.
+Call flow, per step (:mod:`ringdilated.core.exchange`)::
 
     pending = communicator.exchange(group, sends={peer: flat tensor}, recvs={peer: flat buffer})
     ... compute the previous step's blocks ...
@@ -22,7 +23,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard import ShardPlan
+    from ringdilated.core.shard_plan import ShardPlan
 
 __all__ = ["Communicator", "Pending", "TransferStats"]
 

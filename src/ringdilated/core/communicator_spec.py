@@ -10,7 +10,7 @@ import attrs
 from ringdilated.core import rules
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard import ShardPlan
+    from ringdilated.core.shard_plan import ShardPlan
 
 __all__ = ["CommunicatorSpec"]
 

@@ -378,7 +378,7 @@ class BatchLimitedKernel:
 
 class Executor(Protocol):
     """Runs one attention call's forward and backward: :class:`Run` on one process,
-    :class:`~ringdilated.core.sharded.ShardedRun` on a shard."""
+    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -32,7 +32,7 @@ from ringdilated.core.kernel import Kernel
 from ringdilated.core.rules import describe, describe_exception
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard import ShardPlan
+    from ringdilated.core.shard_plan import ShardPlan
 
 __all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
 

@@ -73,7 +73,7 @@ class ShardPlan:
     def elements_sent(self, head_dim: int, batch: int, causal: bool) -> int:
         """Key plus value elements this rank sends in a forward pass: the analytic minimum."""
         return sum(
-            2 * batch * head_dim * payload(self, self.rank, dst, causal).positions_count
+            payload(self, self.rank, dst, causal).elements(batch, head_dim)
             for dst in range(self.world_size)
         )
 
@@ -92,6 +92,10 @@ class Payload:
     @property
     def positions_count(self) -> int:
         return sum(len(p) for p in self.positions)
+
+    def elements(self, batch: int, head_dim: int) -> int:
+        """Key plus value elements of this payload for ``batch`` rows of ``head_dim``."""
+        return 2 * batch * head_dim * self.positions_count
 
     def __bool__(self) -> bool:
         return bool(self.crossings)

@@ -1,0 +1,147 @@
+"""The exchanger of a sharded call: one object moves, step by step, the pieces a rank's queries
+need (forward and backward alike) and, in backward, the gradients of received pieces back to
+their owners.
+
+Call flow on every rank (the same steps in the same order)::
+
+    exchange = PieceExchange(run, k, v)
+    exchange.start()                              # step 1 in flight before any local work
+    for step, received in exchange:               # step t+1 already in flight while t computes
+        ... compute with received pieces ...
+        exchange.return_gradients(step, grads)    # backward: start sending them back (async)
+    exchange.finish(dk, dv)                       # backward: wait, add what came back
+
+At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
+rank stays O(L / P). The bytes of every exchange are added to the call's ``TransferStats``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from ringdilated.core import payload as wire
+from ringdilated.core.communicator import Pending
+from ringdilated.core.shard_plan import Crossing, Payload, payload
+
+if TYPE_CHECKING:
+    from ringdilated.core.sharded_run import ShardedRun
+
+__all__ = ["PieceExchange", "Received"]
+
+Received = tuple[int, int, Crossing, torch.Tensor, torch.Tensor]
+"""``(src, i, crossing, k, v)``: crossing ``i`` of the payload from ``src``, kernel layout."""
+
+
+@attrs.define
+class _Step:
+    peers: tuple[int, ...]
+    pending: Pending
+    recvs: dict[int, torch.Tensor]
+
+
+@attrs.define
+class _Return:
+    """Gradients sent back at one step: the receives to wait for and add in."""
+
+    pending: Pending
+    recvs: dict[int, torch.Tensor]
+
+
+class PieceExchange:
+    """Streams other ranks' pieces step by step, the next step always in flight (double buffer),
+    and returns the gradients of received pieces, overlapped with the next step's compute."""
+
+    def __init__(self, run: ShardedRun, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.run, self.k, self.v = run, k, v
+        self.batch, self.head_dim = k.shape[0], k.shape[3]
+        plan = run.plan
+        self.steps = run.communicator.schedule(plan.rank, plan.world_size)
+        self.causal = run.inner.causal
+        self._next: _Step | None = None
+        self._returning: _Return | None = None
+
+    def payload(self, src: int, dst: int) -> Payload:
+        return payload(self.run.plan, src, dst, self.causal)
+
+    def _exchange(
+        self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], uniform: bool
+    ) -> Pending:
+        self.run.stats.record(sends, recvs)
+        return self.run.communicator.exchange(self.run.group, sends, recvs, uniform=uniform)
+
+    def _start(self, index: int) -> _Step:
+        me = self.run.plan.rank
+        peers = self.steps[index]
+        sends, recvs = {}, {}
+        for peer in peers:
+            outgoing = self.payload(me, peer)
+            if outgoing:
+                sends[peer] = wire.pack(outgoing, self.k, self.v)
+            incoming = self.payload(peer, me)
+            if incoming:
+                size = wire.numel(incoming, self.batch, self.head_dim)
+                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
+        contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
+        return _Step(peers, self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
+
+    def start(self) -> None:
+        """Put the first step in flight (call before local work, to overlap it)."""
+        if self.steps and self._next is None:
+            self._next = self._start(0)
+
+    def __iter__(self) -> Iterator[tuple[int, list[Received]]]:
+        """Yield ``(step, received)`` for every step of the schedule."""
+        self.start()
+        me = self.run.plan.rank
+        for index in range(len(self.steps)):
+            current = self._next
+            assert current is not None
+            self._next = self._start(index + 1) if index + 1 < len(self.steps) else None
+            current.pending.wait()
+            received = []
+            for src, flat in current.recvs.items():
+                incoming = self.payload(src, me)
+                tensors = wire.unpack(flat, incoming, self.batch, self.head_dim)
+                for i, c in enumerate(incoming.crossings):
+                    k, v = wire.crossing_kv(incoming, i, tensors)
+                    received.append((src, i, c, k, v))
+            yield index, received
+
+    def return_gradients(
+        self, step: int, grads: dict[int, list[torch.Tensor]], dk: torch.Tensor, dv: torch.Tensor
+    ) -> None:
+        """Start sending ``grads[src]`` (the gradient buffers of ``src``'s payload) back, and
+        receiving the gradients of this rank's own pieces from ``step``'s peers. The previous
+        step's return is completed first (added into ``dk``, ``dv``), so one is in flight."""
+        self._complete(dk, dv)
+        me = self.run.plan.rank
+        sends = {
+            src: torch.cat([g.to(self.k.dtype).reshape(-1) for g in buffers])
+            for src, buffers in grads.items()
+        }
+        recvs = {}
+        for peer in self.steps[step]:
+            mine = self.payload(me, peer)
+            if mine:
+                size = wire.numel(mine, self.batch, self.head_dim)
+                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
+        self._returning = _Return(self._exchange(sends, recvs, uniform=False), recvs)
+
+    def _complete(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if self._returning is None:
+            return
+        returning, self._returning = self._returning, None
+        returning.pending.wait()
+        me = self.run.plan.rank
+        for peer, flat in returning.recvs.items():
+            mine = self.payload(me, peer)
+            returned = wire.unpack(flat, mine, self.batch, self.head_dim)
+            wire.scatter_add_returned(dk, dv, mine, returned)
+
+    def finish(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Wait for the last returned gradients and add them into ``dk``, ``dv``."""
+        self._complete(dk, dv)

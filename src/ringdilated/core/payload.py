@@ -1,0 +1,137 @@
+"""The wire format of a sharded call: how a :class:`~ringdilated.core.shard_plan.Payload` of keys
+and values (or of their gradients) is packed into one flat tensor, unpacked, and added back.
+
+One flat tensor per (sender, receiver) and step: for each key/value head of the payload, in
+order, that head's keys at the payload's positions, then its values; each ``(B, n_h, D)``. The
+gradients sent back use the same layout. Both ends derive sizes and order from the same shard
+plan, so nothing about the layout is sent. Index tensors are built once per payload and device.
+
+Kernel-layout views of a rank's own tensors (its piece of a crossing segment) live here too:
+:func:`piece` and :func:`lse_piece`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ringdilated.core.shard_plan import Crossing, Payload
+
+__all__ = [
+    "crossing_kv",
+    "gradient_buffers",
+    "kv_heads",
+    "lse_piece",
+    "numel",
+    "pack",
+    "piece",
+    "q_heads",
+    "scatter_add",
+    "scatter_add_returned",
+    "unpack",
+]
+
+
+def q_heads(crossing: Crossing) -> slice:
+    return slice(crossing.block.heads.q_start, crossing.block.heads.q_stop)
+
+
+def kv_heads(crossing: Crossing) -> slice:
+    return slice(crossing.block.heads.kv_start, crossing.block.heads.kv_stop)
+
+
+def piece(x: torch.Tensor, crossing: Crossing, rank: int, heads: slice) -> torch.Tensor:
+    """``(B, heads, count, D)`` kernel-layout view of ``rank``'s piece of a local tensor."""
+    own = crossing.piece(rank)
+    assert own is not None
+    return own.selection.view(x)[:, 0, :, heads].transpose(1, 2)
+
+
+def lse_piece(lse: torch.Tensor, crossing: Crossing, rank: int) -> torch.Tensor:
+    """``(B, heads, count)`` view of ``rank``'s piece of a local ``(B, H, S)`` lse."""
+    own = crossing.piece(rank)
+    assert own is not None
+    return own.selection.view(lse, dim=2)[:, q_heads(crossing), 0]
+
+
+def numel(payload: Payload, batch: int, head_dim: int) -> int:
+    """Elements of the flat tensor: keys and values of every position of the payload."""
+    return payload.elements(batch, head_dim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(payload: Payload, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per head of the payload, its positions (local to the sender) as an index tensor."""
+    return tuple(torch.tensor(p, dtype=torch.long, device=device) for p in payload.positions)
+
+
+@functools.lru_cache(maxsize=4096)
+def _crossing_index(payload: Payload, i: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per key/value head of crossing ``i``, where its piece's positions sit in the payload."""
+    return tuple(torch.tensor(ix, dtype=torch.long, device=device) for ix in payload.index[i])
+
+
+def pack(payload: Payload, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The flat tensor of ``payload`` from a sender's local ``(B, S, H, D)`` keys and values."""
+    parts = []
+    for h, index in zip(payload.heads, _positions(payload, k.device), strict=True):
+        parts += [k[:, index, h].reshape(-1), v[:, index, h].reshape(-1)]
+    return torch.cat(parts)
+
+
+def unpack(flat: torch.Tensor, payload: Payload, batch: int, head_dim: int) -> list[torch.Tensor]:
+    """Per head ``h`` of the payload: its keys then its values, each ``(B, n_h, D)`` (views)."""
+    sizes = [batch * len(pos) * head_dim for pos in payload.positions for _ in range(2)]
+    shapes = [(batch, len(pos), head_dim) for pos in payload.positions for _ in range(2)]
+    parts = torch.split(flat, sizes)
+    return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+
+
+def crossing_kv(
+    payload: Payload, i: int, tensors: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Crossing ``i``'s keys and values in kernel layout ``(B, heads, n, D)`` from unpacked
+    payload tensors."""
+    c = payload.crossings[i]
+    slot = {h: j for j, h in enumerate(payload.heads)}
+    index = _crossing_index(payload, i, tensors[0].device)
+    ks, vs = [], []
+    for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
+        ks.append(tensors[2 * slot[h]][:, index[j]])
+        vs.append(tensors[2 * slot[h] + 1][:, index[j]])
+    return torch.stack(ks, 1), torch.stack(vs, 1)
+
+
+def gradient_buffers(
+    payload: Payload, batch: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Zeroed per-head ``(B, n_h, D)`` key and value gradients in the payload's layout."""
+    return [
+        torch.zeros(batch, len(pos), head_dim, dtype=dtype, device=device)
+        for pos in payload.positions
+        for _ in range(2)
+    ]
+
+
+def scatter_add(
+    buffers: list[torch.Tensor], payload: Payload, i: int, dk: torch.Tensor, dv: torch.Tensor
+) -> None:
+    """Add crossing ``i``'s kernel-layout ``dk``, ``dv`` ``(B, heads, n, D)`` into ``buffers``
+    (from :func:`gradient_buffers`) at its piece's positions."""
+    c = payload.crossings[i]
+    slot = {h: j for j, h in enumerate(payload.heads)}
+    index = _crossing_index(payload, i, dk.device)
+    for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
+        buffers[2 * slot[h]].index_add_(1, index[j], dk[:, j].to(buffers[0].dtype))
+        buffers[2 * slot[h] + 1].index_add_(1, index[j], dv[:, j].to(buffers[0].dtype))
+
+
+def scatter_add_returned(
+    dk: torch.Tensor, dv: torch.Tensor, payload: Payload, returned: list[torch.Tensor]
+) -> None:
+    """Add gradients sent back for ``payload`` (unpacked) into a sender's local ``(B, S, H, D)``
+    ``dk``, ``dv`` at the payload's positions."""
+    for j, (h, index) in enumerate(zip(payload.heads, _positions(payload, dk.device), strict=True)):
+        dk[:, :, h].index_add_(1, index, returned[2 * j].to(dk.dtype))
+        dv[:, :, h].index_add_(1, index, returned[2 * j + 1].to(dv.dtype))
