@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["call_with_fault", "slow_peer"]
+__all__ = ["call_with_fault", "module_with_fault", "slow_peer"]
 
 
 def _inputs(rank: int, world: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -52,6 +52,10 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
             kwargs["mode"] = "dilated"
         elif fault == "scale":
             kwargs["scale"] = 0.5
+        elif fault == "unpicklable scale":
+            kwargs["scale"] = lambda: 0.5  # cannot be pickled: its repr travels instead
+        elif fault == "backward":
+            q.requires_grad_()
         else:
             raise AssertionError(f"unknown fault {fault!r}")
     before = [x.clone() if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
@@ -65,6 +69,38 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     result["seconds"] = time.monotonic() - start
     after = [x if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
     result["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return result
+
+
+def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every rank runs a sharded ``MultiheadDilatedAttention`` (or, with ``payload['block']``,
+    a ``DilatedTransformerBlock``); rank ``payload['rank']`` passes an input of the wrong width,
+    which the module itself rejects before the call."""
+    import ringdilated
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    kwargs: dict[str, Any] = {
+        "segment_lengths": [16],
+        "dilation_rates": [1],
+        "process_group": dist.group.WORLD,
+        "dtype": torch.float64,
+    }
+    module = (
+        ringdilated.DilatedTransformerBlock(16, 2, **kwargs)
+        if payload["block"]
+        else ringdilated.MultiheadDilatedAttention(16, 2, **kwargs)
+    )
+    width = 12 if rank == payload["rank"] else 16
+    x = torch.randn(1, 8, width, dtype=torch.float64)
+    start = time.monotonic()
+    try:
+        module(x) if payload["block"] else module(x, x, x)
+    except Exception as exc:
+        result = {"raised": type(exc).__name__, "message": str(exc)}
+    else:
+        result = {"raised": None, "message": ""}
+    result["seconds"] = time.monotonic() - start
     return result
 
 

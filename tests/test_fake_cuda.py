@@ -189,7 +189,8 @@ def test_causal_offsets_other_than_0_hand_the_ops_an_aligned_padded_bias(
     """The driver's one-process calls use offsets 0 and None (the ops' own causal flag); any
     other offset (kernel-contract calls, a sharded run's pieces) goes through the bias."""
     kernel, contract = SdpaKernel(), EfficientAttentionContract()
-    options = BlockOptions(scale=0.25, causal_offset=offset)
+    # finite=True, as the driver passes after checking the call once (fake tensors hold no data)
+    options = BlockOptions(scale=0.25, causal_offset=offset, finite=True)
     with FakeTensorMode(), contract:
         base = torch.empty(2, 45, 6, 16, dtype=dtype, device="cuda")
         q = base.as_strided((2, 2, 20, 16), (45 * 96, 16, 192, 1), 32)  # rate 2, heads 2-3

@@ -22,13 +22,13 @@ from ringdilated.backends import _memeff, sdpa
 from ringdilated.backends.flash import FLASH_SPEC, FlashKernel
 from ringdilated.backends.flex import FLEX_SPEC, FlexFallbackWarning, FlexKernel, compile_flex
 from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
-from ringdilated.backends.xformers import XFORMERS_SPEC
+from ringdilated.backends.xformers import XFORMERS_SPEC, XformersKernel
 from ringdilated.core import Environment, KernelSpec, Request, Resolver, Target
-from ringdilated.core.causal import bottom_right_pieces
+from ringdilated.core.causal import BottomRightKernel, bottom_right_pieces
 from ringdilated.core.kernel import BlockOptions
-from ringdilated.testing import ConformanceError, check_kernel
+from ringdilated.testing import ConformanceError, assert_within_tolerance, check_kernel
 from ringdilated.testing.conformance import CHECKS
-from ringdilated.testing.kernel_cases import CaseSpace
+from ringdilated.testing.kernel_cases import CaseSpace, dense
 from tests.standins import (
     FLASH_VERSIONS,
     efficient_attention,
@@ -83,6 +83,34 @@ def _check_pieces(q_len: int, k_len: int, offset: int | None) -> None:
 
 
 # flash-attn ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["flash-attn 2.6.3", "flash-attn 2.8.3", "xformers"])
+def test_infinity_behind_the_causal_mask_falls_back_to_exact_math(
+    monkeypatch: pytest.MonkeyPatch, package: str
+) -> None:
+    """An infinite value at key 9: the native kernels weight hidden keys by zero, and
+    ``0 * inf`` turns queries 0-8, which never see it, into NaN (the stand-ins, like the real
+    kernels, do so with ``finite=True``). Unchecked inputs go to the exact dense math."""
+    if package == "xformers":
+        install_xformers(monkeypatch)
+        kernel: BottomRightKernel = XformersKernel()
+    else:
+        install_flash_attn(monkeypatch, package.split()[1])
+        kernel = FlashKernel()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 32, generator=g).half() for _ in range(3))
+    v[0, 1, 9, 3] = float("inf")
+    native, _ = kernel.forward(q, k, v, BlockOptions(scale=0.2, causal_offset=0, finite=True))
+    assert bool(native[0, 1, :9, 3].isnan().all()), "the stand-in reproduces the hazard"
+    out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.2, causal_offset=0))
+    expected, expected_lse = dense(q, k, v, 0.2, 0)
+    baseline, baseline_lse = dense(q, k, v, 0.2, 0, torch.float16)
+    assert torch.equal(out.isposinf(), expected.isposinf()) and not bool(out.isnan().any())
+    assert bool(out[0, 1, 9:, 3].isposinf().all())
+    seen = (slice(None), slice(None), slice(0, 9))  # the rows that never see key 9
+    assert_within_tolerance(out[seen], expected[seen], baseline[seen], what="out")
+    assert_within_tolerance(lse, expected_lse, baseline_lse, dtype=torch.float16, what="lse")
 
 
 @pytest.mark.parametrize("version", FLASH_VERSIONS)

@@ -4,11 +4,14 @@ infinity, exactly the outputs dense attention gives (never silently finite)."""
 
 from __future__ import annotations
 
-import time
+import subprocess
+import sys
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +60,13 @@ BAD_CALLS = [
     ("int q", _call(q=torch.zeros(1, 16, 2, 8, dtype=torch.int64)), TypeError, "q must be float"),
     ("list q", _call(q=[[1.0]]), TypeError, "q must be a torch.Tensor, got list"),
     ("sparse k", _call(k=torch.zeros(1, 16, 2, 8).to_sparse()), TypeError, "k must be a dense"),
+    (
+        "nested k",
+        _call(k=torch.nested.nested_tensor([torch.zeros(16, 2, 8)], layout=torch.jagged)),
+        TypeError,
+        "k must be a dense (strided) tensor, got a nested tensor",
+    ),
+    ("scale tensor", _call(scale=torch.tensor(0.5)), TypeError, "scale must be a float or None"),
     ("empty q", _call(q=torch.zeros(1, 0, 2, 8)), ValueError, "q must have no empty dimension"),
     ("dtypes differ", _call(v=torch.zeros(1, 16, 2, 8)), TypeError, "share one dtype"),
     ("k longer than q", _call(k=torch.zeros(1, 17, 2, 8, dtype=torch.float64)), ValueError, "k"),
@@ -84,14 +94,35 @@ def test_bad_input_is_rejected_naming_the_culprit_and_nothing_changes(
     assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 
+def test_a_numpy_or_fractional_scale_is_a_real_number_like_any_other() -> None:
+    q, k, v = _qkv()
+    expected = oracle(q, k, v, [8], [1], scale=0.25)
+    for scale in (np.float32(0.25), Fraction(1, 4), 0.25):
+        out = ringdilated.dilated_attention(q, k, v, [8], [1], scale=scale)
+        assert float((out - expected).abs().max()) < 1e-12, type(scale)
+
+
+HUGE_RATES = """
+import time, torch, ringdilated
+from ringdilated.testing import oracle
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 10, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+start = time.monotonic()
+for mode in ("longnet", "head_groups"):
+    out = ringdilated.dilated_attention(q, k, v, [2**62], [2**62], mode=mode)
+    assert torch.equal(out, oracle(q, k, v, [2**62], [2**62], mode=mode)), mode
+print(time.monotonic() - start)
+"""
+
+
 def test_huge_rates_cost_nothing_per_call() -> None:
-    """Per-call work depends on the number of patterns, heads and blocks, not on w or r."""
-    q, k, v = _qkv(10, heads=4)
-    start = time.monotonic()
-    for mode in ("longnet", "head_groups"):
-        out = ringdilated.dilated_attention(q, k, v, [2**62], [2**62], mode=mode)
-        assert torch.equal(out, oracle(q, k, v, [2**62], [2**62], mode=mode))
-    assert time.monotonic() - start < 2.0
+    """Per-call work depends on the number of patterns, heads and blocks, not on w or r. In a
+    subprocess, so that a regression to work in w fails on the timeout instead of hanging."""
+    done = subprocess.run(
+        [sys.executable, "-c", HUGE_RATES], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) < 2.0, done.stdout
 
 
 # NaN and infinity --------------------------------------------------------------------------------
@@ -174,6 +205,24 @@ class WrongLseDtype(ReferenceKernel):
         return out, lse.half()
 
 
+class LseInFloat32(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out, lse.float()  # float64 inputs: the contract says float64
+
+
+class OutOnMeta(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out.to("meta"), lse
+
+
+class GradInFloat32(ReferenceKernel):
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        return dq, dk, dv.float()
+
+
 class WritesIntoV(ReferenceKernel):
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
         v.add_(1.0)
@@ -195,7 +244,10 @@ class WrongGradShape(ReferenceKernel):
     ("kernel", "named"),
     [
         (Narrow, "forward's out is (2, 2, 8, 1) float64, expected (2, 2, 8, 8) float64"),
-        (WrongLseDtype, "forward's lse is (2, 2, 8) float16, expected (2, 2, 8) float32 or"),
+        (WrongLseDtype, "forward's lse is (2, 2, 8) float16, expected (2, 2, 8) float64"),
+        (LseInFloat32, "forward's lse is (2, 2, 8) float32, expected (2, 2, 8) float64"),
+        (OutOnMeta, "forward's out is on meta, expected cpu (its input's)"),
+        (GradInFloat32, "backward's dv is (2, 2, 8, 8) float32, expected (2, 2, 8, 8) float64"),
         (WritesIntoV, "it modified its input(s) v in place"),
         (ReturnsOneThing, "forward returned Tensor, not (out, lse)"),
         (WrongGradShape, "backward's dk is (2, 1, 8, 8)"),
@@ -274,3 +326,25 @@ def test_a_wrong_embed_dim_in_forward_is_named() -> None:
         _mha(dtype=torch.float32)(x, x, x)  # type: ignore[operator]
     with pytest.raises(ValueError, match=r"x must be \(batch, seq_len, embed_dim=16\)"):
         _block(dtype=torch.float32)(x)  # type: ignore[operator]
+
+
+def test_double_backward_says_so_whichever_input_requires_grad() -> None:
+    q, k, v = _qkv()
+    k.requires_grad_()
+    out = ringdilated.dilated_attention(q, k, v, [8], [1])
+    (dk,) = torch.autograd.grad(out.sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError, match="ringdilated does not support higher-order gradients"):
+        torch.autograd.grad((dk**2).sum() + k.sum(), k)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "reference"])
+def test_a_pattern_whose_scores_are_all_minus_inf_does_not_poison_the_merge(kernel: str) -> None:
+    """longnet merges patterns: one pattern sees only keys scoring -inf for some queries
+    (softmax there alone would be NaN), another pattern sees other keys; the union is finite."""
+    q, k, v = _qkv(8, heads=2, dim=4)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    k[0, 0:2, 0, 0] = float("-inf")
+    out = ringdilated.dilated_attention(q, k, v, [2, 8], [1, 1], mode="longnet", kernel=kernel)
+    expected = oracle(q, k, v, [2, 8], [1, 1], mode="longnet")
+    assert bool(torch.isfinite(expected).all())
+    _same(out, expected)

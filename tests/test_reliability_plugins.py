@@ -452,3 +452,78 @@ def _kernel_kw(**fields: object) -> KernelSpec:
         "capabilities": REFERENCE_SPEC.capabilities,
     }
     return KernelSpec(**{**base, **fields})
+
+
+class _RaisingName:
+    """An entry point whose ``name`` (and ``value``) raise something other than AttributeError."""
+
+    @property
+    def name(self) -> str:
+        raise RuntimeError("name boom")
+
+    @property
+    def value(self) -> str:
+        raise RuntimeError("value boom")
+
+
+class _ExitingImport:
+    name = "exits"
+
+    @property
+    def value(self) -> str:
+        raise RuntimeError("value boom")
+
+    def load(self) -> object:
+        raise SystemExit(3)
+
+
+class _NastyInt(int):
+    def __neg__(self) -> int:
+        raise RuntimeError("neg boom")
+
+
+class _NastyStr(str):
+    __slots__ = ()
+
+    def __lt__(self, other: object) -> bool:
+        raise RuntimeError("lt boom")
+
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "named"),
+    [
+        (_RaisingName(), "reading its name raised RuntimeError: name boom"),
+        (_ExitingImport(), "plugin 'exits' skipped: import of"),
+    ],
+    ids=["name raises", "import exits"],
+)
+def test_a_broken_entry_point_object_is_skipped(
+    entry_point: object, named: str, monkeypatch: pytest.MonkeyPatch, fresh_registry: None
+) -> None:
+    monkeypatch.setattr(manager, "_entry_points", lambda: (entry_point,))
+    with pytest.warns(PluginWarning, match=named):
+        load_registry()
+    _assert_calls_still_work()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        _kernel(priority=_NastyInt(5)),
+        _kernel(name=_NastyStr("nasty-name")),
+    ],
+    ids=["int subclass priority", "str subclass name"],
+)
+def test_subclassed_int_and_str_fields_are_refused(
+    spec: KernelSpec, monkeypatch: pytest.MonkeyPatch, fresh_registry: None
+) -> None:
+    """The resolver negates priorities and sorts names: exact int and str only."""
+    ep = FakeEntryPoint(
+        HOSTILE, types.SimpleNamespace(ringdilated_kernels=hookimpl(lambda: [spec]))
+    )
+    monkeypatch.setattr(manager, "_entry_points", lambda: (ep,))
+    with pytest.warns(PluginWarning, match="malformed field"):
+        load_registry()
+    _assert_calls_still_work()

@@ -162,7 +162,7 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     grads = dilated_attention_backward_op(
         torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *params
     )
-    return (*first_order_only(grads, q), *(None,) * 9)
+    return (*first_order_only(grads, (q, k, v)), *(None,) * 9)
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)

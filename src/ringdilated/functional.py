@@ -92,7 +92,7 @@ def _attend_eager(
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
     options = CallOptions(*arguments)
-    plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver(), process_group)
+    plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if plan.communicator is not None:
         plan.communicator.prepare(plan.group, plan.shards, plan.causal)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ringdilated.core.agreement import agree
 from ringdilated.core.call import group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
@@ -86,6 +89,17 @@ class DilatedAttention(nn.Module):
         if plan is not None:  # None under torch.compile, where the op resolves in the graph
             self.plan = plan
         return (out, lse) if return_lse else out
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def reject(self, error: Exception) -> NoReturn:
+        """Raise ``error``, a check made before this module's call (a wrapping module's), such
+        that on a process group every rank raises: the peers, which passed their checks, are
+        waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
+        ``ValueError`` naming this rank's error."""
+        if self.process_group is not None:
+            assert isinstance(self.process_group, dist.ProcessGroup)  # checked in __init__
+            agree(self.process_group, error, None)
+        raise error
 
     def explain(self) -> str:
         """The kernel plan and the communicator choice for this module's process group."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ringdilated.core.communicator import Communicator
-from ringdilated.core.dtypes import recommended_dtype
+from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
@@ -162,6 +162,35 @@ class MultiheadDilatedAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         """``(out (B, L, embed_dim), None)``. Masks and attention weights are not supported yet
         and raise; causality is the module's ``causal`` argument."""
+        try:
+            self._check_call(
+                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
+            )
+        except (TypeError, ValueError) as error:
+            self.attention.reject(error)  # on a process group, every rank raises
+        b, length, _ = query.shape
+        q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
+        kv_shape = (self.num_kv_heads, self.head_dim)
+        k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
+        v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
+        out = self.attention(q, k, v)
+        assert isinstance(out, torch.Tensor)
+        out = out.reshape(b, length, self.embed_dim)
+        if self.norm is not None:
+            out = self.norm(out)
+        return self.out_proj(out), None
+
+    def _check_call(
+        self,
+        query: object,
+        key: object,
+        value: object,
+        key_padding_mask: object,
+        need_weights: bool,
+        attn_mask: object,
+        is_causal: bool,
+    ) -> None:
+        """Raise ``TypeError``/``ValueError`` for arguments this module cannot take."""
         if need_weights:
             raise ValueError(
                 "need_weights=True is not supported: dilated attention never materialises the "
@@ -186,24 +215,13 @@ class MultiheadDilatedAttention(nn.Module):
                     f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
                 )
             kind = x.device.type
-            autocast = torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
+            autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
             if x.dtype != self.dtype and not autocast:
                 raise TypeError(
                     f"{name} is {x.dtype} but the module's parameters are {self.dtype} "
                     "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
                     "run under torch.autocast)"
                 )
-        b, length, _ = query.shape
-        q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
-        kv_shape = (self.num_kv_heads, self.head_dim)
-        k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
-        v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
-        out = self.attention(q, k, v)
-        assert isinstance(out, torch.Tensor)
-        out = out.reshape(b, length, self.embed_dim)
-        if self.norm is not None:
-            out = self.norm(out)
-        return self.out_proj(out), None
 
     def explain(self) -> str:
         """Which kernel and communicator serve this module, and why the others were rejected."""

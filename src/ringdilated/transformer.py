@@ -98,7 +98,8 @@ class DilatedTransformerBlock(nn.Module):
         embed_dim = self.attn.embed_dim
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
+            error = ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
+            self.attn.attention.reject(error)  # on a process group, every rank raises
         h = self.attn_norm(x)
         x = x + self.dropout(self.attn(h, h, h)[0])
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))

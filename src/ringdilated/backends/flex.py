@@ -55,7 +55,7 @@ from ringdilated.core.capabilities import (
     PriorityRule,
     Target,
 )
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.kernel import BlockOptions, inputs_finite
 
 __all__ = ["FLEX_SPEC", "FlexFallbackWarning", "FlexKernel", "compile_flex", "offset_mask"]
 
@@ -182,7 +182,7 @@ class FlexKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v):
+        if not inputs_finite(options, q, k, v):
             return _dense.forward(q, k, v, options)
         out, lse = self._run(q, k, v, options)
         empty = options.visible_rows_start()
@@ -201,7 +201,7 @@ class FlexKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v, dout):
+        if not inputs_finite(options, q, k, v, dout):
             return _dense.backward(dout, q, k, v, out, lse, options)
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         with torch.enable_grad():

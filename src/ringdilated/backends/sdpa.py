@@ -3,10 +3,11 @@
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
   float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
-  reports ``-inf`` as the contract says. The op is wrong for non-finite inputs (a NaN query row
-  comes back as ``out = 0``, ``lse = 0``; a NaN value reaches queries that never see it), so a
-  call whose inputs hold NaN or infinity runs the exact dense math instead
-  (:mod:`ringdilated.backends._dense`); the check is one summing pass over the inputs.
+  reports ``-inf`` as the contract says. The op is not exact for non-finite inputs, in ways that
+  depend on the input (measured on torch 2.13: a query row holding a NaN can come back as zeros;
+  a NaN or infinite value can reach queries that never see it), so a call whose inputs hold NaN
+  or infinity runs the exact dense math instead (:mod:`ringdilated.backends._dense`); the
+  driver's one summing pass per call decides (:func:`~ringdilated.core.kernel.inputs_finite`).
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
   (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
   8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
@@ -28,7 +29,7 @@ from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import finite_lse, packed_bmhk, padded_bias, padded_lse
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, Target
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.kernel import BlockOptions, inputs_finite
 
 __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
@@ -64,7 +65,7 @@ class CpuFlashAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v):
+        if not inputs_finite(options, q, k, v):
             return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -85,7 +86,7 @@ class CpuFlashAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v, dout):
+        if not inputs_finite(options, q, k, v, dout):
             return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -143,7 +144,7 @@ class EfficientAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v):
+        if not inputs_finite(options, q, k, v):
             return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
@@ -173,7 +174,7 @@ class EfficientAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not _dense.all_finite(q, k, v, dout):
+        if not inputs_finite(options, q, k, v, dout):
             return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]

@@ -70,7 +70,8 @@ def _communicator_row(
     except ConformanceError as exc:
         return ("FAIL", str(exc).splitlines()[0][:160], "")
     runs = ", ".join(
-        f"{w} ranks: {n} problems" for w, n in zip(report.world_sizes, report.problems, strict=True)
+        f"{w} ranks: {n} problem{'s' if n != 1 else ''}"
+        for w, n in zip(report.world_sizes, report.problems, strict=True)
     )
     return ("pass", "matches-local", runs)
 

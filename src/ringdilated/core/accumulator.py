@@ -11,7 +11,10 @@ the union::
 The merge is associative and commutative, so ring steps and patterns may arrive in any order. It
 runs in float32 (float64 for float64 inputs), is stable for scores of any magnitude (only
 differences of ``lse`` are exponentiated) and treats ``lse = -inf`` (a block in which the query
-sees no key) as the identity: merging two empty partials gives ``out = 0``, ``lse = -inf``.
+sees no key, or sees keys whose scores are all ``-inf``) as the identity: such a partial's
+``out`` (0, or NaN for ``-inf`` scores, as softmax gives) takes no part in a merge with a live
+partial, and two of them merge into the sum of their outputs (so NaN survives only when every
+partial is dead and one of them saw keys: exactly when softmax over the union is NaN).
 """
 
 from __future__ import annotations
@@ -29,8 +32,19 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     lse = torch.logaddexp(lse_a, lse_b)
     # Where both are -inf the merged lse is -inf; use 0 there so exp(-inf - 0) = 0, not NaN.
-    finite = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    dead = torch.isneginf(lse)
+    finite = torch.where(dead, torch.zeros_like(lse), lse)
     return lse, torch.exp(lse_a - finite), torch.exp(lse_b - finite)
+
+
+def _term(
+    out: torch.Tensor, weight: torch.Tensor, lse_part: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """``weight * out``, except 0 for a dead partial (``lse_part = -inf``) next to a live one:
+    its ``out`` (possibly NaN) is not part of the union's softmax."""
+    drop = torch.isneginf(lse_part) & ~torch.isneginf(lse)
+    term = out * weight.unsqueeze(-1)
+    return torch.where(drop.unsqueeze(-1), torch.zeros_like(term), term)
 
 
 def merge_partials(
@@ -42,8 +56,9 @@ def merge_partials(
     accumulation dtype of ``out_a`` (float32, or float64 for float64 inputs).
     """
     dtype = accumulation_dtype(out_a.dtype)
-    lse, w_a, w_b = _weights(lse_a.to(dtype), lse_b.to(dtype))
-    out = out_a.to(dtype) * w_a.unsqueeze(-1) + out_b.to(dtype) * w_b.unsqueeze(-1)
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    lse, w_a, w_b = _weights(lse_a, lse_b)
+    out = _term(out_a.to(dtype), w_a, lse_a, lse) + _term(out_b.to(dtype), w_b, lse_b, lse)
     return out, lse
 
 
@@ -83,6 +98,8 @@ class Accumulator:
         out_view: torch.Tensor, lse_view: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
     ) -> None:
         """Merge ``(out, lse)`` into the state views ``(out_view, lse_view)`` in place."""
-        merged, w_state, w_new = _weights(lse_view, lse.to(lse_view.dtype))
-        out_view.mul_(w_state.unsqueeze(-1)).add_(out.to(out_view.dtype) * w_new.unsqueeze(-1))
+        lse = lse.to(lse_view.dtype)
+        merged, w_state, w_new = _weights(lse_view, lse)
+        state = _term(out_view, w_state, lse_view, merged)
+        out_view.copy_(state + _term(out.to(out_view.dtype), w_new, lse, merged))
         lse_view.copy_(merged)

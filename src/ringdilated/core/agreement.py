@@ -20,38 +20,55 @@ from typing import cast
 import attrs
 import torch.distributed as dist
 
-__all__ = ["CallSignature", "agree"]
+__all__ = ["CallSignature", "agree", "safe_repr"]
+
+
+def safe_repr(value: object) -> str:
+    """``repr(value)``, or a placeholder naming its type if that raises."""
+    try:
+        return repr(value)
+    except Exception:  # a caller's object may fail to print in any way
+        return f"<{type(value).__name__} whose repr raised>"
 
 
 @attrs.frozen
 class CallSignature:
-    """What every rank must pass identically."""
+    """What every rank must pass identically, as strings (built from any object a caller passed,
+    so it always pickles; see :func:`safe_repr`). ``backward``: whether this rank will run a
+    backward (a rank that does while its peer does not would wait in the backward exchange)."""
 
-    pattern: tuple[object, ...]
-    causal: object
-    scale: object
-    dropout_p: object
+    pattern: str
+    causal: str
+    scale: str
+    dropout_p: str
     dtype: str
-    q_shape: tuple[int, ...]
-    k_shape: tuple[int, ...]
+    q_shape: str
+    k_shape: str
+    backward: bool
     kernel: str | None
     communicator: str | None
 
     def differences(self, other: CallSignature, rank: int) -> list[str]:
         return [
-            f"{field.name}: rank 0 {getattr(self, field.name)!r}, rank {rank} "
-            f"{getattr(other, field.name)!r}"
+            f"{field.name}: rank 0 {getattr(self, field.name)}, rank {rank} "
+            f"{getattr(other, field.name)}"
             for field in attrs.fields(CallSignature)
             if getattr(self, field.name) != getattr(other, field.name)
         ]
 
 
-def agree(group: dist.ProcessGroup, error: Exception | None, signature: CallSignature) -> None:
-    """Raise on every rank if any rank failed validation or the ranks' signatures differ."""
+def agree(
+    group: dist.ProcessGroup, error: Exception | None, signature: CallSignature | None
+) -> None:
+    """Raise on every rank if any rank failed validation or the ranks' signatures differ.
+
+    A rank that failed may pass ``signature=None`` (its peers then raise naming its error)."""
+    if error is None and signature is None:
+        raise ValueError("agree() needs a signature from a rank whose checks passed")
     gathered: list[object] = [None] * dist.get_world_size(group)
     mine = (None if error is None else f"{type(error).__name__}: {error}", signature)
     dist.all_gather_object(gathered, mine, group=group)
-    reports = cast(list[tuple[str | None, CallSignature]], gathered)
+    reports = cast(list[tuple[str | None, CallSignature]], gathered)  # all set: none failed
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:
         if error is not None:

@@ -16,12 +16,13 @@ A one-process call resolves no communicator.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core.agreement import CallSignature, agree
+from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import Executor, Run, pattern_run
@@ -121,6 +122,10 @@ class CallPlan:
         )
 
 
+_Checked = tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]
+"""What :func:`_check` returns: pattern, kernel plan, causal, every rank's shard, communicator."""
+
+
 def _check(
     pattern_args: DilationPattern | PatternArgs,
     q: object,
@@ -129,8 +134,8 @@ def _check(
     options: CallOptions,
     resolver: Resolver,
     ranks: int,
-    backward: bool | None,
-) -> tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]:
+    backward: bool,
+) -> _Checked:
     pattern = (
         pattern_args
         if isinstance(pattern_args, DilationPattern)
@@ -140,9 +145,6 @@ def _check(
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
-    if backward is None:
-        grad = q.requires_grad or k.requires_grad or v.requires_grad
-        backward = torch.is_grad_enabled() and grad
     request = Request.for_tensors(
         q,
         k,
@@ -175,38 +177,53 @@ def prepare_call(
     k: torch.Tensor,
     v: torch.Tensor,
     options: CallOptions,
-    resolver: Resolver,
+    resolver: Resolver | Callable[[], Resolver],
     group: object = None,
     *,
     backward: bool | None = None,
     seed: int | None = None,
+    failure: Exception | None = None,
 ) -> CallPlan:
     """Validate the call (on every rank of ``group``, which must all agree) and plan it.
 
-    ``backward`` says whether gradients will be asked for (default: whether any input requires
-    them with grad mode on); ``seed`` seeds dropout (default: drawn from torch's generator when
-    ``dropout_p > 0``). The compiled op passes both, as it runs without autograd.
+    ``resolver`` may be a callable making one (such as
+    :func:`~ringdilated.registry.default_resolver`), so that a failure to load the plugins is
+    reported on every rank too. ``backward`` says whether gradients will be asked for (default:
+    whether any input requires them with grad mode on); ``seed`` seeds dropout (default: drawn
+    from torch's generator when ``dropout_p > 0``). The compiled op passes both, as it runs
+    without autograd. ``failure``: an error the caller already found (a module's own checks),
+    raised here as if validation had found it, so that on a process group it too reaches every
+    rank.
 
     Raises ``TypeError``/``ValueError`` (a :class:`~ringdilated.core.ResolutionError` for a kernel
     or communicator that cannot serve) naming the offending value, before any work; on a process
     group, on every rank (:func:`~ringdilated.core.agreement.agree`).
     """
     ranks = group_size(group)
+    if backward is None:
+        wants_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
+        backward = torch.is_grad_enabled() and wants_grad
+
+    def check() -> _Checked:
+        if failure is not None:
+            raise failure
+        chosen = resolver if isinstance(resolver, Resolver) else resolver()
+        return _check(pattern_args, q, k, v, options, chosen, ranks, backward)
+
     if ranks == 1:
-        pattern, plan, causal, shards, communicator = _check(
-            pattern_args, q, k, v, options, resolver, 1, backward
-        )
+        checked = check()
     else:
-        checked = None
+        maybe: _Checked | None = None
         error: Exception | None = None
         try:
-            checked = _check(pattern_args, q, k, v, options, resolver, ranks, backward)
+            maybe = check()
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         assert isinstance(group, dist.ProcessGroup)
-        agree(group, error, _signature(pattern_args, q, k, options, checked))
-        assert checked is not None  # agree() raised otherwise
-        pattern, plan, causal, shards, communicator = checked
+        agree(group, error, _signature(pattern_args, q, k, options, maybe, backward))
+        assert maybe is not None  # agree() raised otherwise
+        checked = maybe
+    pattern, plan, causal, shards, communicator = checked
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
@@ -230,23 +247,25 @@ def _signature(
     q: object,
     k: object,
     options: CallOptions,
-    checked: tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None] | None,
+    checked: _Checked | None,
+    backward: bool,
 ) -> CallSignature:
-    """What every rank must pass identically (raw values where validation failed)."""
+    """What every rank must pass identically, as strings (raw values where validation failed;
+    :func:`safe_repr`, so that any object a caller passed can be sent)."""
     if checked is not None:
         pattern = checked[0]
-        fields: tuple[object, ...] = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
+        fields: object = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
     else:
-        raw = pattern_args if isinstance(pattern_args, tuple) else (pattern_args,)
-        fields = tuple(map(repr, raw))
+        fields = pattern_args
     return CallSignature(
-        pattern=fields,
-        causal=options.causal,
-        scale=options.scale,
-        dropout_p=options.dropout_p,
-        dtype=str(getattr(q, "dtype", None)),
-        q_shape=tuple(getattr(q, "shape", ())),
-        k_shape=tuple(getattr(k, "shape", ())),
+        pattern=safe_repr(fields),
+        causal=safe_repr(options.causal),
+        scale=safe_repr(options.scale),
+        dropout_p=safe_repr(options.dropout_p),
+        dtype=safe_repr(getattr(q, "dtype", None)),
+        q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
+        k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
+        backward=backward,
         kernel=None if checked is None else checked[1].kernel_name,
         communicator=None if checked is None else type(checked[4]).__name__,
     )

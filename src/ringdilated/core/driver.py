@@ -28,7 +28,7 @@ import torch
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit
 from ringdilated.core.dtypes import autocast_off
-from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.kernel import BlockOptions, Kernel, all_finite, derive_seed
 from ringdilated.core.kernel_guard import CheckedKernel
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
@@ -70,8 +70,11 @@ class Run:
     complete: bool = True
     batch_limit: BatchLimit = UNLIMITED
 
-    def chunks(self, batch: int, seq_len: int, head_dim: int) -> Iterator[_Chunk]:
-        """Every kernel call of the pattern, in a fixed order (backward replays the same one)."""
+    def chunks(
+        self, batch: int, seq_len: int, head_dim: int, finite: bool | None = None
+    ) -> Iterator[_Chunk]:
+        """Every kernel call of the pattern, in a fixed order (backward replays the same one).
+        ``finite`` is what the caller knows of the inputs' finiteness (``BlockOptions.finite``)."""
         index = 0
         for block in self.blocks:
             per_segment = block.selection.count * block.heads.num_heads * head_dim
@@ -88,14 +91,15 @@ class Run:
                     causal_offset=0 if self.causal else None,
                     dropout_p=self.dropout_p,
                     dropout_seed=derive_seed(self.dropout_seed, index),
+                    finite=finite,
                 )
                 yield _Chunk(block, batches, selection, options)
                 index += 1
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_forward(self, q, k, v)
+        return run_forward(self, q, k, v, finite=finite)
 
     def backward(
         self,
@@ -106,8 +110,9 @@ class Run:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        finite: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return run_backward(self, dout, dlse, q, k, v, out, lse)
+        return run_backward(self, dout, dlse, q, k, v, out, lse, finite=finite)
 
 
 def _split(
@@ -162,16 +167,26 @@ class _Chunk:
 
 
 def run_forward(
-    run: Run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_state: bool = False
+    run: Run,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep_state: bool = False,
+    finite: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state."""
+    """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
+
+    Whether the inputs are finite is checked once here (``finite``, if the caller has not) and
+    handed to every kernel call, rather than each call summing its own strided views."""
     B, L, H, D = q.shape
+    if finite is None:
+        finite = all_finite(q, k, v)
     lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     if run.exclusive:
         out = _result_buffer(q.shape, q.dtype, q.device, run.blocks, exclusive=True)
     else:
         state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
-    for chunk in run.chunks(B, L, D):
+    for chunk in run.chunks(B, L, D, finite):
         out_b, lse_b = run.kernel.forward(
             chunk.kernel_input(q),
             chunk.kernel_input(k, True),
@@ -250,9 +265,13 @@ def run_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     cast: bool = True,
+    finite: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold."""
+    """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
+    ``finite``: as for :func:`run_forward`, of ``q``, ``k``, ``v``, ``dout`` and ``dlse``."""
     B, L, _, D = q.shape
+    if finite is None:
+        finite = all_finite(q, k, v, dout, *(() if dlse is None else (dlse,)))
     # A gradient written once per element is written in the input dtype (the kernel's result,
     # no second rounding); one that sums several contributions accumulates in float32/float64.
     kv_once = run.exclusive and _kv_exclusive(run.blocks)
@@ -265,7 +284,7 @@ def run_backward(
         return _result_buffer(like.shape, dtype, like.device, run.blocks, exclusive=once, kv=kv)
 
     dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
-    for chunk in run.chunks(B, L, D):
+    for chunk in run.chunks(B, L, D, finite):
         qc, kc, vc = chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True)
         lse_c = chunk.lse_view(lse).flatten(0, 1)
         dq_b, dk_b, dv_b = run.kernel.backward(
@@ -378,10 +397,11 @@ class BatchLimitedKernel:
 
 class Executor(Protocol):
     """Runs one attention call's forward and backward: :class:`Run` on one process,
-    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard."""
+    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard. ``finite``: whether the inputs
+    (and ``dout``, ``dlse`` in backward) hold no NaN or infinity, when the caller knows."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -393,6 +413,7 @@ class Executor(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        finite: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -409,9 +430,9 @@ class _FirstOrderOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx, anchor: torch.Tensor, *grads: torch.Tensor
+        ctx: torch.autograd.function.FunctionCtx, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        return tuple(g.clone() for g in grads)
+        return tuple(g.clone() for g in tensors[len(tensors) // 2 :])
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, *args: torch.Tensor) -> None:
@@ -419,14 +440,15 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def first_order_only(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], anchor: torch.Tensor
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """``grads`` as they are, unless a backward is building a graph (``create_graph=True``):
-    then tied to ``anchor`` (an input that requires grad) through :class:`_FirstOrderOnly`, so a
-    second differentiation raises a clear error."""
+    then tied to every one of ``inputs`` (``q``, ``k``, ``v``) through :class:`_FirstOrderOnly`,
+    so differentiating any of them again raises a clear error."""
     if not torch.is_grad_enabled():
         return grads
-    return _FirstOrderOnly.apply(anchor, *grads)  # type: ignore[no-untyped-call,no-any-return]
+    return _FirstOrderOnly.apply(*inputs, *grads)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
@@ -446,9 +468,11 @@ class DilatedAttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         executor: Executor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        finite = all_finite(q, k, v)  # once per call; backward then checks dout alone
         with autocast_off(q.device.type):
-            out, lse = executor.forward(q, k, v)
+            out, lse = executor.forward(q, k, v, finite=finite)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.finite = finite  # type: ignore[attr-defined]
         ctx.executor = executor  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         return out, lse
@@ -462,17 +486,21 @@ class DilatedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         if dout is None:
             dout = torch.zeros_like(out)
+        dout = dout.contiguous()
+        dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
+        grads_finite = all_finite(dout, *(() if dlse is None else (dlse,)))
         with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
-                dout.contiguous(),
-                None if dlse is None else dlse.to(lse.dtype).contiguous(),
+                dout,
+                dlse,
                 q,
                 k,
                 v,
                 out,
                 lse,
+                finite=ctx.finite and grads_finite,  # type: ignore[attr-defined]
             )
-        return (*first_order_only(grads, q), None)
+        return (*first_order_only(grads, (q, k, v)), None)
 
 
 def pattern_run(

@@ -57,6 +57,12 @@ def recommended_dtype(
     return next(dtype for minimum, dtype in DTYPE_POLICY if capability >= minimum)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (``False`` for one autocast does not know,
+    such as ``meta``, where torch's own query raises)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def autocast_inputs(*tensors: object) -> tuple[object, ...]:
     """``tensors`` cast to the autocast dtype of their device type where autocast is on there
     (SDPA's policy: attention computes in the lower precision); anything else unchanged."""
@@ -64,7 +70,7 @@ def autocast_inputs(*tensors: object) -> tuple[object, ...]:
     for x in tensors:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             kind = x.device.type
-            if torch.is_autocast_enabled(kind):
+            if autocast_enabled(kind):
                 x = x.to(torch.get_autocast_dtype(kind))
         out.append(x)
     return tuple(out)
@@ -72,7 +78,7 @@ def autocast_inputs(*tensors: object) -> tuple[object, ...]:
 
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
     """A context with autocast off for ``device_type`` (a no-op where it is not on)."""
-    if torch.is_autocast_enabled(device_type):
+    if autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

@@ -15,6 +15,14 @@ Shapes (kernel layout, ``N`` independent problems)::
 
 Inputs may be strided views (the driver passes dilated selections without copying); the last
 dimension is contiguous. A kernel never modifies its inputs.
+
+Non-finite inputs: NaN and infinity must reach exactly the outputs dense masked attention gives
+them to (a key a query does not see takes no part, and a hidden value is never multiplied by a
+zero weight; a row whose visible scores are all ``-inf`` gives NaN ``out`` with ``lse = -inf``),
+never fewer and never more. Fused kernels are not exact for them; the usual remedy is to run
+exact dense math for a call whose inputs are not all finite. :func:`inputs_finite` says which:
+``BlockOptions.finite`` when the driver already checked the whole call, else one summing pass.
+The conformance kit's ``non-finite`` check holds every kernel to this.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 import torch
 
-__all__ = ["BlockOptions", "Kernel", "derive_seed"]
+__all__ = ["BlockOptions", "Kernel", "all_finite", "derive_seed", "inputs_finite"]
 
 
 def derive_seed(seed: int, *path: int | str) -> int:
@@ -53,12 +61,16 @@ class BlockOptions:
     - ``dropout_p`` and ``dropout_seed``: attention probabilities are zeroed with probability
       ``dropout_p`` and the rest scaled by ``1 / (1 - dropout_p)``. The mask is a pure function of
       the seed and the block's shape and device, so backward regenerates the same mask.
+    - ``finite``: ``True`` when the caller checked that the block's inputs (and ``dout`` in
+      backward) hold no NaN or infinity, ``False`` when some may, ``None`` when unknown (the
+      kernel checks itself if it needs to; see :func:`inputs_finite`).
     """
 
     scale: float
     causal_offset: int | None = None
     dropout_p: float = attrs.field(default=0.0, validator=_check_dropout)
     dropout_seed: int = 0
+    finite: bool | None = None
 
     def visible_rows_start(self) -> int:
         """First query row that sees at least one key (rows before it are empty)."""
@@ -67,6 +79,23 @@ class BlockOptions:
     def needs_mask(self, q_len: int, k_len: int) -> bool:
         """Whether any key is hidden from any query of a ``q_len x k_len`` block."""
         return self.causal_offset is not None and self.causal_offset < k_len - 1
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether no element of ``tensors`` is NaN or infinite: one summing pass and one host read
+    (a sum is non-finite whenever an element is; a sum of finite values that overflows only
+    answers ``False`` wrongly, which sends a call to an exact, slower path)."""
+    if not tensors:
+        return True
+    totals = [
+        t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32) for t in tensors
+    ]
+    return bool(torch.isfinite(torch.stack(totals)).all())
+
+
+def inputs_finite(options: BlockOptions, *tensors: torch.Tensor) -> bool:
+    """``options.finite`` when the caller knows, else :func:`all_finite` of ``tensors``."""
+    return options.finite if options.finite is not None else all_finite(*tensors)
 
 
 @runtime_checkable

@@ -4,7 +4,9 @@ A kernel is trusted to compute, not to be well behaved: a plugin that returns ``
 would be broadcast into a silently wrong result, and one that writes into its inputs would change
 the caller's own ``q`` and ``v`` (the driver passes views of them). :class:`CheckedKernel` wraps
 the chosen kernel and, after every call, compares each result's shape and dtype with the
-contract and each input's version counter with its value before the call (both free next to the
+contract (the dtype exactly: ``out`` and the gradients in their input's dtype, ``lse`` in
+float32, float64 for float64 inputs), each result's device with its input's, and each input's
+version counter with its value before the call (both free next to the
 attention itself), raising :class:`KernelContractError` naming the kernel. It catches nothing:
 an exception the kernel raises passes through unchanged.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.kernel import BlockOptions, Kernel
 
 __all__ = ["CheckedKernel", "KernelContractError"]
@@ -45,16 +48,17 @@ class CheckedKernel:
             )
 
     def _result(
-        self, what: str, x: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+        self, what: str, x: object, shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor
     ) -> None:
         if not isinstance(x, torch.Tensor):
             raise self._fail(f"{what} is {type(x).__name__}, not a torch.Tensor")
-        if tuple(x.shape) != shape or x.dtype not in dtypes:
-            wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        if tuple(x.shape) != shape or x.dtype != dtype:
             raise self._fail(
                 f"{what} is {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}, expected "
-                f"{shape} {wanted}"
+                f"{shape} {str(dtype).removeprefix('torch.')}"
             )
+        if x.device != like.device:
+            raise self._fail(f"{what} is on {x.device}, expected {like.device} (its input's)")
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
@@ -66,8 +70,8 @@ class CheckedKernel:
         if not isinstance(result, tuple) or len(result) != 2:
             raise self._fail(f"forward returned {type(result).__name__}, not (out, lse)")
         out, lse = result
-        self._result("forward's out", out, (*q.shape[:-1], v.shape[-1]), (q.dtype,))
-        self._result("forward's lse", lse, tuple(q.shape[:-1]), (torch.float32, torch.float64))
+        self._result("forward's out", out, (*q.shape[:-1], v.shape[-1]), q.dtype, q)
+        self._result("forward's lse", lse, tuple(q.shape[:-1]), accumulation_dtype(q.dtype), q)
         return out, lse
 
     def backward(
@@ -86,7 +90,6 @@ class CheckedKernel:
         self._untouched(before, inputs)
         if not isinstance(result, tuple) or len(result) != 3:
             raise self._fail(f"backward returned {type(result).__name__}, not (dq, dk, dv)")
-        floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         for name, grad, like in zip(("dq", "dk", "dv"), result, (q, k, v), strict=True):
-            self._result(f"backward's {name}", grad, tuple(like.shape), floats)
+            self._result(f"backward's {name}", grad, tuple(like.shape), like.dtype, like)
         return result

@@ -83,11 +83,13 @@ class Rule:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # Exactly int (not bool, not a subclass whose arithmetic or ordering a plugin overrode: the
+    # resolver negates and sorts these values).
+    return type(value) is int
 
 
 def _is_str(value: object) -> bool:
-    return isinstance(value, str)
+    return type(value) is str  # exactly str: names are hashed, compared and sorted
 
 
 def optional(rule: Rule) -> Rule:
@@ -140,7 +142,7 @@ requirements = Rule(
 
 
 def _valid_name(value: object) -> bool:
-    if not isinstance(value, str):
+    if type(value) is not str:
         return False
     return bool(value) and value != "auto" and "," not in value and not any(map(str.isspace, value))
 

@@ -42,7 +42,7 @@ from ringdilated.core.driver import (
     run_forward,
 )
 from ringdilated.core.exchange import PieceExchange
-from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.kernel import BlockOptions, Kernel, all_finite, derive_seed
 from ringdilated.core.shard_plan import Crossing, ShardPlan
 
 __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
@@ -65,9 +65,9 @@ class ShardedRun:
         return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sharded_forward(self, q, k, v)
+        return sharded_forward(self, q, k, v, finite)
 
     def backward(
         self,
@@ -78,18 +78,21 @@ class ShardedRun:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        finite: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sharded_backward(self, dout, dlse, q, k, v, out, lse)
+        return sharded_backward(self, dout, dlse, q, k, v, out, lse, finite)
 
-    def options(self, seed_index: int, own: bool) -> BlockOptions:
+    def options(self, seed_index: int, own: bool, finite: bool | None) -> BlockOptions:
         """A crossing partial's options: the diagonal for a rank's own piece under causal; no
         mask for another rank's (only earlier ranks send under causal, and all their keys are
-        visible)."""
+        visible). ``finite``: what this rank knows of its own tensors; a received piece's
+        finiteness is unknown here (``None``: the kernel checks it)."""
         return BlockOptions(
             scale=self.inner.scale,
             causal_offset=0 if (own and self.inner.causal) else None,
             dropout_p=self.inner.dropout_p,
             dropout_seed=derive_seed(self.inner.dropout_seed, "crossing", seed_index),
+            finite=finite if own else None,
         )
 
 
@@ -98,12 +101,18 @@ def _seed_index(run: ShardedRun, crossing_index: int, src: int) -> int:
 
 
 def sharded_forward(
-    run: ShardedRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    run: ShardedRun,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    finite: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     me = run.plan.rank
     exchange = PieceExchange(run, k, v)
     exchange.start()
-    out, lse = run_forward(run.inner, q, k, v, keep_state=True)
+    if finite is None:
+        finite = all_finite(q, k, v)
+    out, lse = run_forward(run.inner, q, k, v, keep_state=True, finite=finite)
     index = {c: i for i, c in enumerate(run.plan.crossings)}
     states: dict[Crossing, Accumulator] = {}
     for c in run.plan.crossings:
@@ -116,7 +125,7 @@ def sharded_forward(
             qc,
             wire.piece(k, c, me, wire.kv_heads(c)),
             wire.piece(v, c, me, wire.kv_heads(c)),
-            run.options(_seed_index(run, index[c], me), own=True),
+            run.options(_seed_index(run, index[c], me), own=True, finite=finite),
         )
         Accumulator.add(states[c].out, states[c].lse, o, s)
     for _, received in exchange:
@@ -125,7 +134,7 @@ def sharded_forward(
                 wire.piece(q, c, me, wire.q_heads(c)),
                 kr,
                 vr,
-                run.options(_seed_index(run, index[c], src), own=False),
+                run.options(_seed_index(run, index[c], src), own=False, finite=None),
             )
             Accumulator.add(states[c].out, states[c].lse, o, s)
     for c, state in states.items():
@@ -171,13 +180,16 @@ def sharded_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    finite: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     me, plan = run.plan.rank, run.plan
     exchange = PieceExchange(run, k, v)
     exchange.start()
     acc = accumulation_dtype(q.dtype)
     # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
-    dq, dk, dv = run_backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False)
+    if finite is None:
+        finite = all_finite(q, k, v, dout, *(() if dlse is None else (dlse,)))
+    dq, dk, dv = run_backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False, finite=finite)
     index = {c: i for i, c in enumerate(plan.crossings)}
 
     def views(
@@ -197,7 +209,7 @@ def sharded_backward(
         kh = wire.kv_heads(c)
         gq, gk, gv = _partial_backward(
             run,
-            run.options(_seed_index(run, index[c], me), own=True),
+            run.options(_seed_index(run, index[c], me), own=True, finite=finite),
             do,
             dl,
             qc,
@@ -217,7 +229,7 @@ def sharded_backward(
             do, dl, qc, oc, lc = views(c)
             gq, gk, gv = _partial_backward(
                 run,
-                run.options(_seed_index(run, index[c], src), own=False),
+                run.options(_seed_index(run, index[c], src), own=False, finite=None),
                 do,
                 dl,
                 qc,

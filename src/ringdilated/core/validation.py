@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
+from ringdilated.core.agreement import safe_repr
 from ringdilated.core.pattern import DilationPattern
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_inputs", "check_options"]
@@ -24,6 +26,11 @@ def check_inputs(
         isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.is_nested:
+            raise TypeError(
+                f"{name} must be a dense (strided) tensor, got a nested tensor; pad its "
+                "sequences to one length, or pack them into one sequence"
+            )
         if x.layout != torch.strided:
             raise TypeError(
                 f"{name} must be a dense (strided) tensor, got layout {x.layout}; convert it with "
@@ -64,13 +71,18 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def _real(name: str, value: object, kind: str) -> float:
+    # Any real number (int, float, numpy's float32, a Fraction), but not a bool.
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {kind}, got {safe_repr(value)}")
+    return float(value)
+
+
 def check_options(scale: object, dropout_p: object) -> None:
+    """``scale``: ``None`` or a positive finite real; ``dropout_p``: a real in ``[0, 1)``."""
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {scale!r}")
-        if not (math.isfinite(scale) and scale > 0):
+        value = _real("scale", scale, "a float or None")
+        if not (math.isfinite(value) and value > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {dropout_p!r}")
-    if not 0.0 <= dropout_p < 1.0:
+    if not 0.0 <= _real("dropout_p", dropout_p, "a float") < 1.0:
         raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p!r}")

@@ -221,8 +221,12 @@ def build_registry(
         register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
     if autoload:
         for ep in _entry_points_safely(entry_points or _entry_points, fail):
-            ep_name = getattr(ep, "name", None)
-            if not isinstance(ep_name, str) or not ep_name:
+            try:
+                ep_name = ep.name
+            except Exception as exc:  # an entry point object may be broken in any way
+                fail("<entry point>", f"reading its name raised {type(exc).__name__}: {exc}")
+                continue
+            if type(ep_name) is not str or not ep_name:
                 fail(
                     str(ep_name),
                     f"entry point name must be a non-empty str, got {describe(ep_name)}",
@@ -232,10 +236,12 @@ def build_registry(
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # an entry point may fail to import in any way
+            except (KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as exc:  # an import may fail in any way, SystemExit included
                 fail(
                     ep_name,
-                    f"import of {describe(getattr(ep, 'value', None))} failed: "
+                    f"import of {describe(_attribute(ep, 'value'))} failed: "
                     f"{type(exc).__name__}: {describe_exception(exc)}",
                 )
                 continue
@@ -271,6 +277,14 @@ def _distribution_of_entry_point(
     return (None if name is None else str(name)), (None if version is None else str(version))
 
 
+def _attribute(obj: object, name: str) -> object:
+    """``obj.name``, or a placeholder when reading it fails in any way (for messages)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception as exc:  # a hostile object's property may raise anything
+        return f"<unreadable: {type(exc).__name__}>"
+
+
 def _entry_points_safely(
     entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]],
     fail: _Fail,
@@ -304,7 +318,9 @@ def _collect(
         try:
             returned: Any = impls[name].function()
             specs = tuple(returned) if isinstance(returned, (list, tuple)) else None
-        except Exception as exc:  # a plugin's hook may raise anything
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as exc:  # a plugin's hook may raise anything, SystemExit included
             fail(name, f"{hook_name}() raised {type(exc).__name__}: {describe_exception(exc)}")
             continue
         if specs is None or not all(isinstance(s, spec_type) for s in specs):

@@ -148,18 +148,24 @@ def _contract_terms(
     )
 
 
-def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> None:
-    q, k, v = case.tensors()
-    out, lse = kernel.forward(q, k, v, case.options())
+def _check_layout(check: str, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """``out`` shaped and typed as ``q``; ``lse`` as ``q`` without D, float32 (float64 for
+    float64 inputs), per the kernel contract."""
     if out.shape != q.shape or out.dtype != q.dtype:
         raise ConformanceError(
             check, f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}"
         )
-    if lse.shape != q.shape[:-1] or lse.dtype not in (torch.float32, torch.float64):
+    wanted = accumulation_dtype(q.dtype)
+    if lse.shape != q.shape[:-1] or lse.dtype != wanted:
         raise ConformanceError(
-            check,
-            f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} float32",
+            check, f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} {wanted}"
         )
+
+
+def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> None:
+    q, k, v = case.tensors()
+    out, lse = kernel.forward(q, k, v, case.options())
+    _check_layout(check, q, out, lse)
     expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
     # The baseline is plain dense attention in the inputs' dtype, for out and lse alike.
     base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
@@ -178,9 +184,10 @@ def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
         lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), case.options()
     )
     for name, grad, x in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
-        if grad.shape != x.shape:
+        if grad.shape != x.shape or grad.dtype != x.dtype:
             raise ConformanceError(
-                "gradients", f"{name} is {tuple(grad.shape)}, expected {tuple(x.shape)}"
+                "gradients",
+                f"{name} is {tuple(grad.shape)} {grad.dtype}, expected {tuple(x.shape)} {x.dtype}",
             )
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
@@ -199,16 +206,7 @@ def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> Non
     """Declared means it runs: shapes and dtypes per the contract, finite where rows see keys."""
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ConformanceError(
-            "capabilities",
-            f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(q.shape)} {q.dtype}",
-        )
-    if lse.shape != q.shape[:-1] or lse.dtype not in (torch.float32, torch.float64):
-        raise ConformanceError(
-            "capabilities",
-            f"lse is {tuple(lse.shape)} {lse.dtype}, expected {tuple(q.shape[:-1])} float32",
-        )
+    _check_layout("capabilities", q, out, lse)
     if backward:
         kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
 

@@ -8,7 +8,8 @@ chunk's probabilities ``P = exp(scale * q k^T - lse)`` and accumulates the gradi
 The recurrence, like every fused kernel, is not exact for NaN or infinite inputs (a hidden value
 times a zero weight is NaN; ``inf - inf`` is NaN), which the contract's ``non-finite`` check
 catches. So a call whose inputs are not all finite is handed to ringdilated's reference kernel,
-whose dense math is exact for them: one summing pass decides.
+whose dense math is exact for them; ``inputs_finite`` says which (the driver's own check of the
+whole call, passed in ``BlockOptions.finite``, or one summing pass).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target
+from ringdilated.core.kernel import inputs_finite
 from ringdilated.plugins import hookimpl
 
 __all__ = ["CHUNKED_SPEC", "ChunkedKernel"]
@@ -27,11 +29,6 @@ _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _finite(*tensors: torch.Tensor) -> bool:
-    """No NaN or infinity in ``tensors`` (a sum is non-finite whenever an element is)."""
-    return all(bool(torch.isfinite(t.sum(dtype=_work_dtype(t.dtype)))) for t in tensors)
 
 
 class ChunkedKernel:
@@ -58,7 +55,7 @@ class ChunkedKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not _finite(q, k, v):
+        if not inputs_finite(options, q, k, v):
             return ReferenceKernel().forward(q, k, v, options)
         work = _work_dtype(q.dtype)
         qw = q.to(work)
@@ -93,7 +90,7 @@ class ChunkedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not _finite(q, k, v, dout):
+        if not inputs_finite(options, q, k, v, dout):
             return ReferenceKernel().backward(dout, q, k, v, out, lse, options)
         work = _work_dtype(q.dtype)
         qw, dow = q.to(work), dout.to(work)
