@@ -77,7 +77,8 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(
         main(["--debug", "bench", "--segments", "3,5", "--rates", "1"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--lengths", "64", "--plot", "x.png"]) == 1
-    assert "--plot needs matplotlib: pip install 'ringdilated[plot]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install -e '.[plot]' (in the ringdilated clone)" in err
     assert main(["bench", "--lengths", "100", "--world-size", "3"]) == 1
     assert "lengths [100] are not divisible by --world-size 3" in capsys.readouterr().err
 

@@ -215,7 +215,7 @@ def test_oracle_needs_no_hypothesis_and_the_kit_says_what_it_needs(
     monkeypatch.setitem(sys.modules, "hypothesis", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "ringdilated.testing.conformance")
     assert callable(testing.oracle)
-    with pytest.raises(ImportError, match=r"needs 'hypothesis': pip install 'ringdilated\[test\]'"):
+    with pytest.raises(ImportError, match=r"needs 'hypothesis': pip install -e '\.\[test\]'"):
         testing.check_kernel  # noqa: B018
 
 
