@@ -231,4 +231,5 @@ def test_dropout_across_ranks_has_exact_gradients(
     results = workers2.results("dropout_directional_derivative", {"mode": mode, "causal": causal})
     for r in results:
         assert r["analytic"] == pytest.approx(r["numeric"], rel=1e-6, abs=1e-8)
-    assert results[0]["analytic"] == results[1]["analytic"]
+        # Each rank's own gradients, not just the all-reduced total, are right.
+        assert r["own_analytic"] == pytest.approx(r["own_numeric"], rel=1e-6, abs=1e-8)
