@@ -1,7 +1,7 @@
-"""Sharded dilated attention on real gloo process groups of 2 and 4 ranks (SPEC.md section 3).
+"""Sharded dilated attention on real gloo process groups of 2 and 4 ranks (docs/spec.md, section 3).
 
 Every rank's out, lse and gradients must equal its slice of the float64 oracle's (tolerance rule
-of SPEC.md section 4), and the bytes each rank sends must equal the analytic minimum, computed
+of docs/spec.md, section 4), and the bytes each rank sends must equal the analytic minimum, computed
 here independently from the oracle's mask: for every other rank, the distinct (key/value head,
 key position) pairs of this rank's shard that some query of that rank sees.
 """

@@ -1,4 +1,5 @@
-"""The dilation pattern: validation, head groups, offsets, coverage; blocks == SPEC.md's rule."""
+"""The dilation pattern: validation, head groups, offsets, coverage; blocks follow the rule of
+docs/spec.md, section 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every input SPEC.md rejects raises before any work, naming the value and the rule."""
+"""Every input docs/spec.md rejects raises before any work, naming the value and the rule."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ kernel turns a NaN query row into ``out = 0``, ``lse = 0`` and spreads a NaN val
 that never see it, and fused kernels in general multiply hidden values by zero weights. The check
 is one summing pass over the inputs and one host read per call.
 
-Semantics, for every query row (SPEC.md section 4, "NaN or infinity ... propagates to exactly
-the outputs that dense masked attention propagates it to"): attention runs over the row's
+Semantics, for every query row (docs/spec.md, section 4: NaN or infinity reaches exactly the
+outputs that dense masked attention sends it to): attention runs over the row's
 *visible* keys only. A hidden key takes no part, whatever it holds: its score is replaced by
 ``-inf`` before the softmax, and its value is never multiplied by the zero weight (``0 * NaN``
 would be NaN), so a NaN or infinite key or value reaches exactly the queries that see it. A row

@@ -1,12 +1,12 @@
-"""The float64 dense oracle and the plain dense baseline (SPEC.md sections 2 and 4).
+"""The float64 dense oracle and the plain dense baseline (docs/spec.md, sections 2 and 4).
 
 Deliberately independent of :mod:`ringdilated.core`: the mask is built position by position from
-the rule in SPEC.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with explicit
+the rule in docs/spec.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with explicit
 boolean tensors, in O(L^2) memory. Pattern mixing is a softmax over the multiset union of the
 patterns' keys, so the dense form adds ``log(count)`` to each score of a key the query sees (one
 pattern's key adds ``log 1 = 0``).
 
-Exact for non-finite inputs (SPEC.md section 4): a key a query does not see takes no part at
+Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not see takes no part at
 all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), and its value is
 never multiplied by the zero weight (``0 * inf`` is NaN): when a value is not finite the weighted
 sum runs over the seen keys only. So NaN or infinity reaches exactly the queries that see it.
@@ -171,7 +171,7 @@ def oracle(
     scale: float | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """SPEC.md's dilated attention, evaluated densely in float64; differentiable.
+    """Dilated attention as docs/spec.md defines it, evaluated densely in float64; differentiable.
 
     Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout),
     results in float64.
