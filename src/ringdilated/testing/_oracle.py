@@ -10,6 +10,10 @@ Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not se
 all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), and its value is
 never multiplied by the zero weight (``0 * inf`` is NaN): when a value is not finite the weighted
 sum runs over the seen keys only. So NaN or infinity reaches exactly the queries that see it.
+
+:func:`masked_attention` (kernel layout, a boolean mask, optional ``log(count)`` weights) is the
+one dense computation: :func:`dense_attention` calls it with the pattern's mask, and the kernel
+conformance kit's :func:`ringdilated.testing.kernel_cases.dense` with a causal-offset mask.
 """
 
 from __future__ import annotations
