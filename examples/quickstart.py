@@ -3,7 +3,7 @@
     python examples/quickstart.py            # about 10 s on 2 CPU cores
 
 1. A small problem (L=1000, a partial last segment, GQA, causal, both modes) against the float64
-   dense oracle: forward, lse and gradients, with SPEC.md's tolerance rule.
+   dense oracle: forward, lse and gradients, with the tolerance rule of docs/spec.md, section 4.
 2. The resolver's plan for the default module, with the reasons behind it.
 3. A long sequence (L=65536, H=8, D=64, segments [2048, 4096, 8192], rates [1, 2, 4]):
    forward time and GFLOP/s of the pattern's work.

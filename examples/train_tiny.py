@@ -68,9 +68,17 @@ def synthetic_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Ten
 
 
 def train(
-    steps: int = 30, process_group: object = None, dtype: torch.dtype = torch.float32
+    steps: int = 30,
+    process_group: object = None,
+    dtype: torch.dtype = torch.float32,
+    position_losses: list[torch.Tensor] | None = None,
 ) -> list[float]:
-    """The loss (mean over every token of every sequence) at each step."""
+    """The loss (mean over every token of every sequence) at each step.
+
+    ``position_losses``, when given, receives at each step this process's own loss per sequence
+    position (summed over the batch, before any all-reduce): ``(SEQ_LEN,)`` on one process, the
+    rank's slice of positions when sharded.
+    """
     sharded = process_group is not None
     rank = dist.get_rank(process_group) if sharded else 0
     world = dist.get_world_size(process_group) if sharded else 1
@@ -83,10 +91,12 @@ def train(
     for _ in range(steps):
         tokens, targets = synthetic_batch(data)
         logits = model(tokens[:, shard], shard.start)
-        loss_sum = F.cross_entropy(
-            logits.reshape(-1, VOCAB), targets[:, shard].reshape(-1), reduction="sum"
-        )
-        loss = loss_sum / targets.numel()
+        token_losses = F.cross_entropy(
+            logits.reshape(-1, VOCAB), targets[:, shard].reshape(-1), reduction="none"
+        ).view(BATCH, -1)
+        if position_losses is not None:
+            position_losses.append(token_losses.detach().sum(0))
+        loss = token_losses.sum() / targets.numel()
         optimizer.zero_grad()
         loss.backward()
         total = loss.detach().clone()

@@ -84,7 +84,12 @@ def module_on_shards(payload: dict[str, Any]) -> dict[str, Any]:
 
 def dropout_directional_derivative(payload: dict[str, Any]) -> dict[str, float]:
     """With each call's dropout masks fixed by seeding, the sharded function is deterministic:
-    its analytic directional derivative must match central finite differences of the global loss."""
+    its analytic directional derivative must match central finite differences of the global loss.
+
+    Returned both whole (``analytic``, ``numeric``: all-reduced, the same on every rank) and per
+    rank (``own_analytic``: this rank's gradients along its slice of the direction, before any
+    all-reduce; ``own_numeric``: the global loss's finite difference when only this rank's slice
+    moves), so a gradient that reaches the wrong rank fails even if the totals agree."""
     import ringdilated
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -114,21 +119,44 @@ def dropout_directional_derivative(payload: dict[str, Any]) -> dict[str, float]:
     inputs = [x[:, sl].clone().requires_grad_() for x in full]
     local, _ = loss(inputs)
     local.backward()
-    analytic = torch.tensor(
-        sum(float((x.grad * d[:, sl]).sum()) for x, d in zip(inputs, direction, strict=True))
+    own_analytic = sum(
+        float((x.grad * d[:, sl]).sum()) for x, d in zip(inputs, direction, strict=True)
     )
+    analytic = torch.tensor(own_analytic, dtype=torch.float64)
     dist.all_reduce(analytic)
     eps = 1e-6
     with torch.no_grad():
         _, plus = loss([x[:, sl] + eps * d[:, sl] for x, d in zip(full, direction, strict=True)])
         _, minus = loss([x[:, sl] - eps * d[:, sl] for x, d in zip(full, direction, strict=True)])
     numeric = float(plus - minus) / (2 * eps)
-    return {"analytic": float(analytic), "numeric": numeric}
+    own_numeric = 0.0
+    for mover in range(world):  # every rank joins each call; only ``mover``'s slice moves
+        step = eps if mover == rank else 0.0
+        with torch.no_grad():
+            _, plus = loss(
+                [x[:, sl] + step * d[:, sl] for x, d in zip(full, direction, strict=True)]
+            )
+            _, minus = loss(
+                [x[:, sl] - step * d[:, sl] for x, d in zip(full, direction, strict=True)]
+            )
+        if mover == rank:
+            own_numeric = float(plus - minus) / (2 * eps)
+    return {
+        "analytic": float(analytic),
+        "numeric": numeric,
+        "own_analytic": own_analytic,
+        "own_numeric": own_numeric,
+    }
 
 
-def train_tiny(payload: dict[str, Any]) -> list[float]:
-    """examples/train_tiny.py's training loop, sequence-sharded over this pool's ranks."""
-    return _train_tiny_module().train(payload["steps"], dist.group.WORLD, torch.float64)
+def train_tiny(payload: dict[str, Any]) -> dict[str, Any]:
+    """examples/train_tiny.py's training loop, sequence-sharded over this pool's ranks: the
+    all-reduced loss curve and this rank's own per-position losses at each step."""
+    positions: list[torch.Tensor] = []
+    curve = _train_tiny_module().train(
+        payload["steps"], dist.group.WORLD, torch.float64, position_losses=positions
+    )
+    return {"curve": curve, "positions": torch.stack(positions)}
 
 
 def _train_tiny_module() -> Any:

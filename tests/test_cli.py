@@ -18,7 +18,9 @@ from ringdilated.functional import default_resolver
 
 
 @pytest.mark.parametrize("command", ["doctor", "bench", "verify", "demo"])
-def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_command_prints_its_usage_on_help(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0
@@ -32,13 +34,23 @@ def test_python_dash_m() -> None:
     assert "doctor" in result.stdout and "verify" in result.stdout
 
 
-def test_doctor(capsys: pytest.CaptureFixture[str]) -> None:
+def _doctor(capsys: pytest.CaptureFixture[str]) -> str:
     assert main(["doctor", "--causal", "--head-dim", "32", "--world-size", "2"]) == 0
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_doctor_reports_torch_dtype_policy_and_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _doctor(capsys)
     assert "torch 2." in out and "recommended dtype on cpu: torch.float32" in out
     assert any(
         line.split()[:2] == ["ringdilated.backends.sdpa", "built-in"] for line in out.splitlines()
     )
+
+
+def test_doctor_explains_kernel_and_communicator_choice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = _doctor(capsys)
     assert "kernel: sdpa (priority 100, highest priority that fits)" in out
     assert "rejected flash: package 'flash_attn' is not importable; runs on cuda, not cpu" in out
     assert "communicator: ringpass" in out
@@ -77,7 +89,8 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(
         main(["--debug", "bench", "--segments", "3,5", "--rates", "1"])
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["bench", "--lengths", "64", "--plot", "x.png"]) == 1
-    assert "--plot needs matplotlib: pip install 'ringdilated[plot]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install -e '.[plot]' (in the ringdilated clone)" in err
     assert main(["bench", "--lengths", "100", "--world-size", "3"]) == 1
     assert "lengths [100] are not divisible by --world-size 3" in capsys.readouterr().err
 
@@ -107,7 +120,7 @@ def test_verify_passes_and_fails(
     assert "--only names unknown backends: nonexistent" in capsys.readouterr().err
 
 
-def test_demo_passes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_on_two_ranks_reproduces_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["demo", "--length", "1024", "--segments", "256,512,1024", "--heads", "4"]
     assert main(args) == 0
     out = capsys.readouterr().out

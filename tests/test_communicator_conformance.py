@@ -9,14 +9,20 @@ from ringdilated.pool import Workers
 from ringdilated.testing import ConformanceError, check_communicator
 
 
-@pytest.mark.parametrize("name", ["ringpass", "allgather", "local"])
-def test_builtin_communicators_match_local(name: str, workers2: Workers, workers4: Workers) -> None:
-    if name == "local":
-        with pytest.raises(ConformanceError, match="declined every problem"):
-            check_communicator(name, pools={2: workers2}, world_sizes=(2,), max_examples=5)
-        return
+@pytest.mark.parametrize("name", ["ringpass", "allgather"])
+def test_builtin_communicator_matches_local_on_as_many_problems_as_asked(
+    name: str, workers2: Workers, workers4: Workers
+) -> None:
+    """Any mismatch raises inside the kit; the report then shows that the communicator served
+    the 10 problems asked of it on each world size (declines are rare enough for hypothesis to
+    find 10 it serves), not a handful."""
     report = check_communicator(name, pools={2: workers2, 4: workers4}, max_examples=10)
-    assert report.world_sizes == (2, 4) and all(n > 0 for n in report.problems)
+    assert report.problems == (10, 10), report
+
+
+def test_local_communicator_declines_every_sharded_problem(workers2: Workers) -> None:
+    with pytest.raises(ConformanceError, match="'local' declined every problem drawn for 2 ranks"):
+        check_communicator("local", pools={2: workers2}, world_sizes=(2,), max_examples=5)
 
 
 def test_a_corrupting_communicator_is_rejected(workers2: Workers) -> None:

@@ -1,4 +1,5 @@
-"""Every kernel against the float64 oracle: out, lse and gradients (SPEC.md sections 1, 2, 4)."""
+"""Every kernel against the float64 oracle: out, lse and gradients (docs/spec.md, sections 1, 2
+and 4)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ KERNELS = ["sdpa", "reference"]
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The public lse is float32 (SPEC.md 1), so float64 inputs get a float32 lse."""
+    """The public lse is float32 (docs/spec.md, section 1), so float64 inputs get a float32 lse."""
     return torch.float32 if dtype == torch.float64 else dtype
 
 

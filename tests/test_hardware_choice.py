@@ -137,7 +137,9 @@ def test_package_missing_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
         ("cuda", (9, 0), torch.bfloat16),
     ],
 )
-def test_dtype_policy(device: str, cc, expected: torch.dtype) -> None:
+def test_recommended_dtype_follows_device_and_compute_capability(
+    device: str, cc, expected: torch.dtype
+) -> None:
     assert ringdilated.recommended_dtype(device, Environment(compute_capability=cc)) == expected
 
 

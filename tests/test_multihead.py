@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-import ringdilated
 from ringdilated import DilatedTransformerBlock, MultiheadDilatedAttention
 from ringdilated.multihead import resolve_dtype
 from ringdilated.testing import max_error, oracle
@@ -125,7 +124,7 @@ def test_dtype_auto_is_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bf16(x, x, x)[0].dtype == torch.bfloat16
 
 
-def test_magneto_initialisation() -> None:
+def test_projections_get_magneto_xavier_gains_and_zero_biases() -> None:
     torch.manual_seed(0)
     m = MultiheadDilatedAttention(
         512, 8, segment_lengths=[8], dilation_rates=[1], gamma_init=2.0, num_kv_heads=2
@@ -153,5 +152,16 @@ def test_block_matches_its_definition() -> None:
     y = x + reference(block.attn, h, True, "head_groups")
     expected = y + block.ffn(block.ffn_norm(y))
     assert max_error(block(x), expected) < 1e-10
+
+
+def test_block_resolves_its_kernel_for_the_call() -> None:
+    block = DilatedTransformerBlock(
+        32, 4, segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True, dtype=torch.float64
+    )
     assert "MultiheadDilatedAttention" in repr(block)
-    assert block.attn.plan.kernel_name in ringdilated.default_resolver().specs
+    assert block.attn.plan is None, "no plan before the first call"
+    block(torch.randn(1, 16, 32, dtype=torch.float64))
+    plan = block.attn.plan
+    assert plan is not None
+    request = plan.request
+    assert (request.dtype, request.head_dim, request.causal) == (torch.float64, 8, True), request

@@ -9,6 +9,7 @@ import attrs
 import pytest
 
 from ringdilated.backends.reference import REFERENCE_SPEC
+from ringdilated.backends.sdpa import SDPA_SPEC
 from ringdilated.core import KernelSpec
 from ringdilated.plugins import (
     PluginError,
@@ -107,7 +108,8 @@ def test_failing_plugin_is_isolated_and_reported(ep: FakeEntryPoint, message: st
     with pytest.warns(PluginWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
         registry = _registry(ep, good)
     assert {"sdpa", "reference", "extra"} <= set(registry.kernels)
-    assert registry.kernels["sdpa"] is not None and registry.origins["sdpa"].endswith("(built-in)")
+    assert registry.kernels["sdpa"] is SDPA_SPEC, "a plugin never replaces a built-in"
+    assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
     assert len(registry.failures) == 1 and registry.failures[0].startswith(message)
 
 
@@ -120,7 +122,7 @@ def test_failures_reach_explain() -> None:
     assert "plugin failed: plugin 'broken' skipped" in plan.explain()
 
 
-def test_autoload_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_autoload_off_never_lists_entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
     def never() -> tuple:
         raise AssertionError("entry points must not be listed with autoload off")
 
@@ -131,7 +133,7 @@ def test_autoload_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(registry.kernels) == BUILTIN_KERNELS
 
 
-def test_block_list(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocked_plugins_are_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
     monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "good, ringdilated.backends.sdpa")
     registry = _registry(good)
@@ -158,7 +160,7 @@ def test_duplicate_names_across_distributions_name_both() -> None:
     assert "dist-a 1.0" in message and "dist-b 2.0" in message
 
 
-def test_allow_list(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_allowed_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     one = FakeEntryPoint("one", lambda: _plugin(lambda: [_spec("k1")]))
     two = FakeEntryPoint("two", lambda: _plugin(lambda: [_spec("k2")]))
     assert set(_registry(one, two, allowed=["two"]).kernels) == BUILTIN_KERNELS | {"k2"}

@@ -248,7 +248,7 @@ def test_a_writable_output_path_passes_and_is_written(
         ("float64", "float64"),
     ],
 )
-def test_dtype_aliases(alias: str, name: str) -> None:
+def test_dtype_aliases_map_to_torch_dtypes(alias: str, name: str) -> None:
     assert flags.dtype_name(alias) == name
     assert flags.dtype_or_auto(alias) == name
     assert flags.to_dtype(name) == getattr(torch, name)

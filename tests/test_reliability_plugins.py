@@ -381,7 +381,7 @@ def test_strict_mode_raises_a_plugin_error(
 @pytest.mark.parametrize(
     "name", ["entry-point-name-int", "name-int", "capabilities-none", "extra-reasons-raises"]
 )
-def test_doctor_survives(
+def test_doctor_survives_a_hostile_plugin(
     name: str,
     monkeypatch: pytest.MonkeyPatch,
     fresh_registry: None,

@@ -55,7 +55,9 @@ def cuda(
         (cuda((9, 0), torch.float32), frozenset({"flash_attn"}), "sdpa"),
     ],
 )
-def test_choice(request_: Request, packages: frozenset[str], chosen: str) -> None:
+def test_highest_priority_kernel_that_fits_is_chosen(
+    request_: Request, packages: frozenset[str], chosen: str
+) -> None:
     assert _resolver(packages).resolve(request_).kernel_name == chosen
 
 
@@ -70,7 +72,7 @@ def test_reasons_are_explained() -> None:
     assert any("bfloat16" in r for r in reasons["sdpa"])
 
 
-def test_cpu_reasons() -> None:
+def test_kernels_rejected_on_cpu_carry_their_reasons() -> None:
     plan = _resolver().resolve(Request(dtype=torch.float32, head_dim=64, dropout=True))
     reasons = dict(plan.rejected)
     assert reasons["sdpa"] == ("does not support dropout_p > 0",)
@@ -89,11 +91,14 @@ def test_forced_fit_kernel_is_used() -> None:
     assert plan.kernel_name == "reference" and plan.forced_by == "kernel='reference'"
 
 
-def test_unknown_kernel() -> None:
+def test_unknown_kernel_name_lists_the_known_kernels() -> None:
     with pytest.raises(
         ValueError, match=r"unknown kernel 'triton'.*known kernels: fakeflash, reference, sdpa"
     ):
         _resolver().resolve(Request(), "triton")
+
+
+def test_kernel_argument_must_be_auto_or_a_name() -> None:
     with pytest.raises(TypeError, match="kernel must be 'auto', a backend name"):
         _resolver().resolve(Request(), None)  # type: ignore[arg-type]
 
@@ -152,14 +157,18 @@ def _with_communicators() -> Resolver:
     return Resolver([REFERENCE_SPEC], communicators=[LOCAL_SPEC, RINGPASS_SPEC])
 
 
-def test_communicator_choice() -> None:
+def test_one_rank_gets_local_and_several_get_ringpass() -> None:
     from ringdilated.backends.local import LocalCommunicator
     from ringdilated.backends.ringpass import RingPassCommunicator
 
     resolver = _with_communicators()
     assert isinstance(resolver.communicator_for(1, False), LocalCommunicator)
     assert isinstance(resolver.communicator_for(4, True), RingPassCommunicator)
-    assert resolver.communicator_for(4, True) is resolver.communicator_for(2, False), "built once"
+
+
+def test_a_communicator_is_built_once_per_resolver() -> None:
+    resolver = _with_communicators()
+    assert resolver.communicator_for(4, True) is resolver.communicator_for(2, False)
 
 
 def test_forced_unfit_communicator_raises_with_reasons() -> None:
@@ -186,7 +195,7 @@ def test_ringpass_schedule_meets_every_peer_once() -> None:
             assert sorted(peers) == [p for p in range(world) if p != rank]
 
 
-def test_communicator_explanation() -> None:
+def test_communicator_explanation_names_each_rejection() -> None:
     resolver = _with_communicators()
     text = resolver.explain_communicator(4, True)
     assert (

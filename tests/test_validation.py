@@ -1,4 +1,4 @@
-"""Every input SPEC.md rejects raises before any work, naming the value and the rule."""
+"""Every input docs/spec.md rejects raises before any work, naming the value and the rule."""
 
 from __future__ import annotations
 
@@ -163,7 +163,9 @@ CASES = [
 @pytest.mark.parametrize(
     ("args", "kwargs", "error", "match"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
-def test_rejected_inputs(args: tuple, kwargs: dict, error: type, match: str) -> None:
+def test_invalid_input_raises_naming_the_value_and_rule(
+    args: tuple, kwargs: dict, error: type, match: str
+) -> None:
     kw = {"segment_lengths": [4, 8], "dilation_rates": [1, 2], **kwargs}
     with pytest.raises(error, match=match):
         ringdilated.dilated_attention(*args, **kw)

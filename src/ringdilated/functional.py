@@ -202,8 +202,9 @@ def dilated_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
 
-    Semantics are SPEC.md: for pattern ``i`` a query at position ``p`` attends to the positions of
-    its segment of length ``segment_lengths[i]`` selected with stride ``dilation_rates[i]``.
+    Semantics (docs/spec.md): for pattern ``i`` a query at position ``p`` attends to the
+    positions of its segment of length ``segment_lengths[i]`` selected with stride
+    ``dilation_rates[i]``.
 
     - ``mode="head_groups"`` (default): heads are split into ``G`` contiguous groups, group ``i``
       using pattern ``i`` at offset ``i % r_i``; unselected positions give ``0`` (no ``1/G``

@@ -10,7 +10,7 @@ import ringdilated
 from ringdilated.testing import assert_within_tolerance, check_kernel, dense_attention, oracle
 
 
-def test_conformance(ringdilated_kernel: str) -> None:
+def test_chunked_kernel_passes_the_conformance_kit(ringdilated_kernel: str) -> None:
     """``ringdilated_kernel`` is parametrized by ringdilated's pytest plugin (pytest11)."""
     report = check_kernel(ringdilated_kernel, max_examples=25)
     assert "gradients" in report.passed and "causal" in report.passed

@@ -7,12 +7,13 @@ zeros for a query row holding a NaN and can spread a NaN or infinite value to qu
 see it (behaviour that depends on the input), and fused kernels in general multiply hidden
 values by zero weights.
 
-Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.kernel`): attention
-runs over the row's *visible* keys only. A hidden key takes no part, whatever it holds: its score
-is replaced by ``-inf`` before the softmax, and its value is never multiplied by the zero weight
-(``0 * NaN`` is NaN), so a NaN or infinite key or value reaches exactly the queries that see it.
-A row with no visible key gives ``out = 0`` and ``lse = -inf``; a row whose visible scores are
-all ``-inf`` (infinite inputs) gives what softmax gives, NaN, with ``lse = -inf``.
+Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.kernel`; docs/spec.md,
+section 4): attention runs over the row's *visible* keys only. A hidden key takes no part,
+whatever it holds: its score is replaced by ``-inf`` before the softmax, and its value is never
+multiplied by the zero weight (``0 * NaN`` is NaN), so a NaN or infinite key or value reaches
+exactly the queries that see it. A row with no visible key gives ``out = 0`` and ``lse = -inf``;
+a row whose visible scores are all ``-inf`` (infinite inputs) gives what softmax gives, NaN,
+with ``lse = -inf``.
 
 Memory: scores are computed a tile of query rows at a time, at most ``TILE_ELEMENTS`` of them
 (the reference kernel no longer holds a whole ``Lq x Lk`` matrix per problem). Non-finite values

@@ -249,7 +249,9 @@ def _check(args: argparse.Namespace) -> None:
         try:
             import matplotlib  # noqa: F401
         except ModuleNotFoundError:
-            raise ValueError("--plot needs matplotlib: pip install 'ringdilated[plot]'") from None
+            raise ValueError(
+                "--plot needs matplotlib: pip install -e '.[plot]' (in the ringdilated clone)"
+            ) from None
     _check_memory(args)
 
 

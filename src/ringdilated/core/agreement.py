@@ -1,4 +1,4 @@
-"""Every rank checks its call, then all ranks agree before any data moves (SPEC.md section 3).
+"""Every rank checks its call, then all ranks agree before any data moves (docs/spec.md, section 3).
 
 Call flow::
 

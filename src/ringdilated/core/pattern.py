@@ -1,4 +1,4 @@
-"""The dilation pattern: which positions each head selects (SPEC.md section 2).
+"""The dilation pattern: which positions each head selects (docs/spec.md, section 2).
 
 A :class:`DilationPattern` is a frozen value. For a sequence length and head counts it answers with
 :class:`Block` descriptions: a run of query heads, the key/value heads they read, and a
@@ -138,7 +138,7 @@ class Block:
 
 @attrs.frozen
 class DilationPattern:
-    """Segment lengths, dilation rates and mode of a dilated attention (SPEC.md section 2).
+    """Segment lengths, dilation rates and mode of a dilated attention (docs/spec.md, section 2).
 
     Validated on construction: both sequences hold positive ints, the same number of them, and
     ``1 <= dilation_rates[i] <= segment_lengths[i]``; ``mode`` is ``"head_groups"`` or

@@ -1,4 +1,5 @@
-"""What a rank computes and what moves between ranks, derived from the pattern (SPEC.md section 3).
+"""What a rank computes and what moves between ranks, derived from the pattern (docs/spec.md,
+section 3).
 
 Rank ``r`` of ``P`` holds positions ``[r * S, (r + 1) * S)``, ``S = L / P``. For every block of the
 pattern, the segments a shard meets are of two kinds:

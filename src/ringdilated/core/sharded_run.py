@@ -1,4 +1,4 @@
-"""Dilated attention over a sequence sharded across ranks (SPEC.md section 3): the run.
+"""Dilated attention over a sequence sharded across ranks (docs/spec.md, section 3): the run.
 
 Three parts: the plan (:mod:`ringdilated.core.shard_plan`: what each rank computes and what
 moves), the wire format (:mod:`ringdilated.core.payload`) and this, the run, which moves pieces

@@ -18,7 +18,7 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_inputs(
     q: object, k: object, v: object, pattern: DilationPattern
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` (SPEC.md section 1)."""
+    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` (docs/spec.md, sec. 1)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -1,9 +1,9 @@
-"""Testing helpers for ringdilated and its plugin authors: the float64 oracle, SPEC.md's
-tolerance rule, and the conformance kits for kernels and communicators.
+"""Testing helpers for ringdilated and its plugin authors: the float64 oracle, the tolerance
+rule (docs/spec.md, section 4), and the conformance kits for kernels and communicators.
 
 The oracle and the tolerance rule need only torch. The conformance kits (``check_kernel``,
-``check_communicator`` and friends) need hypothesis, installed with
-``pip install 'ringdilated[test]'``; they are imported on first use.
+``check_communicator`` and friends) need hypothesis, installed with the test extra
+(``pip install -e '.[test]'`` in a clone of ringdilated); they are imported on first use.
 """
 
 from __future__ import annotations
@@ -11,8 +11,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ringdilated.testing._oracle import dense_attention, oracle, pattern_weights
-from ringdilated.testing._tolerance import FLOORS, assert_within_tolerance, max_error
+from ringdilated.testing._oracle import (
+    dense_attention,
+    masked_attention,
+    oracle,
+    pattern_weights,
+)
+from ringdilated.testing._tolerance import (
+    FLOORS,
+    allowed_error,
+    assert_within_tolerance,
+    max_error,
+    tolerance_floor,
+)
 
 _KIT = {
     "CHECKS": "conformance",
@@ -32,14 +43,17 @@ __all__ = [
     "CommunicatorReport",
     "ConformanceError",
     "ConformanceReport",
+    "allowed_error",
     "assert_within_tolerance",
     "check_communicator",
     "check_kernel",
     "dense_attention",
     "kernel_cases",
+    "masked_attention",
     "max_error",
     "oracle",
     "pattern_weights",
+    "tolerance_floor",
 ]
 
 
@@ -50,7 +64,7 @@ def __getattr__(name: str) -> Any:
         except ModuleNotFoundError as exc:
             raise ImportError(
                 f"ringdilated.testing.{name} is the conformance kit, which needs {exc.name!r}: "
-                "pip install 'ringdilated[test]'"
+                "pip install -e '.[test]' (in the ringdilated clone)"
             ) from exc
         return getattr(kit, name)
     raise AttributeError(f"module 'ringdilated.testing' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""SPEC.md section 4's tolerance rule.
+"""The tolerance rule (docs/spec.md, section 4 "Numerics"): the one place it is written.
 
 A result in dtype ``T`` passes when its largest error against the float64 oracle is at most twice
 the error of plain dense masked attention computed in ``T`` on the same inputs, plus a small
@@ -8,13 +8,18 @@ The floor is ``FLOORS[T] * max(1, max |oracle|)``: about one unit in the last pl
 result's own magnitude (a result stored in ``T`` cannot be closer than its final rounding, and on
 tiny inputs the dense baseline's error can be zero by chance). For results of magnitude at most 1
 it is the absolute floor itself.
+
+:func:`allowed_error` computes the allowance; :func:`assert_within_tolerance` applies it. The
+conformance kits, the communicator kit and ``ringdilated demo`` all call :func:`allowed_error`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["FLOORS", "assert_within_tolerance", "max_error"]
+__all__ = ["FLOORS", "allowed_error", "assert_within_tolerance", "max_error", "tolerance_floor"]
 
 FLOORS: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
@@ -32,6 +37,38 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
         return float("inf")
     diff = (a - e).abs().masked_fill(e_inf, 0.0)
     return float(diff.max()) if diff.numel() else 0.0
+
+
+def tolerance_floor(expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """``FLOORS[dtype] * max(1, max |expected|)``, ``-inf`` entries of ``expected`` ignored."""
+    if dtype not in FLOORS:
+        raise ValueError(f"no tolerance floor for dtype {dtype}; known: {sorted(map(str, FLOORS))}")
+    finite = expected.detach().double().masked_fill(torch.isneginf(expected), 0.0)
+    magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return FLOORS[dtype] * magnitude
+
+
+def allowed_error(
+    expected: torch.Tensor,
+    baselines: torch.Tensor | Sequence[torch.Tensor],
+    dtype: torch.dtype,
+    extra: float = 0.0,
+) -> float:
+    """The largest error against ``expected`` (float64) that a result in ``dtype`` may have.
+
+    That is ``2 * max(max_error(b, expected) for b in baselines)``, plus
+    ``tolerance_floor(expected, dtype)``, plus ``extra``.
+    ``baselines``: one or several plain dense computations in ``dtype`` (the rule takes the least
+    accurate; for a sharded result, the single-process result serves as the baseline).
+    ``extra``: an allowance on top, for an error any implementation must make (the conformance
+    kit's gradient checks add what the contract's own rounding of ``out`` and ``lse`` costs).
+    """
+    if isinstance(baselines, torch.Tensor):
+        baselines = (baselines,)
+    if not baselines:
+        raise ValueError("allowed_error needs at least one baseline, got none")
+    baseline_error = max(max_error(b, expected) for b in baselines)
+    return 2 * baseline_error + tolerance_floor(expected, dtype) + extra
 
 
 def assert_within_tolerance(
@@ -52,11 +89,9 @@ def assert_within_tolerance(
             f"{what}: shape {tuple(actual.shape)} != oracle {tuple(expected.shape)}"
         )
     error = max_error(actual, expected)
-    finite = expected.detach().double().masked_fill(torch.isneginf(expected), 0.0)
-    magnitude = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
-    floor = FLOORS[dtype] * magnitude
-    allowed = 2 * max_error(baseline, expected) + floor
+    allowed = allowed_error(expected, baseline, dtype)
     if not error <= allowed:
+        floor = tolerance_floor(expected, dtype)
         raise AssertionError(
             f"{what} ({dtype}): max error {error:.3e} vs float64 oracle exceeds "
             f"{allowed:.3e} (2 x dense {dtype} error + floor {floor:.1e})"

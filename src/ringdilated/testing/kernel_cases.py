@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from ringdilated.core.capabilities import Environment, KernelSpec, Request
 from ringdilated.core.kernel import BlockOptions
+from ringdilated.testing._oracle import masked_attention, scaled_scores
 
 __all__ = [
     "DEFAULT_SPACE",
@@ -232,11 +233,6 @@ def _visible(q_len: int, k_len: int, offset: int | None, device: torch.device) -
     return cols <= torch.arange(q_len, device=device).unsqueeze(1) + offset
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    return q.to(dtype) @ k.to(dtype).repeat_interleave(group, 1).transpose(-1, -2) * scale
-
-
 def dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -245,23 +241,12 @@ def dense(
     offset: int | None,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd).
-
-    Exact for non-finite inputs, as the oracle is: a hidden key takes no part (its score is
-    replaced, not masked by addition, and its value is not multiplied by the zero weight).
+    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd):
+    :func:`ringdilated.testing.masked_attention` with key ``j`` visible to query ``i`` when
+    ``offset`` is ``None`` or ``j <= i + offset``. Exact for non-finite inputs, as the oracle is.
     """
-    group = q.shape[1] // k.shape[1]
-    vd = v.to(dtype).repeat_interleave(group, 1)
-    s = _scores(q, k, scale, dtype)
-    visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
-    empty = ~visible.any(-1, keepdim=True)
-    s = torch.where(visible, s, s.new_full((), float("-inf"))).masked_fill(empty, 0.0)
-    lse = torch.logsumexp(s, -1).masked_fill(empty.squeeze(-1), float("-inf"))
-    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
-    if bool(torch.isfinite(vd).all()):
-        return p @ vd, lse
-    terms = p.unsqueeze(-1) * vd.unsqueeze(-3)
-    return torch.where(visible.unsqueeze(-1), terms, terms.new_zeros(())).sum(-2), lse
+    visible = _visible(q.shape[2], k.shape[2], offset, q.device)
+    return masked_attention(q, k, v, visible, scale, dtype)
 
 
 def contract_backward(
@@ -285,7 +270,7 @@ def contract_backward(
     """
     group = q.shape[1] // k.shape[1]
     kd, vd = (x.to(dtype).repeat_interleave(group, 1) for x in (k, v))
-    s = _scores(q, k, scale, dtype)
+    s = scaled_scores(q, k, scale, dtype)
     visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
     lse_d = lse.to(dtype)
     finite = torch.where(torch.isneginf(lse_d), torch.zeros_like(lse_d), lse_d)
