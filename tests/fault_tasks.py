@@ -72,6 +72,44 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
+    """Counts the agreement's collectives in one call that agrees and one in which rank 1 passes
+    a different causal flag; returns the counts and the second call's exception."""
+    import ringdilated
+    from ringdilated.core import agreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v = _inputs(rank, world)
+    counts = {"all_reduce": 0, "all_gather_object": 0}
+    real = {name: getattr(agreement.dist, name) for name in counts}
+
+    def counting(name: str) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return real[name](*args, **kwargs)
+
+        return collective
+
+    result: dict[str, Any] = {}
+    try:
+        for name in counts:
+            setattr(agreement.dist, name, counting(name))
+        ringdilated.dilated_attention(q, k, v, [16], [1], process_group=dist.group.WORLD)
+        result["agreed"] = dict(counts)
+        counts.update(all_reduce=0, all_gather_object=0)
+        try:
+            ringdilated.dilated_attention(
+                q, k, v, [16], [1], causal=rank == 1, process_group=dist.group.WORLD
+            )
+        except ValueError as exc:
+            result["message"] = str(exc)
+        result["disagreed"] = dict(counts)
+    finally:
+        for name, function in real.items():
+            setattr(agreement.dist, name, function)
+    return result
+
+
 def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     """Every rank runs a sharded ``MultiheadDilatedAttention`` (or, with ``payload['block']``,
     a ``DilatedTransformerBlock``); rank ``payload['rank']`` passes an input of the wrong width,

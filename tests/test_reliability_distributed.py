@@ -65,6 +65,16 @@ def test_a_module_rejecting_its_input_on_one_rank_stops_every_rank(
     assert all(r["seconds"] < BOUND_S for r in results)
 
 
+def test_an_agreeing_call_costs_one_small_collective_a_disagreeing_one_names_the_field(
+    workers2: Workers,
+) -> None:
+    results = workers2.results(f"{TASKS}:collectives_of_the_agreement", {})
+    for result in results:
+        assert result["agreed"] == {"all_reduce": 1, "all_gather_object": 0}, result
+        assert result["disagreed"] == {"all_reduce": 1, "all_gather_object": 1}, result
+        assert "causal: rank 0 False, rank 1 True" in result["message"]
+
+
 def test_a_slow_peer_within_the_timeout_is_waited_for_and_exact(workers2: Workers) -> None:
     results = workers2.results(f"{TASKS}:slow_peer", {"delay": 1.5})
     assert [r["raised"] for r in results] == [None, None]

@@ -1,11 +1,11 @@
 """The float64 dense oracle and the plain dense baseline (docs/spec.md, sections 2 and 4).
 
 Deliberately independent of :mod:`ringdilated.core`: the mask is built position by position from
-the rule in docs/spec.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with explicit
-boolean tensors, in O(L^2) memory per head (O(L^2 D) when ``v`` holds NaN or infinity, which is
-summed term by term; keep such tests short). Pattern mixing is a softmax over the multiset union of the
-patterns' keys, so the dense form adds ``log(count)`` to each score of a key the query sees (one
-pattern's key adds ``log 1 = 0``).
+the rule in docs/spec.md (``(p % w) % r == offset``, same segment, causal ``k <= p``), with
+explicit boolean tensors, in O(L^2) memory per head (O(L^2 D) when ``v`` holds NaN or infinity,
+which is summed term by term: keep such tests short). Pattern mixing is a softmax over the
+multiset union of the patterns' keys, so the dense form adds ``log(count)`` to each score of a
+key the query sees (one pattern's key adds ``log 1 = 0``).
 
 Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not see takes no part at
 all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), and its value is
