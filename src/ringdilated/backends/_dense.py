@@ -65,7 +65,7 @@ def weighted_values(
         v_finite = all_finite(v)
     if v_finite:
         return torch.matmul(p, v)
-    bad = ~torch.isfinite(v)
+    bad = torch.isfinite(v).logical_not()
     out = torch.matmul(p, torch.where(bad, torch.zeros_like(v), v))
     n, h, key = bad.any(-1).nonzero(as_tuple=True)  # the keys holding a non-finite value
     step = max(1, TILE_ELEMENTS // max(1, p.shape[-2] * v.shape[-1]))
@@ -105,7 +105,7 @@ def _probabilities(
     lse = lse.to(scores.dtype)
     if visible is None:  # every row sees a key
         return torch.exp(scores - lse.unsqueeze(-1))
-    empty = torch.isneginf(lse) & ~visible.any(-1)
+    empty = torch.isneginf(lse) & visible.any(-1).logical_not()
     finite = torch.where(empty, torch.zeros_like(lse), lse)
     return torch.exp(scores - finite.unsqueeze(-1))
 

@@ -185,10 +185,7 @@ class FlexKernel:
         if not inputs_finite(options, q, k, v):
             return _dense.forward(q, k, v, options)
         out, lse = self._run(q, k, v, options)
-        empty = options.visible_rows_start()
-        if empty:
-            out[..., :empty, :] = 0
-            lse[..., :empty] = float("-inf")
+        options.mark_empty_rows(out, lse)
         return out, lse.to(accumulation_dtype(q.dtype))
 
     def backward(

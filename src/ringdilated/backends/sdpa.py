@@ -40,10 +40,10 @@ _NEG_INF = float("-inf")
 def _additive_mask(
     q_len: int, k_len: int, offset: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    rows = torch.arange(q_len, device=device).unsqueeze(1)
-    cols = torch.arange(k_len, device=device)
+    visible = _dense.visible_keys(q_len, k_len, offset, device)
+    assert visible is not None
     mask = torch.zeros(q_len, k_len, dtype=dtype, device=device)
-    return mask.masked_fill_(cols > rows + offset, _NEG_INF)
+    return mask.masked_fill_(visible.logical_not(), _NEG_INF)  # (~ has no fake-CUDA kernel)
 
 
 def _mask_args(
@@ -71,9 +71,7 @@ class CpuFlashAttention:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
-        empty_rows = options.visible_rows_start()
-        if empty_rows:
-            lse[..., :empty_rows] = _NEG_INF
+        options.mark_empty_rows(None, lse)
         return out, lse
 
     def backward(
@@ -159,9 +157,7 @@ class EfficientAttention:
             scale=options.scale,
         )
         lse = lse.narrow(-1, 0, q.shape[-2])
-        empty_rows = options.visible_rows_start()
-        if empty_rows:
-            lse.narrow(-1, 0, min(empty_rows, q.shape[-2])).fill_(_NEG_INF)
+        options.mark_empty_rows(None, lse)
         return out, lse
 
     def backward(

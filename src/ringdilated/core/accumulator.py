@@ -42,7 +42,7 @@ def _term(
 ) -> torch.Tensor:
     """``weight * out``, except 0 for a dead partial (``lse_part = -inf``) next to a live one:
     its ``out`` (possibly NaN) is not part of the union's softmax."""
-    drop = torch.isneginf(lse_part) & ~torch.isneginf(lse)
+    drop = torch.isneginf(lse_part) & torch.isneginf(lse).logical_not()
     term = out * weight.unsqueeze(-1)
     return torch.where(drop.unsqueeze(-1), torch.zeros_like(term), term)
 

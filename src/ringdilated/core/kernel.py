@@ -76,6 +76,16 @@ class BlockOptions:
         """First query row that sees at least one key (rows before it are empty)."""
         return 0 if self.causal_offset is None else max(0, -self.causal_offset)
 
+    def mark_empty_rows(self, out: torch.Tensor | None, lse: torch.Tensor) -> None:
+        """Give the rows that see no key (those before :meth:`visible_rows_start`) the
+        contract's ``lse = -inf`` (and ``out = 0`` when ``out`` is given), in place: for kernels
+        whose op reports something else for them (``lse = 0``, or NaN)."""
+        empty = min(self.visible_rows_start(), lse.shape[-1])
+        if empty:
+            lse.narrow(-1, 0, empty).fill_(float("-inf"))
+            if out is not None:
+                out.narrow(-2, 0, empty).zero_()
+
     def needs_mask(self, q_len: int, k_len: int) -> bool:
         """Whether any key is hidden from any query of a ``q_len x k_len`` block."""
         return self.causal_offset is not None and self.causal_offset < k_len - 1
