@@ -26,7 +26,7 @@ def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[in
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"]
-    )
+    )[0]
     sees = (weights > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
     shard = L // world
     itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()

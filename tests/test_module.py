@@ -57,7 +57,7 @@ def test_dropout_drops_probabilities_once_and_rescales(mode: str) -> None:
     torch.manual_seed(0)
     dropped = ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2], mode=mode, dropout_p=p)
     probs = oracle(q, k, v, [8, 16], [1, 2], mode=mode)
-    counts = pattern_weights(L, 2, [8, 16], [1, 2], mode=mode).permute(1, 0, 2).unsqueeze(0)
+    counts = pattern_weights(L, 2, [8, 16], [1, 2], mode=mode)[0].permute(1, 0, 2).unsqueeze(0)
     unit = probs / counts.clamp(min=1) / (1 - p)
     multiple = torch.where(unit > 0, dropped / unit, torch.zeros_like(unit))
     assert torch.allclose(multiple, multiple.round(), atol=1e-9)

@@ -53,6 +53,8 @@ def attend(
     resolver: Resolver | None = None,
     return_lse: object = False,
     transfer_stats: TransferStats | None = None,
+    cu_seqlens: object = None,
+    key_padding_mask: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``.
 
@@ -64,16 +66,25 @@ def attend(
     anything else runs eagerly behind a graph break.
     """
     q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
-    arguments = (causal, scale, dropout_p, return_lse, kernel, communicator)
+    options = CallOptions(
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        kernel=kernel,
+        communicator=communicator,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
+    )
     if (
         isinstance(kernel, str)
         and process_group is None
         and resolver is None
         and torch.compiler.is_compiling()
     ):
-        return _attend_compiled(pattern, q, k, v, causal, scale, dropout_p, return_lse, kernel)
+        return _attend_compiled(pattern, q, k, v, options, kernel)
     result: tuple[torch.Tensor, torch.Tensor, Plan | None] = _attend_eager(
-        pattern, q, k, v, arguments, resolver, process_group, transfer_stats
+        pattern, q, k, v, options, resolver, process_group, transfer_stats
     )
     return result
 
@@ -84,14 +95,13 @@ def _attend_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    arguments: tuple[object, ...],
+    options: CallOptions,
     resolver: Resolver | None,
     process_group: object,
     transfer_stats: TransferStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
-    options = CallOptions(*arguments)
     plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if plan.communicator is not None:
@@ -106,19 +116,22 @@ def _attend_compiled(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: object,
-    scale: object,
-    dropout: object,
-    return_lse: object,
+    options: CallOptions,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """The traced path: the checks dynamo can trace (no resolver here), then the custom op."""
+    """The traced path: the checks dynamo can trace (no resolver here, and not the values of
+    ``cu_seqlens`` or the padding mask, which the op checks), then the custom op."""
     if not isinstance(pattern, DilationPattern):
         pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
+    scale, dropout = options.scale, options.dropout_p
     check_options(scale, dropout)
-    causal = check_bool("causal", causal)
-    check_bool("return_lse", return_lse)
+    causal = check_bool("causal", options.causal)
+    check_bool("return_lse", options.return_lse)
+    for name in ("cu_seqlens", "key_padding_mask"):
+        value = getattr(options, name)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
     dropout_p = float(dropout)  # type: ignore[arg-type]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     seed = (
@@ -131,6 +144,8 @@ def _attend_compiled(
         k,
         v,
         seed,
+        options.cu_seqlens,  # type: ignore[arg-type]
+        options.key_padding_mask,  # type: ignore[arg-type]
         list(pattern.segment_lengths),
         list(pattern.dilation_rates),
         pattern.mode,
@@ -160,6 +175,8 @@ def dilated_attention(
     process_group: object = ...,
     communicator: str | Communicator = ...,
     transfer_stats: TransferStats | None = ...,
+    cu_seqlens: torch.Tensor | None = ...,
+    key_padding_mask: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -180,6 +197,8 @@ def dilated_attention(
     process_group: object = ...,
     communicator: str | Communicator = ...,
     transfer_stats: TransferStats | None = ...,
+    cu_seqlens: torch.Tensor | None = ...,
+    key_padding_mask: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -199,8 +218,10 @@ def dilated_attention(
     process_group: object = None,
     communicator: str | Communicator = "auto",
     transfer_stats: TransferStats | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dilated attention over ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
+    """Dilated attention over ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
 
     Semantics (docs/spec.md): for pattern ``i`` a query at position ``p`` attends to the
     positions of its segment of length ``segment_lengths[i]`` selected with stride
@@ -212,8 +233,18 @@ def dilated_attention(
     - ``causal``: keys after the query are hidden. ``scale`` defaults to ``1/sqrt(D)``.
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
-    - ``return_lse``: also return ``lse`` ``(B, H, L)`` float32, ``-inf`` where a query sees no key.
-      Gradients flow through ``out`` and ``lse``.
+    - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
+      key. Gradients flow through ``out`` and ``lse``.
+    - Query suffix: ``q`` may be shorter than ``k``, ``v`` (``Lq <= L``); it holds the last ``Lq``
+      positions (bottom-right aligned, as with a KV cache), and its rows equal those rows of the
+      full-length call.
+    - ``cu_seqlens``: a 1-D integer tensor ``[0, e_1, ..., L]``, strictly increasing, shared by
+      every batch row: packed documents, each attended as its own sequence (positions and
+      segments restart at its start; no query sees another document's keys).
+    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding. Each row's valid positions must
+      form one contiguous run (left or right padding), attended as its one document; padded
+      positions are nobody's keys and give ``out = 0``, ``lse = -inf``. Not with ``cu_seqlens``.
+      Both are read to the host once per call (the blocks are planned there).
     - Under ``torch.autocast``, ``q``, ``k``, ``v`` are cast to the autocast dtype and ``out``
       comes back in it, as with ``scaled_dot_product_attention``.
     - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``), a backend name,
@@ -243,5 +274,7 @@ def dilated_attention(
         communicator=communicator,
         return_lse=return_lse,
         transfer_stats=transfer_stats,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
     )
     return (out, lse) if return_lse else out

@@ -27,6 +27,7 @@ from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.layout import SequenceLayout, read_layout
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
@@ -61,13 +62,16 @@ class CallOptions:
     return_lse: object = False
     kernel: object = "auto"
     communicator: object = "auto"
+    cu_seqlens: object = attrs.field(default=None, eq=False)
+    key_padding_mask: object = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
 class CallPlan:
     """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``seed`` seeds the
-    call's dropout masks; ``shards`` holds every rank's shard plan (empty on one process) and
-    ``communicator`` moves their pieces (``None`` on one process)."""
+    call's dropout masks; ``layout`` places documents, padding and a query suffix; ``shards``
+    holds every rank's shard plan (empty on one process) and ``communicator`` moves their pieces
+    (``None`` on one process)."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -75,6 +79,7 @@ class CallPlan:
     scale: float
     dropout_p: float
     seed: int
+    layout: SequenceLayout
     rank: int = 0
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = attrs.field(default=None, eq=False)
@@ -101,6 +106,7 @@ class CallPlan:
             blocks=None if shard is None else shard.inner,
             batch_limit=self.kernel.batch_limit,
             kernel_name=self.kernel.kernel_name,
+            layout=self.layout,
         )
 
     def executor(
@@ -122,8 +128,11 @@ class CallPlan:
         )
 
 
-_Checked = tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]
-"""What :func:`_check` returns: pattern, kernel plan, causal, every rank's shard, communicator."""
+_Checked = tuple[
+    DilationPattern, Plan, bool, SequenceLayout, tuple[ShardPlan, ...], Communicator | None
+]
+"""What :func:`_check` returns: pattern, kernel plan, causal, layout, every rank's shard and the
+communicator."""
 
 
 def _check(
@@ -142,6 +151,12 @@ def _check(
         else DilationPattern(*pattern_args)  # type: ignore[arg-type]
     )
     q, k, v = check_inputs(q, k, v, pattern)
+    layout = read_layout(q, k, options.cu_seqlens, options.key_padding_mask)
+    if ranks > 1 and not layout.is_whole:
+        raise ValueError(
+            "cu_seqlens, key_padding_mask and a query shorter than k are not supported with a "
+            "process_group yet; call without process_group, or pass whole unpadded shards"
+        )
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
@@ -157,7 +172,7 @@ def _check(
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return pattern, plan, causal, (), None
+        return pattern, plan, causal, layout, (), None
     _, length, heads, _ = q.shape
     shards = tuple(
         shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks) for rank in range(ranks)
@@ -168,7 +183,7 @@ def _check(
         options.communicator,  # type: ignore[arg-type]
         shards,
     )
-    return pattern, plan, causal, shards, communicator
+    return pattern, plan, causal, layout, shards, communicator
 
 
 def prepare_call(
@@ -223,7 +238,7 @@ def prepare_call(
         agree(group, error, _signature(pattern_args, q, k, options, maybe, backward))
         assert maybe is not None  # agree() raised otherwise
         checked = maybe
-    pattern, plan, causal, shards, communicator = checked
+    pattern, plan, causal, layout, shards, communicator = checked
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
@@ -235,6 +250,7 @@ def prepare_call(
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=dropout_p,
         seed=seed,
+        layout=layout,
         rank=0 if ranks == 1 else dist.get_rank(group),  # type: ignore[arg-type]
         shards=shards,
         communicator=communicator,
@@ -267,5 +283,5 @@ def _signature(
         k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
         backward=backward,
         kernel=None if checked is None else checked[1].kernel_name,
-        communicator=None if checked is None else type(checked[4]).__name__,
+        communicator=None if checked is None else type(checked[5]).__name__,
     )
