@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal, overload
 
+import attrs
 import torch
 
 from ringdilated.compiled import dilated_attention_op
@@ -91,7 +92,7 @@ def _attend_eager(
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
-    options = CallOptions(*arguments)
+    options = attrs.evolve(CallOptions(*arguments), transfer_stats=transfer_stats)
     plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if plan.communicator is not None:

@@ -75,7 +75,10 @@ def _real(name: str, value: object, kind: str) -> float:
     # Any real number (int, float, numpy's float32, a Fraction), but not a bool.
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be {kind}, got {safe_repr(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite float, got {safe_repr(value)}") from None
 
 
 def check_options(scale: object, dropout_p: object) -> None:
