@@ -56,9 +56,15 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
             kwargs["scale"] = lambda: 0.5  # cannot be pickled: its repr travels instead
         elif fault == "backward":
             q.requires_grad_()
+        elif fault == "nested q":
+            q = torch.nested.nested_tensor([q[0], q[0]], layout=torch.strided)
+        elif fault == "unreadable shape":
+            q = _UnreadableShape()  # type: ignore[assignment]
+        elif fault == "transfer_stats":
+            kwargs["transfer_stats"] = 5
         else:
             raise AssertionError(f"unknown fault {fault!r}")
-    before = [x.clone() if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
+    before = [_snapshot(x) for x in (q, k, v)]
     start = time.monotonic()
     try:
         ringdilated.dilated_attention(q, k, v, segments, rates, **kwargs)
@@ -67,9 +73,31 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     else:
         result = {"raised": None, "message": ""}
     result["seconds"] = time.monotonic() - start
-    after = [x if x.layout == torch.strided else x.to_dense() for x in (q, k, v)]
-    result["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    after = [_snapshot(x) for x in (q, k, v)]
+    result["inputs_unchanged"] = all(_same(a, b) for a, b in zip(after, before, strict=True))
     return result
+
+
+class _UnreadableShape:
+    """An argument whose ``shape`` is not a sequence: no check can even describe it."""
+
+    shape = 5
+
+
+def _snapshot(x: object) -> object:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.is_nested:
+        return [t.clone() for t in x.unbind()]
+    return x.clone() if x.layout == torch.strided else x.to_dense()
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    return a is b
 
 
 def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
@@ -112,8 +140,9 @@ def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
 
 def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     """Every rank runs a sharded ``MultiheadDilatedAttention`` (or, with ``payload['block']``,
-    a ``DilatedTransformerBlock``); rank ``payload['rank']`` passes an input of the wrong width,
-    which the module itself rejects before the call."""
+    a ``DilatedTransformerBlock``); rank ``payload['rank']`` passes a faulty input, which the
+    module itself rejects before the call: ``payload['fault']`` is ``"width"`` (the wrong embed
+    dim), ``"nested"`` (a nested tensor) or ``"device"`` (an input on the meta device)."""
     import ringdilated
 
     rank = dist.get_rank()
@@ -129,8 +158,12 @@ def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
         if payload["block"]
         else ringdilated.MultiheadDilatedAttention(16, 2, **kwargs)
     )
-    width = 12 if rank == payload["rank"] else 16
-    x = torch.randn(1, 8, width, dtype=torch.float64)
+    fault = payload.get("fault", "width") if rank == payload["rank"] else None
+    x = torch.randn(1, 8, 12 if fault == "width" else 16, dtype=torch.float64)
+    if fault == "nested":
+        x = torch.nested.nested_tensor([x[0], x[0, :4]], layout=torch.strided)
+    elif fault == "device":
+        x = x.to("meta")
     start = time.monotonic()
     try:
         module(x) if payload["block"] else module(x, x, x)

@@ -113,9 +113,7 @@ def layouts(draw: st.DrawFn, batch: int, seq_len: int) -> LayoutCase:
     return LayoutCase(seq_len, query_length)
 
 
-def upstream(
-    seed: int, out: torch.Tensor, lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def upstream(seed: int, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Random output and lse cotangents; lse's are float32-exact (it is a float32 tensor), and 0
     where the lse is -inf."""
     g = torch.Generator().manual_seed(seed + 1)

@@ -34,6 +34,16 @@ def test_attention_computes_in_the_autocast_dtype_and_returns_it(kernel: str) ->
     assert all(x.grad is not None and x.grad.dtype == torch.float32 for x in (q, k, v))
 
 
+def test_float64_is_left_alone_as_autocast_leaves_it() -> None:
+    """Autocast casts float32 and lower only; a float64 call keeps its precision."""
+    q, k, v = (x.double() for x in _qkv())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2])
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == reference.dtype == torch.float64
+    assert float((out - oracle(q, k, v, [8, 16], [1, 2])).abs().max()) < 1e-12
+
+
 def test_compiled_attention_follows_autocast_too() -> None:
     torch._dynamo.reset()
     attn = torch.compile(ringdilated.DilatedAttention([8, 16], [1, 2]), backend="aot_eager")

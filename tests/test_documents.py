@@ -3,6 +3,8 @@ sections 1 and 2): out, lse and gradients, every CPU kernel, both modes, causal 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -90,11 +92,14 @@ def test_documents_equal_separate_calls(kernel: str, mode: str) -> None:
         q, k, v, *pattern, mode=mode, causal=True, kernel=kernel,
         cu_seqlens=torch.tensor(bounds),
     )  # fmt: skip
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+    for s, e in itertools.pairwise(bounds):
         alone = oracle(q[:, s:e], k[:, s:e], v[:, s:e], *pattern, mode=mode, causal=True)
         assert torch.allclose(out[:, s:e], alone, rtol=0, atol=1e-12)
     # The same sequences as padded rows: right padding for one, left for the other.
-    rows = torch.zeros(2, 20, 4, 8, dtype=torch.float64), torch.zeros(2, 20, 4, 8, dtype=torch.float64)
+    rows = (
+        torch.zeros(2, 20, 4, 8, dtype=torch.float64),
+        torch.zeros(2, 20, 4, 8, dtype=torch.float64),
+    )
     mask = torch.ones(2, 20, dtype=torch.bool)
     padded_q, padded_kv = rows
     padded_q[0, :14], padded_kv[0, :14], mask[0, :14] = q[0, 5:19], k[0, 5:19], False
@@ -144,7 +149,11 @@ def test_query_suffix_is_bottom_right_aligned() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"cu_seqlens": torch.tensor([0, 5, 5, 16])}, ValueError, r"strictly increasing.*\[1\] = 5"),
+        (
+            {"cu_seqlens": torch.tensor([0, 5, 5, 16])},
+            ValueError,
+            r"strictly increasing.*\[1\] = 5",
+        ),
         ({"cu_seqlens": torch.tensor([0, 9, 7, 16])}, ValueError, "strictly increasing"),
         ({"cu_seqlens": torch.tensor([0, 8, 15])}, ValueError, "from 0 to the sequence length 16"),
         ({"cu_seqlens": torch.tensor([1, 8, 16])}, ValueError, "from 0 to the sequence length"),

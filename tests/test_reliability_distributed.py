@@ -29,6 +29,9 @@ BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeo
         ("scale", "ValueError", "scale: rank 0 None, rank 1 0.5"),
         ("unpicklable scale", "TypeError", "scale must be a float or None, got <function"),
         ("backward", "ValueError", "backward: rank 0 False, rank 1 True"),
+        ("nested q", "TypeError", "q must be a dense (strided) tensor, got a nested tensor"),
+        ("unreadable shape", "TypeError", "q must be a torch.Tensor, got _UnreadableShape"),
+        ("transfer_stats", "TypeError", "transfer_stats must be a ringdilated.TransferStats"),
     ],
 )
 def test_a_fault_on_one_rank_raises_on_every_rank(
@@ -54,14 +57,28 @@ def test_a_fault_on_a_middle_rank_of_four_stops_all_four(workers4: Workers) -> N
 
 
 @pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize(
+    ("fault", "raised", "named"),
+    [
+        ("width", "ValueError", "embed_dim=16), got (1, 8, 12)"),
+        ("nested", "TypeError", "must be a dense (strided) tensor"),
+        ("device", "ValueError", "is on meta but the module"),
+    ],
+)
 def test_a_module_rejecting_its_input_on_one_rank_stops_every_rank(
-    workers2: Workers, block: bool
+    workers2: Workers, block: bool, fault: str, raised: str | None, named: str
 ) -> None:
-    results = workers2.results(f"{TASKS}:module_with_fault", {"rank": 1, "block": block})
-    assert [r["raised"] for r in results] == ["ValueError", "ValueError"], results
-    assert "embed_dim=16), got (1, 8, 12)" in results[1]["message"]
+    """The module's own checks, and anything failing before the attention's agreement (the
+    block's norm on a meta input), reach every rank instead of stranding the peer."""
+    payload = {"rank": 1, "block": block, "fault": fault}
+    results = workers2.results(f"{TASKS}:module_with_fault", payload)
+    assert results[0]["raised"] == "ValueError", results
+    assert results[1]["raised"] is not None, results
+    if raised is not None:
+        assert results[1]["raised"] == raised, results
+    assert named in results[1]["message"]
     assert "rank 1 rejected its input, so every rank stops" in results[0]["message"]
-    assert "embed_dim=16), got (1, 8, 12)" in results[0]["message"]
+    assert named in results[0]["message"]
     assert all(r["seconds"] < BOUND_S for r in results)
 
 

@@ -109,8 +109,12 @@ g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 10, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
 start = time.monotonic()
 for mode in ("longnet", "head_groups"):
-    out = ringdilated.dilated_attention(q, k, v, [2**62], [2**62], mode=mode)
-    assert torch.equal(out, oracle(q, k, v, [2**62], [2**62], mode=mode)), mode
+    # Not only powers of two: rate * stride must never reach a tensor (2**62 * H * D wraps to 0
+    # in int64 when H * D is a multiple of 4; the others overflow).
+    for w in (2**62, 2**62 - 1, 10**18, 2**53 + 1):
+        out = ringdilated.dilated_attention(q, k, v, [w, 7], [w, 3], mode=mode)
+        expected = oracle(q, k, v, [w, 7], [w, 3], mode=mode)
+        assert float((out - expected).abs().max()) < 1e-12, (mode, w)
 print(time.monotonic() - start)
 """
 

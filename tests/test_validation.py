@@ -135,6 +135,13 @@ CASES = [
         "scale must be a positive finite number, got nan",
     ),
     (
+        "scale too large for a float",
+        (Q, KV, KV),
+        {"scale": 10**400},
+        ValueError,
+        "scale must be a finite float, got 1000",
+    ),
+    (
         "scale type",
         (Q, KV, KV),
         {"scale": "0.1"},

@@ -73,6 +73,7 @@ def attend(
         return_lse=return_lse,
         kernel=kernel,
         communicator=communicator,
+        transfer_stats=transfer_stats,
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
     )
@@ -84,7 +85,7 @@ def attend(
     ):
         return _attend_compiled(pattern, q, k, v, options, kernel)
     result: tuple[torch.Tensor, torch.Tensor, Plan | None] = _attend_eager(
-        pattern, q, k, v, options, resolver, process_group, transfer_stats
+        pattern, q, k, v, options, resolver, process_group
     )
     return result
 
@@ -98,7 +99,6 @@ def _attend_eager(
     options: CallOptions,
     resolver: Resolver | None,
     process_group: object,
-    transfer_stats: TransferStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
@@ -106,7 +106,8 @@ def _attend_eager(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if plan.communicator is not None:
         plan.communicator.prepare(plan.group, plan.shards, plan.causal)
-    executor = plan.executor(q, k, transfer_stats)
+    stats = options.transfer_stats
+    executor = plan.executor(q, k, stats if isinstance(stats, TransferStats) else None)
     out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
     return out, lse.float(), plan.kernel
 
@@ -144,8 +145,8 @@ def _attend_compiled(
         k,
         v,
         seed,
-        options.cu_seqlens,  # type: ignore[arg-type]
-        options.key_padding_mask,  # type: ignore[arg-type]
+        options.cu_seqlens,
+        options.key_padding_mask,
         list(pattern.segment_lengths),
         list(pattern.dilation_rates),
         pattern.mode,

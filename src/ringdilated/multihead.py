@@ -166,13 +166,15 @@ class MultiheadDilatedAttention(nn.Module):
             self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
-        except (TypeError, ValueError) as error:
-            self.attention.reject(error)  # on a process group, every rank raises
-        b, length, _ = query.shape
-        q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
-        kv_shape = (self.num_kv_heads, self.head_dim)
-        k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
-        v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
+            b, length, _ = query.shape
+            q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
+            kv_shape = (self.num_kv_heads, self.head_dim)
+            k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
+            v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
+        except Exception as error:
+            # Anything that fails before the attention's own agreement (these checks, or the
+            # projections) must reach every rank: the peers are waiting in that agreement.
+            self.attention.reject(error)
         out = self.attention(q, k, v)
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
@@ -209,10 +211,20 @@ class MultiheadDilatedAttention(nn.Module):
                 "construction)"
             )
         for name, x in (("query", query), ("key", key), ("value", value)):
+            if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+                raise TypeError(
+                    f"{name} must be a dense (strided) tensor, got "
+                    f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}"
+                )
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(
                     f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
+                )
+            if x.device != self.q_proj.weight.device:
+                raise ValueError(
+                    f"{name} is on {x.device} but the module's parameters are on "
+                    f"{self.q_proj.weight.device}; move one of them"
                 )
             kind = x.device.type
             autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)

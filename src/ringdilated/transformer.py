@@ -96,11 +96,21 @@ class DilatedTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, L, embed_dim)`` to the block's output, same shape."""
         embed_dim = self.attn.embed_dim
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            error = ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
-            self.attn.attention.reject(error)  # on a process group, every rank raises
-        h = self.attn_norm(x)
+        try:
+            if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+                raise TypeError("x must be a dense (strided) tensor, got a nested or sparse one")
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
+            if x.device != self.attn_norm.weight.device:
+                raise ValueError(
+                    f"x is on {x.device} but the module's parameters are on "
+                    f"{self.attn_norm.weight.device}; move one of them"
+                )
+            h = self.attn_norm(x)
+        except Exception as error:
+            # Before the attention's agreement: on a process group, every rank raises.
+            self.attn.attention.reject(error)
         x = x + self.dropout(self.attn(h, h, h)[0])
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out

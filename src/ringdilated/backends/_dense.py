@@ -16,8 +16,9 @@ a row whose visible scores are all ``-inf`` (infinite inputs) gives what softmax
 with ``lse = -inf``.
 
 Memory: scores are computed a tile of query rows at a time, at most ``TILE_ELEMENTS`` of them
-(the reference kernel no longer holds a whole ``Lq x Lk`` matrix per problem). Non-finite values
-cost a matmul over the finite part plus a correction over the few keys that hold them.
+when one query row of every problem fits (``N x H x Lk <= TILE_ELEMENTS``), else one row at a
+time (the reference kernel no longer holds a whole ``Lq x Lk`` matrix per problem). Non-finite
+values cost a matmul over the finite part plus a correction over the few keys that hold them.
 """
 
 from __future__ import annotations

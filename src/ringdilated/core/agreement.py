@@ -51,6 +51,7 @@ class CallSignature:
     scale: str
     dropout_p: str
     dtype: str
+    device: str
     q_shape: str
     k_shape: str
     backward: bool
@@ -71,33 +72,43 @@ class CallSignature:
         ]
 
 
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    # NCCL moves CUDA tensors only; every other backend (gloo, mpi) takes CPU tensors.
+def _collective_device(group: dist.ProcessGroup, device: object = None) -> torch.device:
+    # NCCL moves CUDA tensors only: the call's own device when it is one, else the current one;
+    # every other backend (gloo, mpi) takes CPU tensors.
     if dist.get_backend(group) == "nccl":
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def digests_agree(group: dist.ProcessGroup, failed: bool, digest: int) -> bool:
+def digests_agree(
+    group: dist.ProcessGroup, failed: bool, digest: int, device: object = None
+) -> bool:
     """Whether no rank failed and every rank's digest is equal: one ``all_reduce`` (max) of
-    ``(failed, digest, -digest)``, so every rank gets the same answer."""
+    ``(failed, digest, -digest)``, so every rank gets the same answer. ``device``: the call's
+    device (NCCL reduces on it when it is a CUDA device)."""
     flags = torch.tensor([int(failed), digest, -digest], dtype=torch.int64)
-    flags = flags.to(_collective_device(group))
+    flags = flags.to(_collective_device(group, device))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     failed_any, highest, negated_lowest = flags.tolist()
     return bool(failed_any == 0 and highest == -negated_lowest)
 
 
 def agree(
-    group: dist.ProcessGroup, error: Exception | None, signature: CallSignature | None
+    group: dist.ProcessGroup,
+    error: Exception | None,
+    signature: CallSignature | None,
+    device: object = None,
 ) -> None:
     """Raise on every rank if any rank failed validation or the ranks' signatures differ.
 
-    A rank that failed may pass ``signature=None`` (its peers then raise naming its error)."""
+    A rank that failed may pass ``signature=None`` (its peers then raise naming its error).
+    ``device``: the call's device, for NCCL (see :func:`digests_agree`)."""
     if error is None and signature is None:
         raise ValueError("agree() needs a signature from a rank whose checks passed")
     digest = 0 if signature is None else signature.digest()
-    if not digests_agree(group, error is not None, digest):
+    if not digests_agree(group, error is not None, digest, device):
         compare_reports(group, error, signature)
 
 

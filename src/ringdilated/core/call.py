@@ -62,6 +62,7 @@ class CallOptions:
     return_lse: object = False
     kernel: object = "auto"
     communicator: object = "auto"
+    transfer_stats: object = attrs.field(default=None, eq=False)
     cu_seqlens: object = attrs.field(default=None, eq=False)
     key_padding_mask: object = attrs.field(default=None, eq=False)
 
@@ -160,6 +161,11 @@ def _check(
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
+    if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
+        raise TypeError(
+            "transfer_stats must be a ringdilated.TransferStats or None, got "
+            f"{safe_repr(options.transfer_stats)}"
+        )
     request = Request.for_tensors(
         q,
         k,
@@ -230,12 +236,17 @@ def prepare_call(
     else:
         maybe: _Checked | None = None
         error: Exception | None = None
+        signature: CallSignature | None = None
         try:
             maybe = check()
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
+        try:
+            signature = _signature(pattern_args, q, k, options, maybe, backward)
+        except Exception as exc:  # a caller's object that cannot even be described
+            error = error or exc
         assert isinstance(group, dist.ProcessGroup)
-        agree(group, error, _signature(pattern_args, q, k, options, maybe, backward))
+        agree(group, error, signature, device=getattr(q, "device", None))
         assert maybe is not None  # agree() raised otherwise
         checked = maybe
     pattern, plan, causal, layout, shards, communicator = checked
@@ -279,6 +290,7 @@ def _signature(
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
+        device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
         k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
         backward=backward,

@@ -577,6 +577,7 @@ def pattern_run(
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
     layout = layout or SequenceLayout.whole(batch, length, q.shape[1])
+    rows: tuple[RowBlocks, ...]
     if blocks is not None:
         rows = (RowBlocks(None, blocks),)
     elif layout.is_whole:

@@ -65,10 +65,11 @@ def autocast_enabled(device_type: str) -> bool:
 
 def autocast_inputs(*tensors: object) -> tuple[object, ...]:
     """``tensors`` cast to the autocast dtype of their device type where autocast is on there
-    (SDPA's policy: attention computes in the lower precision); anything else unchanged."""
+    (SDPA's policy: attention computes in the lower precision); anything else unchanged. Like
+    autocast itself, float64 is left alone (only float32 and lower precisions are eligible)."""
     out: list[object] = []
     for x in tensors:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
             kind = x.device.type
             if autocast_enabled(kind):
                 x = x.to(torch.get_autocast_dtype(kind))

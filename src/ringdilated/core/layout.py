@@ -15,6 +15,8 @@ the pattern's blocks are planned on the host); every error names the value and t
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 
@@ -129,7 +131,7 @@ def _documents(cu_seqlens: object, length: int) -> Documents:
                 f"cu_seqlens must be strictly increasing, got cu_seqlens[{i - 1}] = "
                 f"{bounds[i - 1]} and cu_seqlens[{i}] = {bounds[i]} in {_brief(bounds)}"
             )
-    return tuple(zip(bounds[:-1], bounds[1:], strict=True))
+    return tuple(itertools.pairwise(bounds))
 
 
 def _padded_rows(mask: object, batch: int, length: int) -> tuple[Rows, ...]:

@@ -100,8 +100,12 @@ class Selection:
         """
         region = x.narrow(dim, self.start - origin, self.num_segments * self.segment_length)
         segmented = torch.unflatten(region, dim, (self.num_segments, self.segment_length))
-        return segmented.narrow(dim + 1, self.offset, self.segment_length - self.offset)[
-            (slice(None),) * (dim + 1) + (slice(None, None, self.rate),)
+        span = self.segment_length - self.offset
+        # A rate at or past the span selects one position: step by the span instead, so a huge
+        # rate never becomes a stride (rate * stride would overflow int64).
+        step = min(self.rate, max(1, span))
+        return segmented.narrow(dim + 1, self.offset, span)[
+            (slice(None),) * (dim + 1) + (slice(None, None, step),)
         ]
 
 

@@ -53,12 +53,12 @@ def check_inputs(
         raise ValueError(
             f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    B, L, H, D = q.shape
+    B, Lq, H, D = q.shape
     if k.shape[0] != B:
         raise ValueError(
             f"k and v must match q in batch, got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    if L > k.shape[1]:
+    if Lq > k.shape[1]:
         raise ValueError(
             f"q may not be longer than k: q holds the last Lq <= L positions of the sequence "
             f"(a query suffix), got q {tuple(q.shape)} and k {tuple(k.shape)}"
@@ -80,7 +80,10 @@ def _real(name: str, value: object, kind: str) -> float:
     # Any real number (int, float, numpy's float32, a Fraction), but not a bool.
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be {kind}, got {safe_repr(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite float, got {safe_repr(value)}") from None
 
 
 def check_options(scale: object, dropout_p: object) -> None:

@@ -95,9 +95,7 @@ def pattern_weights(
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
     rel = p - start  # (B', L): position within its document
-    same_document = (document.unsqueeze(2) == document.unsqueeze(1)) & (
-        document >= 0
-    ).unsqueeze(2)
+    same_document = (document.unsqueeze(2) == document.unsqueeze(1)) & (document >= 0).unsqueeze(2)
     weights = torch.zeros(
         document.shape[0], num_heads, seq_len, seq_len, dtype=torch.float64, device=device
     )

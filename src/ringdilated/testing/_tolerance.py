@@ -15,6 +15,7 @@ conformance kits, the communicator kit and ``ringdilated demo`` all call :func:`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -62,12 +63,21 @@ def allowed_error(
     accurate; for a sharded result, the single-process result serves as the baseline).
     ``extra``: an allowance on top, for an error any implementation must make (the conformance
     kit's gradient checks add what the contract's own rounding of ``out`` and ``lse`` costs).
+    Raises ``ValueError`` when a baseline's error is not finite (the allowance would be
+    unbounded).
     """
     if isinstance(baselines, torch.Tensor):
         baselines = (baselines,)
     if not baselines:
         raise ValueError("allowed_error needs at least one baseline, got none")
     baseline_error = max(max_error(b, expected) for b in baselines)
+    if not math.isfinite(baseline_error):
+        # A baseline with NaN, or -inf where the oracle has none, would allow any error at all.
+        raise ValueError(
+            f"the dense {dtype} baseline is not finite where the float64 oracle is (its error "
+            f"is {baseline_error}), so the tolerance rule cannot judge this case: the inputs "
+            f"are out of {dtype}'s range for attention, or the baseline is wrong"
+        )
     return 2 * baseline_error + tolerance_floor(expected, dtype) + extra
 
 
