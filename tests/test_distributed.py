@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
-from ringdilated.testing.communicators import communicator_cases
+from ringdilated.testing.communicators import case_layout, communicator_cases
 from tests.distributed_harness import TASKS, Workers, full_inputs
 
 
@@ -25,8 +25,9 @@ def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[in
     """Bytes each rank must send, and must receive, in a forward pass."""
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
-        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"]
-    )[0]
+        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
+        **case_layout(case),
+    )[0]  # fmt: skip
     sees = (weights > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
     shard = L // world
     itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
@@ -46,6 +47,7 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
+    kw.update(case_layout(case))
     out = torch.cat([r["out"] for r in results], 1)
     lse = torch.cat([r["lse"] for r in results], 2)
     grads = [torch.cat([r[name] for r in results], 1) for name in ("dq", "dk", "dv")]

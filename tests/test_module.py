@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ringdilated
-from ringdilated.core.driver import DilatedAttentionFunction, Run
+from ringdilated.core.driver import DilatedAttentionFunction, RowBlocks, Run
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
@@ -80,7 +80,7 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
     blocks = ringdilated.DilationPattern([4, 8], [1, 2], mode).blocks(10, 2, 2)
     run = Run(
         kernel,
-        blocks,
+        (RowBlocks(None, blocks),),
         exclusive=mode == "head_groups",
         scale=0.5,
         causal=True,
@@ -122,7 +122,7 @@ def test_chunked_execution_equals_unchunked() -> None:
                 v,
                 Run(
                     kernel,
-                    blocks,
+                    (RowBlocks(None, blocks),),
                     exclusive=mode == "head_groups",
                     scale=0.3,
                     causal=True,

@@ -15,17 +15,26 @@ from ringdilated.testing import max_error, oracle
 
 
 def reference(
-    m: MultiheadDilatedAttention, x: torch.Tensor, causal: bool, mode: str
+    m: MultiheadDilatedAttention,
+    x: torch.Tensor,
+    causal: bool,
+    mode: str,
+    query: torch.Tensor | None = None,
+    **layout: torch.Tensor,
 ) -> torch.Tensor:
-    """The module's maths written out, with the float64 oracle for the attention itself."""
+    """The module's maths written out, with the float64 oracle for the attention itself
+    (``query``: a suffix of ``x``'s positions; ``layout``: ``cu_seqlens``/``key_padding_mask``)."""
     b, length, e = x.shape
-    q = F.linear(x, m.q_proj.weight, m.q_proj.bias).view(b, length, m.num_heads, m.head_dim)
+    query = x if query is None else query
+    q_len = query.shape[1]
+    q = F.linear(query, m.q_proj.weight, m.q_proj.bias).view(b, q_len, m.num_heads, m.head_dim)
     k = F.linear(x, m.k_proj.weight, m.k_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
     v = F.linear(x, m.v_proj.weight, m.v_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
     pattern = m.attention.pattern
     out = oracle(
-        q, k, v, pattern.segment_lengths, pattern.dilation_rates, mode=mode, causal=causal
-    ).reshape(b, length, e)
+        q, k, v, pattern.segment_lengths, pattern.dilation_rates, mode=mode, causal=causal,
+        **layout,
+    ).reshape(b, q_len, e)  # fmt: skip
     if m.norm is not None:
         out = F.layer_norm(out, (e,), m.norm.weight, m.norm.bias, m.norm.eps)
     return F.linear(out, m.out_proj.weight, m.out_proj.bias)
@@ -66,12 +75,71 @@ def test_matches_the_oracle_forward_and_backward(
     assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-9
 
 
+@given(
+    data=st.data(),
+    causal=st.booleans(),
+    mode=st.sampled_from(["head_groups", "longnet"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_documents_padding_and_a_query_suffix_match_the_oracle(
+    data: st.DataObject, causal: bool, mode: str, seed: int
+) -> None:
+    """``key_padding_mask`` (nn.MultiheadAttention's convention), ``cu_seqlens`` and a query
+    shorter than the keys, through the projections, forward and backward."""
+    from tests.strategies import layouts
+
+    torch.manual_seed(seed)
+    length = data.draw(st.integers(1, 24))
+    layout = data.draw(layouts(2, length))
+    m = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, mode=mode,
+        causal=causal, dtype=torch.float64,
+    )  # fmt: skip
+    x = torch.randn(2, length, 16, dtype=torch.float64, requires_grad=True)
+    query = layout.queries(x)
+    kwargs = layout.kwargs()
+    out, _ = m(query, x, x, kwargs.get("key_padding_mask"), cu_seqlens=kwargs.get("cu_seqlens"))
+    expected = reference(m, x, causal, mode, query, **kwargs)
+    assert max_error(out, expected) < 1e-10
+    params = [x, *m.parameters()]
+    grads = torch.autograd.grad(out.square().sum(), params)
+    expected_grads = torch.autograd.grad(expected.square().sum(), params)
+    assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-9
+
+
+def test_a_padded_batch_gives_the_unpadded_results_on_valid_tokens() -> None:
+    """The transformer block on right- and left-padded rows equals the block on each unpadded
+    sequence alone, at every valid position."""
+    torch.manual_seed(0)
+    block = DilatedTransformerBlock(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=True, dtype=torch.float64
+    )
+    first, second = (
+        torch.randn(1, 11, 16, dtype=torch.float64),
+        torch.randn(1, 7, 16, dtype=torch.float64),
+    )
+    batch = torch.zeros(2, 11, 16, dtype=torch.float64)
+    batch[0], batch[1, 4:] = first[0], second[0]
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, :4] = True
+    out = block(batch, key_padding_mask=mask)
+    assert max_error(out[0], block(first)[0]) < 1e-12
+    assert max_error(out[1, 4:], block(second)[0]) < 1e-12
+    packed = block(torch.cat([first, second], 1), cu_seqlens=torch.tensor([0, 11, 18]))
+    assert max_error(packed[0, :11], block(first)[0]) < 1e-12
+    assert max_error(packed[0, 11:], block(second)[0]) < 1e-12
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"need_weights": True}, ValueError, "need_weights=True is not supported"),
         ({"attn_mask": torch.zeros(8, 8)}, ValueError, "attn_mask is not supported yet"),
-        ({"key_padding_mask": torch.zeros(1, 8, dtype=torch.bool)}, ValueError, "key_padding_mask"),
+        (
+            {"key_padding_mask": torch.zeros(1, 8, dtype=torch.int64)},
+            TypeError,
+            "key_padding_mask must be a bool tensor",
+        ),
         ({"is_causal": True}, ValueError, "is_causal=True needs a module built with causal=True"),
     ],
 )

@@ -66,7 +66,8 @@ def attend(
     anything else runs eagerly behind a graph break.
     """
     q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
-    options = CallOptions(
+    # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
+    options = dict(
         causal=causal,
         scale=scale,
         dropout_p=dropout_p,
@@ -96,12 +97,13 @@ def _attend_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    options: CallOptions,
+    arguments: dict[str, object],
     resolver: Resolver | None,
     process_group: object,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
+    options = CallOptions(**arguments)
     plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if plan.communicator is not None:
@@ -117,7 +119,7 @@ def _attend_compiled(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    options: CallOptions,
+    options: dict[str, object],
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, None]:
     """The traced path: the checks dynamo can trace (no resolver here, and not the values of
@@ -125,14 +127,16 @@ def _attend_compiled(
     if not isinstance(pattern, DilationPattern):
         pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
-    scale, dropout = options.scale, options.dropout_p
+    scale, dropout = options["scale"], options["dropout_p"]
     check_options(scale, dropout)
-    causal = check_bool("causal", options.causal)
-    check_bool("return_lse", options.return_lse)
+    causal = check_bool("causal", options["causal"])
+    check_bool("return_lse", options["return_lse"])
+    layout: list[torch.Tensor | None] = []
     for name in ("cu_seqlens", "key_padding_mask"):
-        value = getattr(options, name)
+        value = options[name]
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+        layout.append(value)
     dropout_p = float(dropout)  # type: ignore[arg-type]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     seed = (
@@ -145,8 +149,7 @@ def _attend_compiled(
         k,
         v,
         seed,
-        options.cu_seqlens,
-        options.key_padding_mask,
+        *layout,
         list(pattern.segment_lengths),
         list(pattern.dilation_rates),
         pattern.mode,

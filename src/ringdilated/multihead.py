@@ -159,9 +159,17 @@ class MultiheadDilatedAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """``(out (B, L, embed_dim), None)``. Masks and attention weights are not supported yet
-        and raise; causality is the module's ``causal`` argument."""
+        """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
+
+        ``query`` may be shorter than ``key`` and ``value`` (its last positions: a query
+        suffix). ``key_padding_mask`` ``(B, L)``, ``True`` = padding, one contiguous valid run
+        per row, and ``cu_seqlens`` (packed documents) are
+        :func:`ringdilated.dilated_attention`'s. ``attn_mask`` and ``need_weights=True`` raise
+        (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
+        """
         try:
             self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
@@ -175,7 +183,7 @@ class MultiheadDilatedAttention(nn.Module):
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections) must reach every rank: the peers are waiting in that agreement.
             self.attention.reject(error)
-        out = self.attention(q, k, v)
+        out = self.attention(q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask)
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -203,8 +211,6 @@ class MultiheadDilatedAttention(nn.Module):
                 "attn_mask is not supported yet; causal masking is MultiheadDilatedAttention"
                 "(causal=True)"
             )
-        if key_padding_mask is not None:
-            raise ValueError("key_padding_mask is not supported yet; pass None")
         if is_causal and not self.attention.causal:
             raise ValueError(
                 "is_causal=True needs a module built with causal=True (the pattern is fixed at "

@@ -93,8 +93,17 @@ class DilatedTransformerBlock(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens`` and
+        ``key_padding_mask`` are :func:`ringdilated.dilated_attention`'s (packed documents,
+        padded rows: padded positions come out of the attention as 0 and pass through the
+        block's residual and feed-forward like any position; mask them in your loss)."""
         embed_dim = self.attn.embed_dim
         try:
             if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
@@ -111,6 +120,7 @@ class DilatedTransformerBlock(nn.Module):
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
             self.attn.attention.reject(error)
-        x = x + self.dropout(self.attn(h, h, h)[0])
+        attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens)[0]
+        x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out

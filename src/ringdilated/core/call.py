@@ -15,6 +15,7 @@ A one-process call resolves no communicator.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 
@@ -152,12 +153,22 @@ def _check(
         else DilationPattern(*pattern_args)  # type: ignore[arg-type]
     )
     q, k, v = check_inputs(q, k, v, pattern)
-    layout = read_layout(q, k, options.cu_seqlens, options.key_padding_mask)
-    if ranks > 1 and not layout.is_whole:
-        raise ValueError(
-            "cu_seqlens, key_padding_mask and a query shorter than k are not supported with a "
-            "process_group yet; call without process_group, or pass whole unpadded shards"
-        )
+    if ranks > 1:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                "with a process_group, q must hold the same positions as its shard of k and v "
+                f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
+                f"{tuple(k.shape)}"
+            )
+        if options.key_padding_mask is not None:
+            raise ValueError(
+                "key_padding_mask with a process_group is not supported yet; pack the rows' "
+                "valid runs into one row and pass cu_seqlens (global positions) instead"
+            )
+    # With a process group, cu_seqlens holds global positions: the length is every shard's.
+    layout = read_layout(
+        q, k, options.cu_seqlens, options.key_padding_mask, length=k.shape[1] * ranks
+    )
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
@@ -180,8 +191,10 @@ def _check(
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
         return pattern, plan, causal, layout, (), None
     _, length, heads, _ = q.shape
+    documents = None if layout.is_whole else layout.rows[0].documents
     shards = tuple(
-        shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks) for rank in range(ranks)
+        shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks, documents)
+        for rank in range(ranks)
     )
     communicator = resolver.communicator_for(
         ranks,
@@ -269,6 +282,18 @@ def prepare_call(
     )
 
 
+def _documents_text(cu_seqlens: object, checked: _Checked | None) -> str:
+    """The documents every rank must pass identically: a digest of the checked boundaries (they
+    may be long), or a description of what was passed where validation failed."""
+    if cu_seqlens is None:
+        return "none"
+    if checked is None:
+        return f"<{type(cu_seqlens).__name__}>"
+    text = repr(checked[3].rows[0].documents).encode()
+    count = len(checked[3].rows[0].documents)
+    return f"{count} documents, digest {hashlib.blake2b(text, digest_size=8).hexdigest()}"
+
+
 def _signature(
     pattern_args: DilationPattern | PatternArgs,
     q: object,
@@ -290,6 +315,7 @@ def _signature(
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
+        documents=_documents_text(options.cu_seqlens, checked),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
         k_shape=safe_repr(tuple(getattr(k, "shape", ()))),

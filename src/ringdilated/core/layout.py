@@ -89,11 +89,15 @@ def read_layout(
     k: torch.Tensor,
     cu_seqlens: object = None,
     key_padding_mask: object = None,
+    length: int | None = None,
 ) -> SequenceLayout:
     """The layout of a call whose ``q`` ``(B, Lq, H, D)`` and ``k`` ``(B, L, Hkv, D)`` have been
-    checked; raise ``TypeError``/``ValueError`` naming the offending value otherwise."""
-    batch, length = k.shape[0], k.shape[1]
-    query_length = q.shape[1]
+    checked; raise ``TypeError``/``ValueError`` naming the offending value otherwise.
+    ``length``: the whole sequence's (a process group's, whose ranks hold shards of it; default
+    ``L``), to which ``cu_seqlens`` must run; the query suffix is then the same part of it."""
+    batch = k.shape[0]
+    length = k.shape[1] if length is None else length
+    query_length = length - (k.shape[1] - q.shape[1])
     if cu_seqlens is not None and key_padding_mask is not None:
         raise ValueError(
             "pass cu_seqlens (packed documents) or key_padding_mask (one padded document per "

@@ -65,6 +65,9 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
     mode = draw(st.sampled_from(["head_groups", "longnet"]))
     heads = draw(st.integers(count if mode == "head_groups" else 1, 4))
     kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    # Packed documents half the time; they may cross shard boundaries.
+    cuts = draw(st.sets(st.integers(1, seq_len - 1), max_size=3)) if seq_len > 1 else set()
+    documents = [0, *sorted(cuts), seq_len] if draw(st.booleans()) else None
     return {
         "seed": draw(st.integers(0, 2**31 - 1)),
         "batch": draw(st.integers(1, 2)),
@@ -78,7 +81,14 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         "mode": mode,
         "causal": draw(st.booleans()),
         "scale": draw(st.none() | st.floats(0.1, 1.0)),
+        "cu_seqlens": documents,
     }
+
+
+def case_layout(case: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The case's ``cu_seqlens`` keyword (global positions), if it has documents."""
+    documents = case.get("cu_seqlens")
+    return {} if documents is None else {"cu_seqlens": torch.tensor(documents)}
 
 
 def case_inputs(case: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -118,7 +128,7 @@ def _attend(
         scale=case["scale"],
         kernel=case.get("kernel", "auto"),
         return_lse=True,
-        **kw,
+        **{**case_layout(case), **kw},
     )
     return out, lse
 
@@ -179,6 +189,7 @@ def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
         causal=case["causal"],
         scale=case["scale"],
         return_lse=True,
+        **case_layout(case),
     )
     truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
     sharded = {
