@@ -55,8 +55,11 @@ def attend(
     transfer_stats: TransferStats | None = None,
     cu_seqlens: object = None,
     key_padding_mask: object = None,
+    full_precision_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
-    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``.
+    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``
+    (``full_precision_lse``: the lse in the accumulation dtype, float64 for float64 inputs, for
+    callers that merge results further).
 
     ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
     validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
@@ -84,11 +87,10 @@ def attend(
         and resolver is None
         and torch.compiler.is_compiling()
     ):
-        return _attend_compiled(pattern, q, k, v, options, kernel)
-    result: tuple[torch.Tensor, torch.Tensor, Plan | None] = _attend_eager(
-        pattern, q, k, v, options, resolver, process_group
-    )
-    return result
+        out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
+        return out, lse if full_precision_lse else lse.float(), None
+    out, lse, plan = _attend_eager(pattern, q, k, v, options, resolver, process_group)
+    return out, lse if full_precision_lse else lse.float(), plan
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -111,7 +113,7 @@ def _attend_eager(
     stats = options.transfer_stats
     executor = plan.executor(q, k, stats if isinstance(stats, TransferStats) else None)
     out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
-    return out, lse.float(), plan.kernel
+    return out, lse, plan.kernel
 
 
 def _attend_compiled(
@@ -159,7 +161,7 @@ def _attend_compiled(
         kernel,
         backward,
     )
-    return out, lse.float(), None
+    return out, lse, None
 
 
 @overload

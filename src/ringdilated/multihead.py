@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.cache import DilatedKVCache
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
 from ringdilated.core.kernel import Kernel
@@ -161,6 +162,7 @@ class MultiheadDilatedAttention(nn.Module):
         is_causal: bool = False,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
 
@@ -169,11 +171,17 @@ class MultiheadDilatedAttention(nn.Module):
         per row, and ``cu_seqlens`` (packed documents) are
         :func:`ringdilated.dilated_attention`'s. ``attn_mask`` and ``need_weights=True`` raise
         (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
+
+        ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
+        the next tokens (the same ones, as in self-attention), which the cache adds before
+        attending them over everything it has seen; no masks, no process group.
         """
         try:
             self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
+            if cache is not None:
+                self._check_cache(cache, key_padding_mask, cu_seqlens)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
@@ -183,7 +191,13 @@ class MultiheadDilatedAttention(nn.Module):
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections) must reach every rank: the peers are waiting in that agreement.
             self.attention.reject(error)
-        out = self.attention(q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+            assert isinstance(out, torch.Tensor)
+        else:
+            out = self.attention(
+                q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask
+            )
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -240,6 +254,32 @@ class MultiheadDilatedAttention(nn.Module):
                     "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
                     "run under torch.autocast)"
                 )
+
+    def make_cache(self) -> DilatedKVCache:
+        """An empty :class:`~ringdilated.DilatedKVCache` for this module's pattern, heads,
+        causality, scale and kernel, to pass to ``forward(..., cache=)`` while decoding."""
+        a = self.attention
+        return DilatedKVCache(
+            a.pattern.segment_lengths,
+            a.pattern.dilation_rates,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mode=a.pattern.mode,
+            causal=a.causal,
+            scale=a.scale,
+            kernel=a.kernel,
+        )
+
+    def _check_cache(self, cache: object, key_padding_mask: object, cu_seqlens: object) -> None:
+        if not isinstance(cache, DilatedKVCache):
+            raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
+        if key_padding_mask is not None or cu_seqlens is not None:
+            raise ValueError(
+                "a cache holds one unpadded sequence per row: pass key_padding_mask=None and "
+                "cu_seqlens=None with cache="
+            )
+        if self.attention.process_group is not None:
+            raise ValueError("cache= is for decoding on one process; this module is sharded")
 
     def explain(self) -> str:
         """Which kernel and communicator serve this module, and why the others were rejected."""

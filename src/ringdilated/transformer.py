@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.cache import DilatedKVCache
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
@@ -93,17 +94,24 @@ class DilatedTransformerBlock(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
+    def make_cache(self) -> DilatedKVCache:
+        """An empty cache for decoding with this block (its attention's
+        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`)."""
+        return self.attn.make_cache()
+
     def forward(
         self,
         x: torch.Tensor,
         *,
         cu_seqlens: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens`` and
         ``key_padding_mask`` are :func:`ringdilated.dilated_attention`'s (packed documents,
         padded rows: padded positions come out of the attention as 0 and pass through the
-        block's residual and feed-forward like any position; mask them in your loss)."""
+        block's residual and feed-forward like any position; mask them in your loss).
+        ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding the next tokens."""
         embed_dim = self.attn.embed_dim
         try:
             if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
@@ -120,7 +128,7 @@ class DilatedTransformerBlock(nn.Module):
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
             self.attn.attention.reject(error)
-        attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens)[0]
+        attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache)[0]
         x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out
