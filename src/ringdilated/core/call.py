@@ -135,7 +135,7 @@ def _check(
     options: CallOptions,
     resolver: Resolver,
     ranks: int,
-    backward: bool,
+    wants_backward: Callable[[], bool],
 ) -> _Checked:
     pattern = (
         pattern_args
@@ -156,7 +156,7 @@ def _check(
         k,
         causal=causal,
         dropout=options.dropout_p > 0,  # type: ignore[operator]
-        backward=backward,
+        backward=wants_backward(),  # after check_inputs: q, k, v are tensors
         env=resolver.env,
     )
     plan = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
@@ -206,32 +206,39 @@ def prepare_call(
     group, on every rank (:func:`~ringdilated.core.agreement.agree`).
     """
     ranks = group_size(group)
-    if backward is None:
-        wants_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
-        backward = torch.is_grad_enabled() and wants_grad
+
+    def wants_backward() -> bool:
+        if backward is not None:
+            return backward
+        wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
+        return torch.is_grad_enabled() and wants_grad
 
     def check() -> _Checked:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
-        return _check(pattern_args, q, k, v, options, chosen, ranks, backward)
+        return _check(pattern_args, q, k, v, options, chosen, ranks, wants_backward)
 
     if ranks == 1:
         checked = check()
     else:
+        # Nothing a caller passed may raise on one rank outside this guard: the peers would be
+        # left waiting in the agreement's collective.
         maybe: _Checked | None = None
         error: Exception | None = None
         signature: CallSignature | None = None
+        device: object = None
         try:
             maybe = check()
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         try:
-            signature = _signature(pattern_args, q, k, options, maybe, backward)
+            signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
+            device = q.device if isinstance(q, torch.Tensor) else None
         except Exception as exc:  # a caller's object that cannot even be described
             error = error or exc
         assert isinstance(group, dist.ProcessGroup)
-        agree(group, error, signature, device=getattr(q, "device", None))
+        agree(group, error, signature, device=device)
         assert maybe is not None  # agree() raised otherwise
         checked = maybe
     pattern, plan, causal, shards, communicator = checked
