@@ -60,6 +60,8 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
             q = torch.nested.nested_tensor([q[0], q[0]], layout=torch.strided)
         elif fault == "unreadable shape":
             q = _UnreadableShape()  # type: ignore[assignment]
+        elif fault == "surrogate":
+            segments = [_SurrogateRepr()]  # type: ignore[list-item]
         elif fault == "transfer_stats":
             kwargs["transfer_stats"] = 5
         elif fault == "documents":
@@ -85,9 +87,21 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 class _UnreadableShape:
-    """An argument whose ``shape`` is not a sequence: no check can even describe it."""
+    """An argument whose ``shape`` is not a sequence and whose ``requires_grad`` raises: no
+    check can even describe it."""
 
     shape = 5
+
+    @property
+    def requires_grad(self) -> bool:
+        raise RuntimeError("requires_grad cannot be read")
+
+
+class _SurrogateRepr:
+    """A pattern value whose repr holds a lone surrogate (not encodable as UTF-8)."""
+
+    def __repr__(self) -> str:
+        return "\ud800"
 
 
 def _snapshot(x: object) -> object:
@@ -148,7 +162,8 @@ def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     """Every rank runs a sharded ``MultiheadDilatedAttention`` (or, with ``payload['block']``,
     a ``DilatedTransformerBlock``); rank ``payload['rank']`` passes a faulty input, which the
     module itself rejects before the call: ``payload['fault']`` is ``"width"`` (the wrong embed
-    dim), ``"nested"`` (a nested tensor) or ``"device"`` (an input on the meta device)."""
+    dim), ``"nested"`` (a nested tensor), ``"device"`` (an input on the meta device) or
+    ``"hook"`` (a forward pre-hook on the query projection that raises)."""
     import ringdilated
 
     rank = dist.get_rank()
@@ -170,6 +185,13 @@ def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
         x = torch.nested.nested_tensor([x[0], x[0, :4]], layout=torch.strided)
     elif fault == "device":
         x = x.to("meta")
+    elif fault == "hook":
+
+        def failing(*args: Any) -> None:
+            raise KeyError("a forward hook failed")
+
+        layer = module.attn.q_proj if payload["block"] else module.q_proj
+        layer.register_forward_pre_hook(failing)
     start = time.monotonic()
     try:
         module(x) if payload["block"] else module(x, x, x)

@@ -31,6 +31,7 @@ BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeo
         ("backward", "ValueError", "backward: rank 0 False, rank 1 True"),
         ("nested q", "TypeError", "q must be a dense (strided) tensor, got a nested tensor"),
         ("unreadable shape", "TypeError", "q must be a torch.Tensor, got _UnreadableShape"),
+        ("surrogate", "TypeError", "segment_lengths must hold ints"),
         ("transfer_stats", "TypeError", "transfer_stats must be a ringdilated.TransferStats"),
         ("documents", "ValueError", "documents: rank 0 none, rank 1 2 documents, digest"),
         ("bad documents", "ValueError", "cu_seqlens must run from 0 to the sequence length 16"),
@@ -65,14 +66,15 @@ def test_a_fault_on_a_middle_rank_of_four_stops_all_four(workers4: Workers) -> N
     [
         ("width", "ValueError", "embed_dim=16), got (1, 8, 12)"),
         ("nested", "TypeError", "must be a dense (strided) tensor"),
-        ("device", "ValueError", "is on meta but the module"),
+        ("device", None, "device"),
+        ("hook", "KeyError", "a forward hook failed"),
     ],
 )
 def test_a_module_rejecting_its_input_on_one_rank_stops_every_rank(
     workers2: Workers, block: bool, fault: str, raised: str | None, named: str
 ) -> None:
-    """The module's own checks, and anything failing before the attention's agreement (the
-    block's norm on a meta input), reach every rank instead of stranding the peer."""
+    """The module's own checks, and anything failing before the attention's agreement (a layer
+    given a meta input, a hook that raises), reach every rank instead of stranding the peer."""
     payload = {"rank": 1, "block": block, "fault": fault}
     results = workers2.results(f"{TASKS}:module_with_fault", payload)
     assert results[0]["raised"] == "ValueError", results

@@ -28,6 +28,21 @@ def test_a_nan_result_fails() -> None:
         assert_within_tolerance(torch.full_like(expected, float("nan")), expected, expected)
 
 
+def test_nan_and_inf_where_the_oracle_has_them_pass_and_elsewhere_fail() -> None:
+    """Non-finite inputs: the result must hold NaN and infinity exactly where the oracle does."""
+    expected = _expected()
+    expected[0, 3], expected[2, 1] = float("nan"), float("inf")
+    assert_within_tolerance(expected.float(), expected, expected.float())
+    for wrong_place in ((0, 2), (1, 1)):
+        moved = expected.float().clone()
+        moved[wrong_place] = float("nan")
+        with pytest.raises(AssertionError):
+            assert_within_tolerance(moved, expected, expected.float())
+    finite = expected.float().nan_to_num(0.0, 1.0)
+    with pytest.raises(AssertionError):
+        assert_within_tolerance(finite, expected, expected.float())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
 def test_a_baseline_that_is_not_finite_where_the_oracle_is_cannot_allow_everything(
     bad: float,
@@ -36,7 +51,7 @@ def test_a_baseline_that_is_not_finite_where_the_oracle_is_cannot_allow_everythi
     expected = _expected()
     baseline = expected.float().clone()
     baseline[0, 0] = bad
-    with pytest.raises(ValueError, match="baseline is not finite where the float64 oracle is"):
+    with pytest.raises(ValueError, match="baseline's NaN or infinite entries differ"):
         allowed_error(expected, baseline, torch.float32)
     with pytest.raises(ValueError, match="cannot judge this case"):
         assert_within_tolerance(torch.full_like(baseline, float("nan")), expected, baseline)

@@ -187,10 +187,10 @@ class DilatedKVCache:
         if exclusive:
             assert out is not None
             for run, new, run_out, run_lse in parts:
-                rows = [p - start for p in new]
+                at = [p - start for p in new]
                 h = run.heads
-                out[:, rows, h.q_start : h.q_stop] = run_out
-                lse[:, h.q_start : h.q_stop, rows] = run_lse.float()
+                out[:, at, h.q_start : h.q_stop] = run_out
+                lse[:, h.q_start : h.q_stop, at] = run_lse.float()
         else:
             out, lse = self._merge(parts, q, start, lse)
         return (out, lse) if return_lse else out
@@ -212,9 +212,7 @@ class DilatedKVCache:
         """``longnet``: every head's runs merged by their log-sum-exp (float32 state)."""
         batch, m, heads, dim = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        state = torch.full(
-            (len(parts), batch, heads, m), float("-inf"), dtype=acc, device=q.device
-        )
+        state = torch.full((len(parts), batch, heads, m), float("-inf"), dtype=acc, device=q.device)
         outs = q.new_zeros((len(parts), batch, m, heads, dim), dtype=acc)
         for j, (run, new, run_out, run_lse) in enumerate(parts):
             rows = [p - start for p in new]
@@ -231,7 +229,9 @@ class DilatedKVCache:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"{name} must be a 4-D tensor (batch, tokens, heads, dim), got {got}")
+                raise ValueError(
+                    f"{name} must be a 4-D tensor (batch, tokens, heads, dim), got {got}"
+                )
         assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
         assert isinstance(v, torch.Tensor)
         if q.shape[2] != self.num_heads or k.shape[2] != self.num_kv_heads:

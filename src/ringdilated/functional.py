@@ -34,6 +34,8 @@ from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
+_INT64_MAX = 2**63 - 1
+
 world_size = group_size
 """Ranks in a process group (``None``: one process); :func:`ringdilated.core.call.group_size`."""
 
@@ -107,12 +109,18 @@ def _attend_eager(
     Python state), so from inside ``torch.compile`` it is a graph break."""
     options = CallOptions(**arguments)
     plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if plan.communicator is not None:
-        plan.communicator.prepare(plan.group, plan.shards, plan.causal)
     stats = options.transfer_stats
-    executor = plan.executor(q, k, stats if isinstance(stats, TransferStats) else None)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
+    results = []
+    for rows, part in plan.parts():
+        x = [(t if rows is None else t[rows]).contiguous() for t in (q, k, v)]
+        if part.communicator is not None:
+            part.communicator.prepare(part.group, part.shards, part.causal)
+        executor = part.executor(x[0], x[1], stats if isinstance(stats, TransferStats) else None)
+        results.append(DilatedAttentionFunction.apply(*x, executor))  # type: ignore[no-untyped-call]
+    if len(results) == 1:
+        out, lse = results[0]
+    else:  # a sharded call's groups of padded rows, in batch order
+        out, lse = torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
     return out, lse, plan.kernel
 
 
@@ -133,6 +141,20 @@ def _attend_compiled(
     check_options(scale, dropout)
     causal = check_bool("causal", options["causal"])
     check_bool("return_lse", options["return_lse"])
+    stats = options["transfer_stats"]
+    if stats is not None and not isinstance(stats, TransferStats):
+        raise TypeError(
+            f"transfer_stats must be a ringdilated.TransferStats or None, got {stats!r}"
+        )
+    for name, values in (
+        ("segment_lengths", pattern.segment_lengths),
+        ("dilation_rates", pattern.dilation_rates),
+    ):
+        if max(values) > _INT64_MAX:
+            raise ValueError(
+                f"under torch.compile, {name} must fit in int64 (the custom op takes int[]), "
+                f"got {max(values)}; make this call outside the compiled region"
+            )
     layout: list[torch.Tensor | None] = []
     for name in ("cu_seqlens", "key_padding_mask"):
         value = options[name]

@@ -102,14 +102,15 @@ class DilatedAttention(nn.Module):
         return (out, lse) if return_lse else out
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def reject(self, error: Exception) -> NoReturn:
+    def reject(self, error: Exception, device: object = None) -> NoReturn:
         """Raise ``error``, a check made before this module's call (a wrapping module's), such
         that on a process group every rank raises: the peers, which passed their checks, are
         waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
-        ``ValueError`` naming this rank's error."""
+        ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
+        agreement on it, as the peers do)."""
         if self.process_group is not None:
             assert isinstance(self.process_group, dist.ProcessGroup)  # checked in __init__
-            agree(self.process_group, error, None)
+            agree(self.process_group, error, None, device=device)
         raise error
 
     def explain(self) -> str:

@@ -189,15 +189,14 @@ class MultiheadDilatedAttention(nn.Module):
             v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
         except Exception as error:
             # Anything that fails before the attention's own agreement (these checks, or the
-            # projections) must reach every rank: the peers are waiting in that agreement.
-            self.attention.reject(error)
+            # projections: an input on another device than the weights, a hook) must reach every
+            # rank: the peers are waiting in that agreement.
+            self.attention.reject(error, getattr(query, "device", None))
         if cache is not None:
             out = cache.attend(q, k, v)
             assert isinstance(out, torch.Tensor)
         else:
-            out = self.attention(
-                q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask
-            )
+            out = self.attention(q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask)
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -240,11 +239,6 @@ class MultiheadDilatedAttention(nn.Module):
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(
                     f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
-                )
-            if x.device != self.q_proj.weight.device:
-                raise ValueError(
-                    f"{name} is on {x.device} but the module's parameters are on "
-                    f"{self.q_proj.weight.device}; move one of them"
                 )
             kind = x.device.type
             autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)

@@ -119,15 +119,10 @@ class DilatedTransformerBlock(nn.Module):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
-            if x.device != self.attn_norm.weight.device:
-                raise ValueError(
-                    f"x is on {x.device} but the module's parameters are on "
-                    f"{self.attn_norm.weight.device}; move one of them"
-                )
             h = self.attn_norm(x)
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
-            self.attn.attention.reject(error)
+            self.attn.attention.reject(error, getattr(x, "device", None))
         attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache)[0]
         x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))

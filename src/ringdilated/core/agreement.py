@@ -29,15 +29,31 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["CallSignature", "agree", "compare_reports", "digests_agree", "safe_repr"]
+__all__ = ["CallSignature", "agree", "compare_reports", "digests_agree", "safe_repr", "safe_str"]
 
 
 def safe_repr(value: object) -> str:
-    """``repr(value)``, or a placeholder naming its type if that raises."""
+    """``repr(value)``, or a placeholder naming its type if that raises; always encodable as
+    UTF-8 (a lone surrogate is escaped), so it can be digested and sent."""
     try:
-        return repr(value)
+        text = repr(value)
     except Exception:  # a caller's object may fail to print in any way
-        return f"<{type(value).__name__} whose repr raised>"
+        text = f"<{type(value).__name__} whose repr raised>"
+    return _encodable(text)
+
+
+def safe_str(error: BaseException) -> str:
+    """``f"{type}: {error}"``, or a placeholder if ``str(error)`` raises; UTF-8 encodable."""
+    try:
+        text = f"{type(error).__name__}: {error}"
+    except Exception:
+        text = f"{type(error).__name__} (whose message raised)"
+    return _encodable(text)
+
+
+def _encodable(text: object) -> str:
+    text = str.__str__(text) if isinstance(text, str) else "<not a str>"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @attrs.frozen
@@ -120,7 +136,7 @@ def compare_reports(
     raise on every rank naming the rank that failed or each field that differs. Returns only
     when every rank passed identical signatures."""
     gathered: list[object] = [None] * dist.get_world_size(group)
-    mine = (None if error is None else f"{type(error).__name__}: {error}", signature)
+    mine = (None if error is None else safe_str(error), signature)
     dist.all_gather_object(gathered, mine, group=group)
     reports = cast(list[tuple[str | None, CallSignature]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]

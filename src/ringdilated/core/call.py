@@ -28,7 +28,8 @@ from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
-from ringdilated.core.layout import SequenceLayout, read_layout
+from ringdilated.core.kernel import derive_seed
+from ringdilated.core.layout import Rows, SequenceLayout, read_layout
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
@@ -68,6 +69,10 @@ class CallOptions:
     key_padding_mask: object = attrs.field(default=None, eq=False)
 
 
+RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
+"""Batch rows sharing one padding, every rank's shard plan for them, and their communicator."""
+
+
 @attrs.frozen
 class CallPlan:
     """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``seed`` seeds the
@@ -86,6 +91,32 @@ class CallPlan:
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = attrs.field(default=None, eq=False)
     group: object = attrs.field(default=None, eq=False)
+    row_plans: tuple[RowPlan, ...] = attrs.field(default=(), eq=False)
+
+    def parts(self) -> list[tuple[slice | None, CallPlan]]:
+        """The call as independent parts over batch rows: ``[(None, self)]``, unless a sharded
+        call's rows differ in padding, whose rows then run one group at a time (each group with
+        its own shard plans and communicator, and its own dropout seed)."""
+        if not self.row_plans:
+            return [(None, self)]
+        return [
+            (
+                rows.batches,
+                attrs.evolve(
+                    self,
+                    layout=SequenceLayout(
+                        self.layout.length,
+                        self.layout.query_length,
+                        (attrs.evolve(rows, start=0, stop=rows.stop - rows.start),),
+                    ),
+                    shards=shards,
+                    communicator=communicator,
+                    seed=derive_seed(self.seed, "rows", i),
+                    row_plans=(),
+                ),
+            )
+            for i, (rows, shards, communicator) in enumerate(self.row_plans)
+        ]
 
     @property
     def shard(self) -> ShardPlan | None:
@@ -130,11 +161,19 @@ class CallPlan:
         )
 
 
-_Checked = tuple[
-    DilationPattern, Plan, bool, SequenceLayout, tuple[ShardPlan, ...], Communicator | None
-]
-"""What :func:`_check` returns: pattern, kernel plan, causal, layout, every rank's shard and the
-communicator."""
+@attrs.frozen
+class _Checked:
+    """What :func:`_check` found: the validated pattern, kernel plan, causal flag and layout;
+    on a process group every rank's shard plans, the communicator and, for padded rows, the
+    plans of each group of rows."""
+
+    pattern: DilationPattern
+    plan: Plan
+    causal: bool
+    layout: SequenceLayout
+    shards: tuple[ShardPlan, ...] = ()
+    communicator: Communicator | None = None
+    row_plans: tuple[RowPlan, ...] = ()
 
 
 def _check(
@@ -145,7 +184,7 @@ def _check(
     options: CallOptions,
     resolver: Resolver,
     ranks: int,
-    backward: bool,
+    wants_backward: Callable[[], bool],
 ) -> _Checked:
     pattern = (
         pattern_args
@@ -159,11 +198,6 @@ def _check(
                 "with a process_group, q must hold the same positions as its shard of k and v "
                 f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
                 f"{tuple(k.shape)}"
-            )
-        if options.key_padding_mask is not None:
-            raise ValueError(
-                "key_padding_mask with a process_group is not supported yet; pack the rows' "
-                "valid runs into one row and pass cu_seqlens (global positions) instead"
             )
     # With a process group, cu_seqlens holds global positions: the length is every shard's.
     layout = read_layout(
@@ -182,27 +216,39 @@ def _check(
         k,
         causal=causal,
         dropout=options.dropout_p > 0,  # type: ignore[operator]
-        backward=backward,
+        backward=wants_backward(),  # after check_inputs: q, k, v are tensors
         env=resolver.env,
     )
     plan = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return pattern, plan, causal, layout, (), None
+        return _Checked(pattern, plan, causal, layout)
     _, length, heads, _ = q.shape
-    documents = None if layout.is_whole else layout.rows[0].documents
-    shards = tuple(
-        shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks, documents)
-        for rank in range(ranks)
-    )
-    communicator = resolver.communicator_for(
-        ranks,
-        causal,
-        options.communicator,  # type: ignore[arg-type]
-        shards,
-    )
-    return pattern, plan, causal, layout, shards, communicator
+
+    def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
+        return tuple(
+            shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks, documents)
+            for rank in range(ranks)
+        )
+
+    def communicator(shards: tuple[ShardPlan, ...]) -> Communicator:
+        return resolver.communicator_for(
+            ranks,
+            causal,
+            options.communicator,  # type: ignore[arg-type]
+            shards,
+        )
+
+    if options.key_padding_mask is not None:
+        row_plans = []
+        for rows in layout.rows:
+            shards = plans(rows.documents)
+            row_plans.append((rows, shards, communicator(shards)))
+        first = row_plans[0]
+        return _Checked(pattern, plan, causal, layout, first[1], first[2], tuple(row_plans))
+    shards = plans(None if layout.is_whole else layout.rows[0].documents)
+    return _Checked(pattern, plan, causal, layout, shards, communicator(shards))
 
 
 def prepare_call(
@@ -234,64 +280,75 @@ def prepare_call(
     group, on every rank (:func:`~ringdilated.core.agreement.agree`).
     """
     ranks = group_size(group)
-    if backward is None:
-        wants_grad = any(getattr(x, "requires_grad", False) for x in (q, k, v))
-        backward = torch.is_grad_enabled() and wants_grad
+
+    def wants_backward() -> bool:
+        if backward is not None:
+            return backward
+        wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
+        return torch.is_grad_enabled() and wants_grad
 
     def check() -> _Checked:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
-        return _check(pattern_args, q, k, v, options, chosen, ranks, backward)
+        return _check(pattern_args, q, k, v, options, chosen, ranks, wants_backward)
 
     if ranks == 1:
         checked = check()
     else:
+        # Nothing a caller passed may raise on one rank outside this guard: the peers would be
+        # left waiting in the agreement's collective.
         maybe: _Checked | None = None
         error: Exception | None = None
         signature: CallSignature | None = None
+        device: object = None
         try:
             maybe = check()
         except Exception as exc:  # any failure here must reach every rank, not strand them
             error = exc
         try:
-            signature = _signature(pattern_args, q, k, options, maybe, backward)
+            signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
+            device = q.device if isinstance(q, torch.Tensor) else None
         except Exception as exc:  # a caller's object that cannot even be described
             error = error or exc
         assert isinstance(group, dist.ProcessGroup)
-        agree(group, error, signature, device=getattr(q, "device", None))
+        agree(group, error, signature, device=device)
         assert maybe is not None  # agree() raised otherwise
         checked = maybe
-    pattern, plan, causal, layout, shards, communicator = checked
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     scale = options.scale
     return CallPlan(
-        pattern=pattern,
-        kernel=plan,
-        causal=causal,
+        pattern=checked.pattern,
+        kernel=checked.plan,
+        causal=checked.causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=dropout_p,
         seed=seed,
-        layout=layout,
+        layout=checked.layout,
         rank=0 if ranks == 1 else dist.get_rank(group),  # type: ignore[arg-type]
-        shards=shards,
-        communicator=communicator,
+        shards=checked.shards,
+        communicator=checked.communicator,
         group=group,
+        row_plans=checked.row_plans,
     )
 
 
-def _documents_text(cu_seqlens: object, checked: _Checked | None) -> str:
-    """The documents every rank must pass identically: a digest of the checked boundaries (they
-    may be long), or a description of what was passed where validation failed."""
-    if cu_seqlens is None:
+def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
+    """The documents and padding every rank must pass identically: a digest of the checked
+    layout (it may be long), or a description of what was passed where validation failed."""
+    if options.cu_seqlens is None and options.key_padding_mask is None:
         return "none"
     if checked is None:
-        return f"<{type(cu_seqlens).__name__}>"
-    text = repr(checked[3].rows[0].documents).encode()
-    count = len(checked[3].rows[0].documents)
-    return f"{count} documents, digest {hashlib.blake2b(text, digest_size=8).hexdigest()}"
+        kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
+        return f"<cu_seqlens {kinds[0]}, key_padding_mask {kinds[1]}>"
+    rows = checked.layout.rows
+    text = repr([(r.start, r.stop, r.documents) for r in rows]).encode()
+    digest = hashlib.blake2b(text, digest_size=8).hexdigest()
+    if options.key_padding_mask is not None:
+        return f"padding of {len(rows)} row groups, digest {digest}"
+    return f"{len(rows[0].documents)} documents, digest {digest}"
 
 
 def _signature(
@@ -305,7 +362,7 @@ def _signature(
     """What every rank must pass identically, as strings (raw values where validation failed;
     :func:`safe_repr`, so that any object a caller passed can be sent)."""
     if checked is not None:
-        pattern = checked[0]
+        pattern = checked.pattern
         fields: object = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
     else:
         fields = pattern_args
@@ -315,11 +372,11 @@ def _signature(
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
-        documents=_documents_text(options.cu_seqlens, checked),
+        documents=_documents_text(options, checked),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
         k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
         backward=backward,
-        kernel=None if checked is None else checked[1].kernel_name,
-        communicator=None if checked is None else type(checked[5]).__name__,
+        kernel=None if checked is None else checked.plan.kernel_name,
+        communicator=None if checked is None else type(checked.communicator).__name__,
     )

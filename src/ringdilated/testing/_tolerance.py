@@ -2,7 +2,8 @@
 
 A result in dtype ``T`` passes when its largest error against the float64 oracle is at most twice
 the error of plain dense masked attention computed in ``T`` on the same inputs, plus a small
-absolute floor for ``T``. ``-inf`` entries (queries with no key) must match exactly.
+absolute floor for ``T``. Non-finite entries must match exactly: ``-inf`` (queries with no key),
+and NaN and infinity where the inputs hold them (docs/spec.md, section 4).
 
 The floor is ``FLOORS[T] * max(1, max |oracle|)``: about one unit in the last place of ``T`` at the
 result's own magnitude (a result stored in ``T`` cannot be closer than its final rounding, and on
@@ -31,12 +32,13 @@ FLOORS: dict[torch.dtype, float] = {
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute difference, with ``-inf`` entries required to coincide (else ``inf``)."""
+    """Largest absolute difference over the entries where ``expected`` is finite; ``inf``
+    unless NaN, ``+inf`` and ``-inf`` entries coincide exactly (same kind, same place)."""
     a, e = actual.detach().double(), expected.detach().double()
-    a_inf, e_inf = torch.isneginf(a), torch.isneginf(e)
-    if not torch.equal(a_inf, e_inf) or bool(torch.isnan(a).any()):
-        return float("inf")
-    diff = (a - e).abs().masked_fill(e_inf, 0.0)
+    for special in (torch.isnan, torch.isposinf, torch.isneginf):
+        if not torch.equal(special(a), special(e)):
+            return float("inf")
+    diff = (a - e).abs().masked_fill(~torch.isfinite(e), 0.0)
     return float(diff.max()) if diff.numel() else 0.0
 
 
@@ -72,13 +74,17 @@ def allowed_error(
         raise ValueError("allowed_error needs at least one baseline, got none")
     baseline_error = max(max_error(b, expected) for b in baselines)
     if not math.isfinite(baseline_error):
-        # A baseline with NaN, or -inf where the oracle has none, would allow any error at all.
+        # A baseline whose NaN or infinite entries differ from the oracle's would allow any
+        # error at all.
         raise ValueError(
-            f"the dense {dtype} baseline is not finite where the float64 oracle is (its error "
-            f"is {baseline_error}), so the tolerance rule cannot judge this case: the inputs "
-            f"are out of {dtype}'s range for attention, or the baseline is wrong"
+            f"the dense {dtype} baseline's NaN or infinite entries differ from the float64 "
+            f"oracle's (its error is {baseline_error}), so the tolerance rule cannot judge this "
+            f"case: the inputs are out of {dtype}'s range for attention, or the baseline is wrong"
         )
-    return 2 * baseline_error + tolerance_floor(expected, dtype) + extra
+    allowed = 2 * baseline_error + tolerance_floor(expected, dtype) + extra
+    if not math.isfinite(allowed):
+        raise ValueError(f"the allowed error is not finite ({allowed}); extra={extra!r}")
+    return allowed
 
 
 def assert_within_tolerance(
