@@ -192,13 +192,12 @@ def _check(
         else DilationPattern(*pattern_args)  # type: ignore[arg-type]
     )
     q, k, v = check_inputs(q, k, v, pattern)
-    if ranks > 1:
-        if q.shape[1] != k.shape[1]:
-            raise ValueError(
-                "with a process_group, q must hold the same positions as its shard of k and v "
-                f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
-                f"{tuple(k.shape)}"
-            )
+    if ranks > 1 and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            "with a process_group, q must hold the same positions as its shard of k and v "
+            f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
+            f"{tuple(k.shape)}"
+        )
     # With a process group, cu_seqlens holds global positions: the length is every shard's.
     layout = read_layout(
         q, k, options.cu_seqlens, options.key_padding_mask, length=k.shape[1] * ranks
