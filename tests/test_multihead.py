@@ -233,3 +233,60 @@ def test_block_resolves_its_kernel_for_the_call() -> None:
     assert plan is not None
     request = plan.request
     assert (request.dtype, request.head_dim, request.causal) == (torch.float64, 8, True), request
+
+
+def test_rotary_embedding_is_the_rope_formula() -> None:
+    """Half-split RoPE: pair (x_i, x_{i+D/2}) turns by position * 10000^(-2i/D)."""
+    from ringdilated.rotary import rotary_embedding
+
+    x = torch.randn(1, 5, 2, 6, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 7, 3]])
+    out = rotary_embedding(x, positions)
+    for b, p in enumerate(positions[0].tolist()):
+        for i in range(3):
+            angle = p * 10000.0 ** (-2 * i / 6)
+            c, s = (
+                torch.cos(torch.tensor(angle, dtype=torch.float64)),
+                torch.sin(torch.tensor(angle, dtype=torch.float64)),
+            )
+            a, bb = x[0, b, :, i], x[0, b, :, i + 3]
+            assert torch.allclose(out[0, b, :, i], a * c - bb * s, atol=1e-12)
+            assert torch.allclose(out[0, b, :, i + 3], bb * c + a * s, atol=1e-12)
+
+
+def test_rotary_positions_restart_per_document_and_continue_in_the_cache() -> None:
+    """With rotary=, packed documents and padded rows equal each sequence alone (positions
+    restart at each document), and cached decoding equals the full call."""
+    from ringdilated.rotary import rotary_embedding
+
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, causal=True,
+        dtype=torch.float64, rotary=rotary_embedding,
+    )  # fmt: skip
+    first, second = (
+        torch.randn(1, 7, 16, dtype=torch.float64),
+        torch.randn(1, 5, 16, dtype=torch.float64),
+    )
+    alone = [m(x, x, x)[0] for x in (first, second)]
+    packed = torch.cat([first, second], 1)
+    out, _ = m(packed, packed, packed, cu_seqlens=torch.tensor([0, 7, 12]))
+    assert max_error(out[:, :7], alone[0]) < 1e-12 and max_error(out[:, 7:], alone[1]) < 1e-12
+    padded = torch.zeros(2, 7, 16, dtype=torch.float64)
+    padded[0], padded[1, 2:] = first[0], second[0]
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[1, :2] = True
+    out, _ = m(padded, padded, padded, mask)
+    assert max_error(out[0], alone[0][0]) < 1e-12 and max_error(out[1, 2:], alone[1][0]) < 1e-12
+    cache = m.make_cache()
+    steps = [m(first[:, :3], first[:, :3], first[:, :3], cache=cache)[0]]
+    steps += [m(first[:, t : t + 1], first[:, t : t + 1], first[:, t : t + 1], cache=cache)[0]
+              for t in range(3, 7)]  # fmt: skip
+    assert max_error(torch.cat(steps, 1), alone[0]) < 1e-12
+    # and rotary matters: without it the results differ
+    plain = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, causal=True,
+        dtype=torch.float64,
+    )  # fmt: skip
+    plain.load_state_dict(m.state_dict())
+    assert max_error(plain(first, first, first)[0], alone[0]) > 1e-6

@@ -14,16 +14,20 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
+from ringdilated.core.call import group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
 from ringdilated.core.kernel import Kernel
+from ringdilated.core.layout import read_layout
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_bool
 from ringdilated.modules import DilatedAttention
+from ringdilated.rotary import Rotary
 
 __all__ = ["MultiheadDilatedAttention", "positive_float", "positive_int", "resolve_dtype"]
 
@@ -71,6 +75,11 @@ class MultiheadDilatedAttention(nn.Module):
     :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
     must then be in that dtype. The pattern arguments are keyword-only, so
     ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+
+    ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
+    applied to ``q`` and ``k`` after the projections, with positions counted from each
+    document's start (padding and packed documents restart at 0; on a process group, global
+    positions; with a cache, from the cache's length). See :mod:`ringdilated.rotary`.
     """
 
     def __init__(
@@ -93,8 +102,12 @@ class MultiheadDilatedAttention(nn.Module):
         communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
+        if rotary is not None and not callable(rotary):
+            raise TypeError(f"rotary must be callable or None, got {type(rotary).__name__}")
+        self.rotary = rotary
         embed_dim = positive_int("embed_dim", embed_dim)
         num_heads = positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
@@ -187,6 +200,8 @@ class MultiheadDilatedAttention(nn.Module):
             kv_shape = (self.num_kv_heads, self.head_dim)
             k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
             v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
+            if self.rotary is not None:
+                q, k = self._rotate(q, k, key_padding_mask, cu_seqlens, cache)
         except Exception as error:
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections: an input on another device than the weights, a hook) must reach every
@@ -248,6 +263,27 @@ class MultiheadDilatedAttention(nn.Module):
                     "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
                     "run under torch.autocast)"
                 )
+
+    def _rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_padding_mask: object,
+        cu_seqlens: object,
+        cache: DilatedKVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``, ``k`` rotated at their positions (see the class docstring)."""
+        assert self.rotary is not None
+        length, q_len = k.shape[1], q.shape[1]
+        if cache is not None:
+            positions = cache.length + torch.arange(q_len, device=q.device).unsqueeze(0)
+            return self.rotary(q, positions), self.rotary(k, positions)
+        group = self.attention.process_group
+        ranks = group_size(group)
+        rank = 0 if ranks == 1 else dist.get_rank(group)  # type: ignore[arg-type]
+        layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=length * ranks)
+        positions = layout.positions(q.device)[:, rank * length : (rank + 1) * length]
+        return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
 
     def make_cache(self) -> DilatedKVCache:
         """An empty :class:`~ringdilated.DilatedKVCache` for this module's pattern, heads,

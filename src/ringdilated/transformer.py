@@ -24,6 +24,7 @@ from ringdilated.multihead import (
     positive_int,
     resolve_dtype,
 )
+from ringdilated.rotary import Rotary
 
 __all__ = ["DilatedTransformerBlock"]
 
@@ -33,6 +34,8 @@ class DilatedTransformerBlock(nn.Module):
 
     ``ffn_dim`` defaults to ``4 * embed_dim``; ``gamma_init`` scales the initialisation of the
     value/output projections and both feed-forward layers (MAGNETO; 1.0 is plain Xavier).
+    ``rotary``: rotary position embeddings for the attention's ``q`` and ``k`` (see
+    :class:`~ringdilated.MultiheadDilatedAttention` and :mod:`ringdilated.rotary`).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class DilatedTransformerBlock(nn.Module):
         communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
         embed_dim = positive_int("embed_dim", embed_dim)
@@ -78,6 +82,7 @@ class DilatedTransformerBlock(nn.Module):
             communicator=communicator,
             device=device,
             dtype=factory["dtype"],
+            rotary=rotary,
         )
         self.ffn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
         up = nn.Linear(embed_dim, ffn_dim, **factory)

@@ -67,6 +67,20 @@ class SequenceLayout:
         """Whether every position of every row lies in a document (no padding)."""
         return all(_covers(rows.documents, self.length) for rows in self.rows)
 
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``(B', L)`` int64: each position counted from its document's start, 0 outside any
+        document (padding); ``B' = 1`` when every row shares its documents."""
+        if len(self.rows) == 1:
+            shape, groups = (1, self.length), [(slice(0, 1), self.rows[0].documents)]
+        else:
+            shape = (self.rows[-1].stop, self.length)
+            groups = [(rows.batches, rows.documents) for rows in self.rows]
+        positions = torch.zeros(shape, dtype=torch.int64, device=device)
+        for batches, documents in groups:
+            for start, stop in documents:
+                positions[batches, start:stop] = torch.arange(stop - start, device=device)
+        return positions
+
     @property
     def is_whole(self) -> bool:
         """Whether every row is one document of every position, and every position a query."""
