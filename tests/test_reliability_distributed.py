@@ -35,7 +35,7 @@ BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeo
         ("transfer_stats", "TypeError", "transfer_stats must be a ringdilated.TransferStats"),
         ("documents", "ValueError", "documents: rank 0 none, rank 1 2 documents, digest"),
         ("bad documents", "ValueError", "cu_seqlens must run from 0 to the sequence length 16"),
-        ("padding", "ValueError", "key_padding_mask with a process_group is not supported yet"),
+        ("padding", "ValueError", "documents: rank 0 none, rank 1 padding of 1 row groups"),
     ],
 )
 def test_a_fault_on_one_rank_raises_on_every_rank(
