@@ -95,8 +95,8 @@ class LayoutCase:
 
 @st.composite
 def layouts(draw: st.DrawFn, batch: int, seq_len: int) -> LayoutCase:
-    """A whole sequence, packed documents or padded rows (left or right, empty rows included),
-    with a query suffix half the time."""
+    """A whole sequence, packed documents or padded rows (the valid run anywhere: left, right
+    or both sides padded; empty rows included), with a query suffix half the time."""
     query_length = draw(st.integers(1, seq_len)) if draw(st.booleans()) else seq_len
     kind = draw(st.sampled_from(["whole", "documents", "padding"]))
     if kind == "documents":
@@ -107,8 +107,8 @@ def layouts(draw: st.DrawFn, batch: int, seq_len: int) -> LayoutCase:
         runs = []
         for _ in range(batch):
             valid = draw(st.integers(0, seq_len))
-            left = draw(st.booleans())
-            runs.append((seq_len - valid, seq_len) if left else (0, valid))
+            start = draw(st.integers(0, seq_len - valid))
+            runs.append((start, start + valid))
         return LayoutCase(seq_len, query_length, valid_runs=tuple(runs))
     return LayoutCase(seq_len, query_length)
 

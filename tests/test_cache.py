@@ -116,3 +116,40 @@ def test_the_greedy_decoding_example_decodes_what_recomputation_decodes() -> Non
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "identical: True" in done.stdout
+
+
+def test_a_step_that_raises_leaves_the_cache_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory (simulated) in the second run of heads: the retry equals the oracle."""
+    import ringdilated.cache as cache_module
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 9, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=2, kernel="reference")
+    cache.attend(q[:, :5], k[:, :5], v[:, :5])
+    real, calls = cache_module.attend, []
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cache_module, "attend", failing)
+    with pytest.raises(RuntimeError, match="simulated"):
+        cache.attend(q[:, 5:7], k[:, 5:7], v[:, 5:7])
+    assert cache.length == 5
+    monkeypatch.setattr(cache_module, "attend", real)
+    out = cache.attend(q[:, 5:7], k[:, 5:7], v[:, 5:7])
+    expected = oracle(q[:, 5:7], k[:, :7], v[:, :7], [4, 8], [1, 2], causal=True)
+    assert float((out - expected).abs().max()) < 1e-12
+
+
+def test_after_a_long_prefill_the_cache_keeps_only_its_segments() -> None:
+    """The kept keys are copies: a 4096-token prompt's storage is not held alive."""
+    cache = DilatedKVCache([8, 16], [1, 4], num_heads=2, causal=True)
+    x = torch.randn(1, 4099, 2, 4)
+    cache.attend(x, x, x)
+    assert cache.cached_positions == 3 + 1  # positions 4096-4098 of pattern 0; 4097 of pattern 1
+    assert cache.nbytes == cache.cached_positions * 2 * 4 * 4  # keys and values, 1 head each
+    held = [t for t in (*cache._keys, *cache._values) if t is not None]  # the storage itself
+    assert sum(t.untyped_storage().nbytes() for t in held) == cache.nbytes

@@ -115,5 +115,44 @@ def test_a_missing_pattern_and_a_custom_4d_mask_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"needs config\.ringdilated_dilation_rates"):
         model(input_ids=_ids(1, 8))
     model = _model([4], [1], "ringdilated").eval()
-    with pytest.raises(ValueError, match="2-D"):
+    with pytest.raises(ValueError, match="a custom 4-D mask is not supported"):
         model(input_ids=_ids(1, 8), attention_mask=torch.ones(1, 1, 8, 8))
+
+
+def test_packing_signalled_only_by_position_ids_keeps_documents_apart() -> None:
+    """position_ids that restart at 0 (DataCollatorWithFlattening without flash kwargs) are
+    packed documents, as sdpa's mask makes them."""
+    ours, theirs = _model([64], [1], "ringdilated").eval(), _model([64], [1], "sdpa").eval()
+    ids = _ids(1, 17, seed=9)
+    positions = torch.cat([torch.arange(11), torch.arange(6)]).unsqueeze(0)
+    with torch.no_grad():
+        a, b = (
+            m(input_ids=ids, position_ids=positions, use_cache=False).logits for m in (ours, theirs)
+        )
+    assert float((a - b).abs().max()) < 1e-10
+
+
+def test_is_causal_passed_by_transformers_wins_over_the_module_attribute() -> None:
+    """A model whose attention module says is_causal=False but whose forward passes
+    is_causal=True (CLIP's text encoder) gets causal attention, as with sdpa."""
+    model = _model([64], [1], "ringdilated").eval()
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    ids = _ids(1, 9, seed=10)
+    with torch.no_grad():
+        forced = model(input_ids=ids, is_causal=True).logits
+        reference = _model([64], [1], "sdpa").eval()(input_ids=ids).logits
+    assert float((forced - reference).abs().max()) < 1e-10
+
+
+def test_layouts_it_cannot_place_are_refused_not_miscomputed() -> None:
+    """A static cache (queries not at the end of the keys) and a sliding window raise."""
+    model = _model([8], [1], "ringdilated").eval()
+    ids = _ids(1, 7, seed=11)
+    with pytest.raises(ValueError, match="queries to be the last positions of the keys"):
+        model.generate(
+            ids, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static"
+        )
+    model.config.sliding_window = 4
+    with pytest.raises(ValueError, match=r"does not combine with config\.sliding_window"):
+        model(input_ids=ids)

@@ -138,9 +138,9 @@ class DilatedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cached keys and values."""
+        """Bytes of storage the cached keys and values hold (each its own copy)."""
         tensors = [t for t in (*self._keys, *self._values) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def reset(self) -> None:
         """Forget every token (a new sequence starts at position 0)."""
@@ -160,6 +160,10 @@ class DilatedKVCache:
         out = q.new_zeros(batch, m, heads, dim) if exclusive else None
         lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
         parts: list[tuple[_Run, list[int], torch.Tensor, torch.Tensor]] = []
+        # The new state is built aside and committed only once every run succeeded: a step that
+        # raises (out of memory, a kernel error) leaves the cache as it was.
+        kept_keys: list[torch.Tensor | None] = []
+        kept_values: list[torch.Tensor | None] = []
         for i, run in enumerate(self._runs):
             new = run.selected(start, stop)
             rows = torch.tensor([p - start for p in new], dtype=torch.long, device=q.device)
@@ -182,8 +186,10 @@ class DilatedKVCache:
                     full_precision_lse=True,  # longnet merges it further
                 )
                 parts.append((run, new, run_out, run_lse))
-            self._keys[i], self._values[i] = self._keep(run, keys, values, stop)
-        self.length = stop
+            kept = self._keep(run, keys, values, stop)
+            kept_keys.append(kept[0])
+            kept_values.append(kept[1])
+        self._keys, self._values, self.length = kept_keys, kept_values, stop
         if exclusive:
             assert out is not None
             for run, new, run_out, run_lse in parts:
@@ -200,7 +206,11 @@ class DilatedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The selected keys of the segment that position ``stop`` (the next query) lies in."""
         keep = run.count_in_segment(stop // run.w * run.w, stop)
-        return keys[:, keys.shape[1] - keep :], values[:, values.shape[1] - keep :]
+        # Copies, not views: a view would keep the whole step's keys (a long prompt) alive.
+        return (
+            keys[:, keys.shape[1] - keep :].clone(),
+            values[:, values.shape[1] - keep :].clone(),
+        )
 
     @staticmethod
     def _merge(
@@ -238,6 +248,11 @@ class DilatedKVCache:
             raise ValueError(
                 f"the cache was built for {self.num_heads} query and {self.num_kv_heads} "
                 f"key/value heads, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+            )
+        if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+            raise ValueError(
+                f"q, k and v must share one dtype and device, got {q.dtype} on {q.device}, "
+                f"{k.dtype} on {k.device}, {v.dtype} on {v.device}"
             )
         if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
             raise ValueError(

@@ -32,19 +32,28 @@ What the adapter does with transformers' arguments:
   the newest ones: a query suffix, computed for the current segments only. (The cache itself is
   transformers' and stores every position; :class:`ringdilated.DilatedKVCache` is the bounded
   cache of ringdilated's own modules.)
-- Causality is the attention module's ``is_causal`` (``True`` for decoder models). Attention
-  weights are never materialised: ``output_attentions`` gets ``None``.
+- Causality is the ``is_causal`` transformers passes, else the attention module's
+  ``is_causal`` (``True`` for decoder models). Attention weights are never materialised:
+  ``output_attentions`` gets ``None``.
+- Packed inputs signalled only by ``position_ids`` (resets to 0) become ``cu_seqlens`` too.
+
+What it refuses, with a ``ValueError``, rather than compute something else: a static or
+sliding-window cache layout (the queries must be the last positions of the keys: use the default
+dynamic cache), a custom 4-D mask, mask functions other than plain causal or bidirectional
+(sliding windows, chunked or prefix overlays), ``config.sliding_window``, ``softcap`` and
+attention sinks (``s_aux``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 
 from ringdilated.functional import dilated_attention
 
-__all__ = ["NAME", "attention_forward", "padding_mask", "register"]
+__all__ = ["NAME", "KeyMask", "attention_forward", "padding_mask", "register"]
 
 NAME = "ringdilated"
 
@@ -60,25 +69,62 @@ def _setting(config: object, name: str, default: object = None) -> Any:
     return value
 
 
+@attrs.frozen
+class KeyMask:
+    """What the mask function hands every layer: the 2-D padding mask over the keys (``True`` =
+    token; ``None`` when nothing is padded), and whether transformers asked for more than plain
+    causal or bidirectional masking (``custom``: packed sequences, windows, overlays)."""
+
+    padding: torch.Tensor | None
+    custom: bool
+
+
 def padding_mask(
     *,
     batch_size: int,
     q_length: int,
     kv_length: int,
+    q_offset: object = 0,
+    kv_offset: object = 0,
+    mask_function: object = None,
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
-) -> torch.Tensor | None:
-    """transformers' mask function for ``"ringdilated"``: the user's 2-D mask over the keys
-    ``(B, kv_length)``, bool, ``True`` = token (``None`` when nothing is padded)."""
+) -> KeyMask:
+    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`). Raises for a
+    cache layout whose queries are not the last positions of the keys (a static or sliding
+    cache), which ringdilated's query suffix cannot place."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
+    if offset != 0 or start + q_length != kv_length:
+        raise ValueError(
+            f"attn_implementation={NAME!r} needs the queries to be the last positions of the "
+            f"keys (transformers' default dynamic cache); got queries [{start}, "
+            f"{start + q_length}) of {kv_length} keys from position {offset} (a static or "
+            "sliding-window cache)"
+        )
+    custom = mask_function not in (None, causal_mask_function, bidirectional_mask_function)
     if attention_mask is None:
-        return None
+        return KeyMask(None, custom)
     if attention_mask.dim() != 2:
         raise ValueError(
             f"attn_implementation={NAME!r} takes a 2-D attention_mask (1 = token, 0 = padding), "
             f"got shape {tuple(attention_mask.shape)}"
         )
     mask = attention_mask[:, -kv_length:].bool()
-    return None if bool(mask.all()) else mask
+    return KeyMask(None if bool(mask.all()) else mask, custom)
+
+
+def _packed_bounds(position_ids: object, length: int) -> torch.Tensor | None:
+    """Document boundaries from ``position_ids`` that restart at 0 (one row), else ``None``."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        return None
+    if position_ids.shape[0] != 1 or position_ids.shape[1] != length:
+        return None
+    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist()
+    if starts[:1] != [0] or len(starts) < 2:
+        return None
+    return torch.tensor([*starts, length], dtype=torch.int64)
 
 
 def attention_forward(
@@ -94,18 +140,40 @@ def attention_forward(
     """transformers' attention function for ``"ringdilated"``: ``(attn_output (B, Lq, H, D),
     None)``."""
     config = getattr(module, "config", None)
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation={NAME!r} does not support {name}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None:
+        raise ValueError(
+            f"attn_implementation={NAME!r} does not combine with config.sliding_window "
+            f"({window}); the dilation pattern bounds what a query sees"
+        )
     layout: dict[str, torch.Tensor] = {}
+    custom = False
     if attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+        if not isinstance(attention_mask, KeyMask):
             raise ValueError(
-                f"attn_implementation={NAME!r} expects the 2-D bool padding mask its own mask "
-                f"function makes, got {attention_mask.dtype} of shape "
-                f"{tuple(attention_mask.shape)} (a custom 4-D mask is not supported)"
+                f"attn_implementation={NAME!r} expects the mask its own mask function makes, got "
+                f"{type(attention_mask).__name__} of shape {tuple(attention_mask.shape)} (a "
+                "custom 4-D mask is not supported)"
             )
-        layout["key_padding_mask"] = attention_mask.logical_not()
+        custom = attention_mask.custom
+        if attention_mask.padding is not None:
+            layout["key_padding_mask"] = attention_mask.padding.logical_not()
     packed = kwargs.get("cu_seq_lens_k")
+    if packed is None and query.shape[2] == key.shape[2]:
+        packed = _packed_bounds(kwargs.get("position_ids"), key.shape[2])
     if packed is not None:
         layout["cu_seqlens"] = packed
+    elif custom:
+        raise ValueError(
+            f"attn_implementation={NAME!r} serves plain causal or bidirectional masks, padding "
+            "and packed sequences; transformers asked for another mask (a sliding window, a "
+            "chunked or prefix overlay, or packing it could not pass as cu_seq_lens)"
+        )
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     out = dilated_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
@@ -113,7 +181,7 @@ def attention_forward(
         _setting(config, "segment_lengths"),
         _setting(config, "dilation_rates"),
         mode=_setting(config, "mode", "head_groups"),
-        causal=bool(getattr(module, "is_causal", True)),
+        causal=causal,
         scale=scaling,
         dropout_p=dropout,
         kernel=_setting(config, "kernel", "auto"),

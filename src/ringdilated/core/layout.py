@@ -131,13 +131,16 @@ def _documents(cu_seqlens: object, length: int) -> Documents:
             f"cu_seqlens must be a 1-D integer torch.Tensor [0, e_1, ..., L], got "
             f"{type(cu_seqlens).__name__}"
         )
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.is_complex():
-        raise TypeError(
-            f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
-            f"{tuple(cu_seqlens.shape)}"
+    if (
+        cu_seqlens.dtype.is_floating_point
+        or cu_seqlens.is_complex()
+        or cu_seqlens.dtype == torch.bool
+    ):
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
         )
-    if cu_seqlens.dtype == torch.bool:
-        raise TypeError("cu_seqlens must be a 1-D integer tensor, got torch.bool")
     bounds = [int(x) for x in cu_seqlens.tolist()]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length:
         raise ValueError(

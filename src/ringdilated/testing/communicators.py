@@ -77,7 +77,8 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         padding = []
         for _ in range(batch):
             valid = draw(st.integers(0, seq_len))
-            padding.append([seq_len - valid, seq_len] if draw(st.booleans()) else [0, valid])
+            start = draw(st.integers(0, seq_len - valid))  # left, right or both sides padded
+            padding.append([start, start + valid])
     return {
         "seed": draw(st.integers(0, 2**31 - 1)),
         "batch": batch,
