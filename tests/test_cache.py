@@ -153,3 +153,24 @@ def test_after_a_long_prefill_the_cache_keeps_only_its_segments() -> None:
     assert cache.nbytes == cache.cached_positions * 2 * 4 * 4  # keys and values, 1 head each
     held = [t for t in (*cache._keys, *cache._values) if t is not None]  # the storage itself
     assert sum(t.untyped_storage().nbytes() for t in held) == cache.nbytes
+
+
+def test_a_longnet_step_whose_merge_raises_leaves_the_cache_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 8, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=4, mode="longnet", kernel="reference")
+    cache.attend(q[:, :5], k[:, :5], v[:, :5])
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DilatedKVCache, "_merge", staticmethod(failing))
+        with pytest.raises(RuntimeError, match="simulated"):
+            cache.attend(q[:, 5:6], k[:, 5:6], v[:, 5:6])
+    assert cache.length == 5
+    out = cache.attend(q[:, 5:8], k[:, 5:8], v[:, 5:8])
+    expected = oracle(q[:, 5:8], k, v, [4, 8], [1, 2], mode="longnet", causal=True)
+    assert float((out - expected).abs().max()) < 1e-12

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import ringdilated.hf  # noqa: E402, F401  (registers "ringdilated")
+import ringdilated.hf  # noqa: E402  (registers "ringdilated")
 
 VOCAB = 64
 
@@ -156,3 +156,42 @@ def test_layouts_it_cannot_place_are_refused_not_miscomputed() -> None:
     model.config.sliding_window = 4
     with pytest.raises(ValueError, match=r"does not combine with config\.sliding_window"):
         model(input_ids=ids)
+
+
+def test_packing_follows_transformers_own_detection() -> None:
+    """transformers packs only without a mask and a cache, splitting wherever position_ids do
+    not step by 1; the adapter does exactly that (and nothing otherwise)."""
+    ours, theirs = _model([64], [1], "ringdilated").eval(), _model([64], [1], "sdpa").eval()
+    ids = _ids(1, 12, seed=12)
+    jumps = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 5, 6, 7, 8, 9]])  # three documents for sdpa
+    with torch.no_grad():
+        for kwargs in (
+            {"position_ids": jumps, "use_cache": False},
+            {"position_ids": jumps, "use_cache": True},  # a cache: transformers does not pack
+            {"position_ids": jumps, "use_cache": False, "attention_mask": torch.ones(1, 12)},
+        ):
+            a, b = (m(input_ids=ids, **kwargs).logits for m in (ours, theirs))
+            assert float((a - b).abs().max()) < 1e-10, kwargs
+
+
+def test_an_overlay_on_packed_sequences_is_refused() -> None:
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        or_masks,
+        packed_sequence_compatibility_function,
+    )
+
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    plain = packed_sequence_compatibility_function(causal_mask_function, positions, ids)
+    overlaid = packed_sequence_compatibility_function(
+        or_masks(causal_mask_function, bidirectional_mask_function), positions, ids
+    )
+    common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
+    assert not ringdilated.hf.padding_mask(mask_function=plain, **common).overlay
+    assert ringdilated.hf.padding_mask(mask_function=overlaid, **common).overlay
+    assert ringdilated.hf.padding_mask(
+        mask_function=and_masks(causal_mask_function, bidirectional_mask_function), **common
+    ).overlay

@@ -189,7 +189,6 @@ class DilatedKVCache:
             kept = self._keep(run, keys, values, stop)
             kept_keys.append(kept[0])
             kept_values.append(kept[1])
-        self._keys, self._values, self.length = kept_keys, kept_values, stop
         if exclusive:
             assert out is not None
             for run, new, run_out, run_lse in parts:
@@ -199,6 +198,7 @@ class DilatedKVCache:
                 lse[:, h.q_start : h.q_stop, at] = run_lse.float()
         else:
             out, lse = self._merge(parts, q, start, lse)
+        self._keys, self._values, self.length = kept_keys, kept_values, stop  # the step is done
         return (out, lse) if return_lse else out
 
     def _keep(

@@ -35,7 +35,8 @@ What the adapter does with transformers' arguments:
 - Causality is the ``is_causal`` transformers passes, else the attention module's
   ``is_causal`` (``True`` for decoder models). Attention weights are never materialised:
   ``output_attentions`` gets ``None``.
-- Packed inputs signalled only by ``position_ids`` (resets to 0) become ``cu_seqlens`` too.
+- Packed inputs that transformers itself detects in ``position_ids`` (its packed-sequence mask:
+  no mask and no cache) become ``cu_seqlens`` too, with transformers' boundaries.
 
 What it refuses, with a ``ValueError``, rather than compute something else: a static or
 sliding-window cache layout (the queries must be the last positions of the keys: use the default
@@ -46,6 +47,7 @@ attention sinks (``s_aux``).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import attrs
@@ -72,11 +74,52 @@ def _setting(config: object, name: str, default: object = None) -> Any:
 @attrs.frozen
 class KeyMask:
     """What the mask function hands every layer: the 2-D padding mask over the keys (``True`` =
-    token; ``None`` when nothing is padded), and whether transformers asked for more than plain
-    causal or bidirectional masking (``custom``: packed sequences, windows, overlays)."""
+    token; ``None`` when nothing is padded); the packed-sequence ids transformers found in
+    ``position_ids`` (``(B, L)``, one id per document; ``None`` when not packed); and whether it
+    asked for anything else (``overlay``: windows, chunks, prefix or bidirectional overlays)."""
 
     padding: torch.Tensor | None
-    custom: bool
+    documents: torch.Tensor | None
+    overlay: bool
+
+
+def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, bool]:
+    """``(packed-sequence ids, overlay)`` of transformers' mask function: plain causal or
+    bidirectional, the same made packed-sequence compatible (``and_masks`` of
+    ``packed_sequence_mask_function`` and ``remap_positions_for_packed_sequence`` over a plain
+    one, as ``create_causal_mask`` builds it), or anything else (an overlay)."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    plain = (None, causal_mask_function, bidirectional_mask_function)
+    if mask_function in plain:
+        return None, False
+    if callable(mask_function) and getattr(mask_function, "__qualname__", "").startswith(
+        "and_masks."
+    ):
+        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
+        names = [getattr(f, "__qualname__", "") for f in parts]
+        if (
+            len(parts) == 2
+            and names[0].startswith("packed_sequence_mask_function.")
+            and names[1].startswith("remap_positions_for_packed_sequence.")
+        ):
+            ids = inspect.getclosurevars(parts[0]).nonlocals.get("packed_sequence_mask")
+            base = inspect.getclosurevars(parts[1]).nonlocals.get("mask_function")
+            if base in plain and isinstance(ids, torch.Tensor):
+                return ids, False
+    return None, True
+
+
+def _bounds(ids: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` from packed-sequence ids ``(B, L)``, which every row must share."""
+    if not bool((ids == ids[:1]).all()):
+        raise ValueError(
+            f"attn_implementation={NAME!r} packs documents the same way in every row "
+            "(cu_seqlens); these position_ids pack the rows differently"
+        )
+    row = ids[0]
+    starts = torch.nonzero(torch.diff(row, prepend=row[:1] - 1) != 0).flatten()
+    return torch.cat([starts, torch.tensor([row.numel()], device=starts.device)]).cpu()
 
 
 def padding_mask(
@@ -93,8 +136,6 @@ def padding_mask(
     """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`). Raises for a
     cache layout whose queries are not the last positions of the keys (a static or sliding
     cache), which ringdilated's query suffix cannot place."""
-    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
-
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
     if offset != 0 or start + q_length != kv_length:
         raise ValueError(
@@ -103,28 +144,16 @@ def padding_mask(
             f"{start + q_length}) of {kv_length} keys from position {offset} (a static or "
             "sliding-window cache)"
         )
-    custom = mask_function not in (None, causal_mask_function, bidirectional_mask_function)
+    documents, overlay = _mask_kind(mask_function)
     if attention_mask is None:
-        return KeyMask(None, custom)
+        return KeyMask(None, documents, overlay)
     if attention_mask.dim() != 2:
         raise ValueError(
             f"attn_implementation={NAME!r} takes a 2-D attention_mask (1 = token, 0 = padding), "
             f"got shape {tuple(attention_mask.shape)}"
         )
     mask = attention_mask[:, -kv_length:].bool()
-    return KeyMask(None if bool(mask.all()) else mask, custom)
-
-
-def _packed_bounds(position_ids: object, length: int) -> torch.Tensor | None:
-    """Document boundaries from ``position_ids`` that restart at 0 (one row), else ``None``."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
-        return None
-    if position_ids.shape[0] != 1 or position_ids.shape[1] != length:
-        return None
-    starts = torch.nonzero(position_ids[0] == 0).flatten().tolist()
-    if starts[:1] != [0] or len(starts) < 2:
-        return None
-    return torch.tensor([*starts, length], dtype=torch.int64)
+    return KeyMask(None if bool(mask.all()) else mask, documents, overlay)
 
 
 def attention_forward(
@@ -150,7 +179,7 @@ def attention_forward(
             f"({window}); the dilation pattern bounds what a query sees"
         )
     layout: dict[str, torch.Tensor] = {}
-    custom = False
+    packed = kwargs.get("cu_seq_lens_k")
     if attention_mask is not None:
         if not isinstance(attention_mask, KeyMask):
             raise ValueError(
@@ -158,20 +187,18 @@ def attention_forward(
                 f"{type(attention_mask).__name__} of shape {tuple(attention_mask.shape)} (a "
                 "custom 4-D mask is not supported)"
             )
-        custom = attention_mask.custom
+        if attention_mask.overlay:
+            raise ValueError(
+                f"attn_implementation={NAME!r} serves plain causal or bidirectional masks, "
+                "padding and packed sequences; transformers asked for another mask (a sliding "
+                "window, a chunked, prefix or bidirectional overlay)"
+            )
         if attention_mask.padding is not None:
             layout["key_padding_mask"] = attention_mask.padding.logical_not()
-    packed = kwargs.get("cu_seq_lens_k")
-    if packed is None and query.shape[2] == key.shape[2]:
-        packed = _packed_bounds(kwargs.get("position_ids"), key.shape[2])
+        if packed is None and attention_mask.documents is not None:
+            packed = _bounds(attention_mask.documents)  # packing transformers found
     if packed is not None:
         layout["cu_seqlens"] = packed
-    elif custom:
-        raise ValueError(
-            f"attn_implementation={NAME!r} serves plain causal or bidirectional masks, padding "
-            "and packed sequences; transformers asked for another mask (a sliding window, a "
-            "chunked or prefix overlay, or packing it could not pass as cu_seq_lens)"
-        )
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     out = dilated_attention(
