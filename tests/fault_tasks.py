@@ -64,6 +64,12 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
             segments = [_SurrogateRepr()]  # type: ignore[list-item]
         elif fault == "transfer_stats":
             kwargs["transfer_stats"] = 5
+        elif fault == "documents":
+            kwargs["cu_seqlens"] = torch.tensor([0, 5, 8 * world])
+        elif fault == "bad documents":
+            kwargs["cu_seqlens"] = torch.tensor([0, 8 * world + 4])
+        elif fault == "padding":
+            kwargs["key_padding_mask"] = torch.zeros(1, 8 * world, dtype=torch.bool)
         else:
             raise AssertionError(f"unknown fault {fault!r}")
     before = [_snapshot(x) for x in (q, k, v)]

@@ -67,3 +67,64 @@ def cases(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = DTYPES, max_len: in
         dtype=draw(st.sampled_from(dtypes)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+@attrs.frozen
+class LayoutCase:
+    """Documents (``cu_seqlens``), padding (each row's valid run) and a query suffix."""
+
+    seq_len: int
+    query_length: int
+    cu_seqlens: tuple[int, ...] | None = None
+    valid_runs: tuple[tuple[int, int], ...] | None = None
+
+    def kwargs(self) -> dict[str, torch.Tensor]:
+        """``cu_seqlens`` and ``key_padding_mask`` as the functional API takes them."""
+        if self.cu_seqlens is not None:
+            return {"cu_seqlens": torch.tensor(self.cu_seqlens, dtype=torch.int32)}
+        if self.valid_runs is not None:
+            p = torch.arange(self.seq_len)
+            mask = torch.stack([(p < s) | (p >= e) for s, e in self.valid_runs])
+            return {"key_padding_mask": mask}
+        return {}
+
+    def queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The last ``query_length`` positions of a full-length ``q``."""
+        return q[:, self.seq_len - self.query_length :]
+
+
+@st.composite
+def layouts(draw: st.DrawFn, batch: int, seq_len: int) -> LayoutCase:
+    """A whole sequence, packed documents or padded rows (the valid run anywhere: left, right
+    or both sides padded; empty rows included), with a query suffix half the time."""
+    query_length = draw(st.integers(1, seq_len)) if draw(st.booleans()) else seq_len
+    kind = draw(st.sampled_from(["whole", "documents", "padding"]))
+    if kind == "documents":
+        cuts = draw(st.sets(st.integers(1, max(1, seq_len - 1)), max_size=4))
+        bounds = (0, *sorted(c for c in cuts if c < seq_len), seq_len)
+        return LayoutCase(seq_len, query_length, cu_seqlens=bounds)
+    if kind == "padding":
+        runs = []
+        for _ in range(batch):
+            valid = draw(st.integers(0, seq_len))
+            start = draw(st.integers(0, seq_len - valid))
+            runs.append((start, start + valid))
+        return LayoutCase(seq_len, query_length, valid_runs=tuple(runs))
+    return LayoutCase(seq_len, query_length)
+
+
+def upstream(seed: int, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random output and lse cotangents; lse's are float32-exact (it is a float32 tensor), and 0
+    where the lse is -inf."""
+    g = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64).float().double()
+    return dout, dlse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def loss_of(
+    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor
+) -> torch.Tensor:
+    """``<out, dout> + <lse, dlse>`` in float64, ``-inf`` lse entries left out."""
+    finite_lse = lse.masked_fill(torch.isneginf(lse), 0.0)
+    return (out.double() * dout).sum() + (finite_lse.double() * dlse).sum()

@@ -107,3 +107,39 @@ def test_compiled_backward_runs_the_lse_pass_only_when_lse_is_used(
     out, lse = compiled(q, k, v, return_lse=True)
     (out.sum() + lse.sum()).backward()
     assert Counting.backwards == 2 * counts[1], "with the lse used, one lse pass per block"
+
+
+def test_compiled_documents_padding_and_query_suffix_match_the_oracle() -> None:
+    """cu_seqlens and key_padding_mask go through the custom op (checked there), and a short q
+    is the op's own shape: no graph break, the oracle's results."""
+    attn = DilatedAttention([4, 8], [1, 2], causal=True)
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 20, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bounds = torch.tensor([0, 7, 20])
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[1, :5] = True
+    for kwargs in ({"cu_seqlens": bounds}, {"key_padding_mask": mask}, {}):
+        for query in (q, q[:, 13:]):
+            out = compiled(query, k, v, **kwargs)
+            expected = oracle(query, k, v, [4, 8], [1, 2], causal=True, **kwargs)
+            assert max_error(out, expected) < 1e-12, (kwargs, query.shape)
+    with pytest.raises((ValueError, RuntimeError), match="cu_seqlens must be strictly increasing"):
+        compiled(q, k, v, cu_seqlens=torch.tensor([0, 7, 7, 20]))
+
+
+def test_compiled_checks_what_eager_checks() -> None:
+    """transfer_stats is checked on the compiled path too, and a pattern value the custom op
+    cannot take (beyond int64) is refused with a message saying so."""
+    import ringdilated
+
+    q = torch.randn(1, 8, 2, 4)
+
+    def call(**kwargs: object) -> torch.Tensor:
+        return ringdilated.dilated_attention(q, q, q, kernel="reference", **kwargs)  # type: ignore[call-overload,no-any-return]
+
+    compiled = torch.compile(call, backend="aot_eager")
+    with pytest.raises((TypeError, RuntimeError), match="transfer_stats must be a"):
+        compiled(segment_lengths=[4], dilation_rates=[1], transfer_stats=5)
+    with pytest.raises((ValueError, RuntimeError), match="must fit in int64"):
+        compiled(segment_lengths=[2**64], dilation_rates=[1])

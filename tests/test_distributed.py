@@ -17,28 +17,34 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
-from ringdilated.testing.communicators import communicator_cases
+from ringdilated.testing.communicators import case_layout, communicator_cases
 from tests.distributed_harness import TASKS, Workers, full_inputs
 
 
 def _minimum_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int]]:
-    """Bytes each rank must send, and must receive, in a forward pass."""
+    """Bytes each rank must send, and must receive, in a forward pass (padded rows: each row
+    its own, from its own mask)."""
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
-        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"]
-    )
-    sees = (weights > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
+        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
+        **case_layout(case),
+    )  # fmt: skip
+    rows = case["batch"] if weights.shape[0] == 1 else 1  # rows that each weight row stands for
     shard = L // world
     itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
-    per_pair = 2 * case["batch"] * case["head_dim"] * itemsize
+    per_pair = 2 * rows * case["head_dim"] * itemsize
     sent, received = [0] * world, [0] * world
-    for src in range(world):
-        for dst in range(world):
-            if dst != src:
-                block = sees[:, dst * shard : (dst + 1) * shard, src * shard : (src + 1) * shard]
-                pairs = int(block.any(1).sum())
-                sent[src] += per_pair * pairs
-                received[dst] += per_pair * pairs
+    for row in weights:
+        sees = (row > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
+        for src in range(world):
+            for dst in range(world):
+                if dst != src:
+                    block = sees[
+                        :, dst * shard : (dst + 1) * shard, src * shard : (src + 1) * shard
+                    ]
+                    pairs = int(block.any(1).sum())
+                    sent[src] += per_pair * pairs
+                    received[dst] += per_pair * pairs
     return sent, received
 
 
@@ -46,6 +52,7 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
+    kw.update(case_layout(case))
     out = torch.cat([r["out"] for r in results], 1)
     lse = torch.cat([r["lse"] for r in results], 2)
     grads = [torch.cat([r[name] for r in results], 1) for name in ("dq", "dk", "dv")]

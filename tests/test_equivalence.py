@@ -9,7 +9,7 @@ from hypothesis import given
 
 import ringdilated
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
-from tests.strategies import Case, cases
+from tests.strategies import Case, cases, loss_of, upstream
 
 KERNELS = ["sdpa", "reference"]
 
@@ -17,24 +17,6 @@ KERNELS = ["sdpa", "reference"]
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The public lse is float32 (docs/spec.md, section 1), so float64 inputs get a float32 lse."""
     return torch.float32 if dtype == torch.float64 else dtype
-
-
-def _upstream(
-    case: Case, out: torch.Tensor, lse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random output and lse cotangents; lse's are float32-exact (it is a float32 tensor), and 0
-    where the lse is -inf."""
-    g = torch.Generator().manual_seed(case.seed + 1)
-    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64).float().double()
-    return dout, dlse.masked_fill(torch.isneginf(lse), 0.0)
-
-
-def _loss(
-    out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor
-) -> torch.Tensor:
-    finite_lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-    return (out.double() * dout).sum() + (finite_lse.double() * dlse).sum()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -62,14 +44,14 @@ def test_gradients_match_oracle(kernel: str, case: Case) -> None:
     out, lse = ringdilated.dilated_attention(
         q, k, v, *pattern, **case.kwargs(), kernel=kernel, return_lse=True
     )
-    dout, dlse = _upstream(case, out, lse)
-    grads = torch.autograd.grad(_loss(out, lse, dout, dlse), (q, k, v))
+    dout, dlse = upstream(case.seed, out, lse)
+    grads = torch.autograd.grad(loss_of(out, lse, dout, dlse), (q, k, v))
 
     expected = torch.autograd.grad(
-        _loss(*oracle(q, k, v, *pattern, **case.kwargs(), return_lse=True), dout, dlse), (q, k, v)
+        loss_of(*oracle(q, k, v, *pattern, **case.kwargs(), return_lse=True), dout, dlse), (q, k, v)
     )
     baseline = torch.autograd.grad(
-        _loss(*dense_attention(q, k, v, *pattern, **case.kwargs()), dout, dlse), (q, k, v)
+        loss_of(*dense_attention(q, k, v, *pattern, **case.kwargs()), dout, dlse), (q, k, v)
     )
     for name, actual, exp, base in zip("qkv", grads, expected, baseline, strict=True):
         assert actual.dtype == case.dtype

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ringdilated
-from ringdilated.core.driver import DilatedAttentionFunction, Run
+from ringdilated.core.driver import DilatedAttentionFunction, RowBlocks, Run
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
@@ -57,7 +57,7 @@ def test_dropout_drops_probabilities_once_and_rescales(mode: str) -> None:
     torch.manual_seed(0)
     dropped = ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2], mode=mode, dropout_p=p)
     probs = oracle(q, k, v, [8, 16], [1, 2], mode=mode)
-    counts = pattern_weights(L, 2, [8, 16], [1, 2], mode=mode).permute(1, 0, 2).unsqueeze(0)
+    counts = pattern_weights(L, 2, [8, 16], [1, 2], mode=mode)[0].permute(1, 0, 2).unsqueeze(0)
     unit = probs / counts.clamp(min=1) / (1 - p)
     multiple = torch.where(unit > 0, dropped / unit, torch.zeros_like(unit))
     assert torch.allclose(multiple, multiple.round(), atol=1e-9)
@@ -80,7 +80,7 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
     blocks = ringdilated.DilationPattern([4, 8], [1, 2], mode).blocks(10, 2, 2)
     run = Run(
         kernel,
-        blocks,
+        (RowBlocks(None, blocks),),
         exclusive=mode == "head_groups",
         scale=0.5,
         causal=True,
@@ -122,7 +122,7 @@ def test_chunked_execution_equals_unchunked() -> None:
                 v,
                 Run(
                     kernel,
-                    blocks,
+                    (RowBlocks(None, blocks),),
                     exclusive=mode == "head_groups",
                     scale=0.3,
                     causal=True,

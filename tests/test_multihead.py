@@ -15,17 +15,26 @@ from ringdilated.testing import max_error, oracle
 
 
 def reference(
-    m: MultiheadDilatedAttention, x: torch.Tensor, causal: bool, mode: str
+    m: MultiheadDilatedAttention,
+    x: torch.Tensor,
+    causal: bool,
+    mode: str,
+    query: torch.Tensor | None = None,
+    **layout: torch.Tensor,
 ) -> torch.Tensor:
-    """The module's maths written out, with the float64 oracle for the attention itself."""
+    """The module's maths written out, with the float64 oracle for the attention itself
+    (``query``: a suffix of ``x``'s positions; ``layout``: ``cu_seqlens``/``key_padding_mask``)."""
     b, length, e = x.shape
-    q = F.linear(x, m.q_proj.weight, m.q_proj.bias).view(b, length, m.num_heads, m.head_dim)
+    query = x if query is None else query
+    q_len = query.shape[1]
+    q = F.linear(query, m.q_proj.weight, m.q_proj.bias).view(b, q_len, m.num_heads, m.head_dim)
     k = F.linear(x, m.k_proj.weight, m.k_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
     v = F.linear(x, m.v_proj.weight, m.v_proj.bias).view(b, length, m.num_kv_heads, m.head_dim)
     pattern = m.attention.pattern
     out = oracle(
-        q, k, v, pattern.segment_lengths, pattern.dilation_rates, mode=mode, causal=causal
-    ).reshape(b, length, e)
+        q, k, v, pattern.segment_lengths, pattern.dilation_rates, mode=mode, causal=causal,
+        **layout,
+    ).reshape(b, q_len, e)  # fmt: skip
     if m.norm is not None:
         out = F.layer_norm(out, (e,), m.norm.weight, m.norm.bias, m.norm.eps)
     return F.linear(out, m.out_proj.weight, m.out_proj.bias)
@@ -66,12 +75,71 @@ def test_matches_the_oracle_forward_and_backward(
     assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-9
 
 
+@given(
+    data=st.data(),
+    causal=st.booleans(),
+    mode=st.sampled_from(["head_groups", "longnet"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_documents_padding_and_a_query_suffix_match_the_oracle(
+    data: st.DataObject, causal: bool, mode: str, seed: int
+) -> None:
+    """``key_padding_mask`` (nn.MultiheadAttention's convention), ``cu_seqlens`` and a query
+    shorter than the keys, through the projections, forward and backward."""
+    from tests.strategies import layouts
+
+    torch.manual_seed(seed)
+    length = data.draw(st.integers(1, 24))
+    layout = data.draw(layouts(2, length))
+    m = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, mode=mode,
+        causal=causal, dtype=torch.float64,
+    )  # fmt: skip
+    x = torch.randn(2, length, 16, dtype=torch.float64, requires_grad=True)
+    query = layout.queries(x)
+    kwargs = layout.kwargs()
+    out, _ = m(query, x, x, kwargs.get("key_padding_mask"), cu_seqlens=kwargs.get("cu_seqlens"))
+    expected = reference(m, x, causal, mode, query, **kwargs)
+    assert max_error(out, expected) < 1e-10
+    params = [x, *m.parameters()]
+    grads = torch.autograd.grad(out.square().sum(), params)
+    expected_grads = torch.autograd.grad(expected.square().sum(), params)
+    assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-9
+
+
+def test_a_padded_batch_gives_the_unpadded_results_on_valid_tokens() -> None:
+    """The transformer block on right- and left-padded rows equals the block on each unpadded
+    sequence alone, at every valid position."""
+    torch.manual_seed(0)
+    block = DilatedTransformerBlock(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=True, dtype=torch.float64
+    )
+    first, second = (
+        torch.randn(1, 11, 16, dtype=torch.float64),
+        torch.randn(1, 7, 16, dtype=torch.float64),
+    )
+    batch = torch.zeros(2, 11, 16, dtype=torch.float64)
+    batch[0], batch[1, 4:] = first[0], second[0]
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, :4] = True
+    out = block(batch, key_padding_mask=mask)
+    assert max_error(out[0], block(first)[0]) < 1e-12
+    assert max_error(out[1, 4:], block(second)[0]) < 1e-12
+    packed = block(torch.cat([first, second], 1), cu_seqlens=torch.tensor([0, 11, 18]))
+    assert max_error(packed[0, :11], block(first)[0]) < 1e-12
+    assert max_error(packed[0, 11:], block(second)[0]) < 1e-12
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"need_weights": True}, ValueError, "need_weights=True is not supported"),
         ({"attn_mask": torch.zeros(8, 8)}, ValueError, "attn_mask is not supported yet"),
-        ({"key_padding_mask": torch.zeros(1, 8, dtype=torch.bool)}, ValueError, "key_padding_mask"),
+        (
+            {"key_padding_mask": torch.zeros(1, 8, dtype=torch.int64)},
+            TypeError,
+            "key_padding_mask must be a bool tensor",
+        ),
         ({"is_causal": True}, ValueError, "is_causal=True needs a module built with causal=True"),
     ],
 )
@@ -165,3 +233,60 @@ def test_block_resolves_its_kernel_for_the_call() -> None:
     assert plan is not None
     request = plan.request
     assert (request.dtype, request.head_dim, request.causal) == (torch.float64, 8, True), request
+
+
+def test_rotary_embedding_is_the_rope_formula() -> None:
+    """Half-split RoPE: pair (x_i, x_{i+D/2}) turns by position * 10000^(-2i/D)."""
+    from ringdilated.rotary import rotary_embedding
+
+    x = torch.randn(1, 5, 2, 6, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 7, 3]])
+    out = rotary_embedding(x, positions)
+    for b, p in enumerate(positions[0].tolist()):
+        for i in range(3):
+            angle = p * 10000.0 ** (-2 * i / 6)
+            c, s = (
+                torch.cos(torch.tensor(angle, dtype=torch.float64)),
+                torch.sin(torch.tensor(angle, dtype=torch.float64)),
+            )
+            a, bb = x[0, b, :, i], x[0, b, :, i + 3]
+            assert torch.allclose(out[0, b, :, i], a * c - bb * s, atol=1e-12)
+            assert torch.allclose(out[0, b, :, i + 3], bb * c + a * s, atol=1e-12)
+
+
+def test_rotary_positions_restart_per_document_and_continue_in_the_cache() -> None:
+    """With rotary=, packed documents and padded rows equal each sequence alone (positions
+    restart at each document), and cached decoding equals the full call."""
+    from ringdilated.rotary import rotary_embedding
+
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, causal=True,
+        dtype=torch.float64, rotary=rotary_embedding,
+    )  # fmt: skip
+    first, second = (
+        torch.randn(1, 7, 16, dtype=torch.float64),
+        torch.randn(1, 5, 16, dtype=torch.float64),
+    )
+    alone = [m(x, x, x)[0] for x in (first, second)]
+    packed = torch.cat([first, second], 1)
+    out, _ = m(packed, packed, packed, cu_seqlens=torch.tensor([0, 7, 12]))
+    assert max_error(out[:, :7], alone[0]) < 1e-12 and max_error(out[:, 7:], alone[1]) < 1e-12
+    padded = torch.zeros(2, 7, 16, dtype=torch.float64)
+    padded[0], padded[1, 2:] = first[0], second[0]
+    mask = torch.zeros(2, 7, dtype=torch.bool)
+    mask[1, :2] = True
+    out, _ = m(padded, padded, padded, mask)
+    assert max_error(out[0], alone[0][0]) < 1e-12 and max_error(out[1, 2:], alone[1][0]) < 1e-12
+    cache = m.make_cache()
+    steps = [m(first[:, :3], first[:, :3], first[:, :3], cache=cache)[0]]
+    steps += [m(first[:, t : t + 1], first[:, t : t + 1], first[:, t : t + 1], cache=cache)[0]
+              for t in range(3, 7)]  # fmt: skip
+    assert max_error(torch.cat(steps, 1), alone[0]) < 1e-12
+    # and rotary matters: without it the results differ
+    plain = MultiheadDilatedAttention(
+        16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2], num_kv_heads=2, causal=True,
+        dtype=torch.float64,
+    )  # fmt: skip
+    plain.load_state_dict(m.state_dict())
+    assert max_error(plain(first, first, first)[0], alone[0]) > 1e-6

@@ -33,6 +33,9 @@ BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeo
         ("unreadable shape", "TypeError", "q must be a torch.Tensor, got _UnreadableShape"),
         ("surrogate", "TypeError", "segment_lengths must hold ints"),
         ("transfer_stats", "TypeError", "transfer_stats must be a ringdilated.TransferStats"),
+        ("documents", "ValueError", "documents: rank 0 none, rank 1 2 documents, digest"),
+        ("bad documents", "ValueError", "cu_seqlens must run from 0 to the sequence length 16"),
+        ("padding", "ValueError", "documents: rank 0 none, rank 1 padding of 1 row groups"),
     ],
 )
 def test_a_fault_on_one_rank_raises_on_every_rank(

@@ -38,14 +38,14 @@ CASES = [
         (Q, t(1, 16, 2, 8), t(1, 16, 2, 8)),
         {},
         ValueError,
-        "must match q in batch and seq_len",
+        r"must match q in batch, got q \(2, 16, 4, 8\) and k \(1, 16, 2, 8\)",
     ),
     (
-        "length mismatch",
+        "q longer than k",
         (Q, t(2, 15, 2, 8), t(2, 15, 2, 8)),
         {},
         ValueError,
-        "must match q in batch and seq_len",
+        r"q may not be longer than k.*got q \(2, 16, 4, 8\) and k \(2, 15, 2, 8\)",
     ),
     (
         "head dim mismatch",

@@ -15,6 +15,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ringdilated.cache import DilatedKVCache
 from ringdilated.core import (
     DilationPattern,
     Environment,
@@ -39,6 +40,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "DilatedAttention",
+    "DilatedKVCache",
     "DilatedTransformerBlock",
     "DilationPattern",
     "Environment",

@@ -28,6 +28,8 @@ def _run(
     k: torch.Tensor,
     v: torch.Tensor,
     seed: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     mode: str,
@@ -41,7 +43,14 @@ def _run(
     eager path (re-validating costs microseconds; the resolution is a cached lookup)."""
     from ringdilated.registry import default_resolver
 
-    options = CallOptions(causal=causal, scale=scale, dropout_p=dropout_p, kernel=kernel)
+    options = CallOptions(
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        kernel=kernel,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
+    )
     plan = prepare_call(
         (segment_lengths, dilation_rates, mode),
         q,
@@ -61,6 +70,8 @@ def dilated_attention_op(
     k: torch.Tensor,
     v: torch.Tensor,
     seed: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
     segment_lengths: list[int],
     dilation_rates: list[int],
     mode: str,
@@ -70,12 +81,16 @@ def dilated_attention_op(
     kernel: str,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, L, H, D), lse (B, H, L))`` of one single-process call, already validated."""
+    """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one single-process call. The arguments the
+    caller's traced code could check are checked; the documents and padding, which need their
+    values, are checked here (before any work), as in an eager call."""
     run = _run(
         q,
         k,
         v,
         seed,
+        cu_seqlens,
+        key_padding_mask,
         segment_lengths,
         dilation_rates,
         mode,
@@ -99,8 +114,9 @@ def _fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, seed, *params = inputs
+    q, k, v, seed, cu_seqlens, key_padding_mask, *params = inputs
     ctx.save_for_backward(q, k, v, seed, *output)
+    ctx.layout = (cu_seqlens, key_padding_mask)
     ctx.params = params
 
 
@@ -114,6 +130,8 @@ def dilated_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     seed: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
     segment_lengths: list[int],
     dilation_rates: list[int],
     mode: str,
@@ -128,7 +146,20 @@ def dilated_attention_backward_op(
     the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
     only when ``dlse`` has a nonzero entry. Skipping it for zeros is exact."""
     run = _run(
-        q, k, v, seed, segment_lengths, dilation_rates, mode, causal, scale, dropout_p, kernel, True
+        q,
+        k,
+        v,
+        seed,
+        cu_seqlens,
+        key_padding_mask,
+        segment_lengths,
+        dilation_rates,
+        mode,
+        causal,
+        scale,
+        dropout_p,
+        kernel,
+        True,
     )
     if dlse is not None and not bool(dlse.any()):
         dlse = None
@@ -160,9 +191,18 @@ def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) ->
     q, k, v, seed, out, lse = ctx.saved_tensors
     params = ctx.params[:-1]  # all but ``backward``
     grads = dilated_attention_backward_op(
-        torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *params
+        torch.zeros_like(out) if dout is None else dout,
+        dlse,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        *ctx.layout,
+        *params,
     )
-    return (*first_order_only(grads, (q, k, v)), *(None,) * 9)
+    return (*first_order_only(grads, (q, k, v)), *(None,) * 11)
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)

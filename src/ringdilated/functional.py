@@ -19,7 +19,6 @@ import math
 from collections.abc import Sequence
 from typing import Literal, overload
 
-import attrs
 import torch
 
 from ringdilated.compiled import dilated_attention_op
@@ -34,6 +33,8 @@ from ringdilated.core.validation import check_bool, check_inputs, check_options
 from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
+
+_INT64_MAX = 2**63 - 1
 
 world_size = group_size
 """Ranks in a process group (``None``: one process); :func:`ringdilated.core.call.group_size`."""
@@ -54,8 +55,13 @@ def attend(
     resolver: Resolver | None = None,
     return_lse: object = False,
     transfer_stats: TransferStats | None = None,
+    cu_seqlens: object = None,
+    key_padding_mask: object = None,
+    full_precision_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
-    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``.
+    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``
+    (``full_precision_lse``: the lse in the accumulation dtype, float64 for float64 inputs, for
+    callers that merge results further).
 
     ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
     validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
@@ -65,18 +71,28 @@ def attend(
     anything else runs eagerly behind a graph break.
     """
     q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
-    arguments = (causal, scale, dropout_p, return_lse, kernel, communicator)
+    # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
+    options = dict(
+        causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        return_lse=return_lse,
+        kernel=kernel,
+        communicator=communicator,
+        transfer_stats=transfer_stats,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
+    )
     if (
         isinstance(kernel, str)
         and process_group is None
         and resolver is None
         and torch.compiler.is_compiling()
     ):
-        return _attend_compiled(pattern, q, k, v, causal, scale, dropout_p, return_lse, kernel)
-    result: tuple[torch.Tensor, torch.Tensor, Plan | None] = _attend_eager(
-        pattern, q, k, v, arguments, resolver, process_group, transfer_stats
-    )
-    return result
+        out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
+        return out, lse if full_precision_lse else lse.float(), None
+    out, lse, plan = _attend_eager(pattern, q, k, v, options, resolver, process_group)
+    return out, lse if full_precision_lse else lse.float(), plan
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -85,21 +101,27 @@ def _attend_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    arguments: tuple[object, ...],
+    arguments: dict[str, object],
     resolver: Resolver | None,
     process_group: object,
-    transfer_stats: TransferStats | None,
 ) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
-    options = attrs.evolve(CallOptions(*arguments), transfer_stats=transfer_stats)
+    options = CallOptions(**arguments)
     plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if plan.communicator is not None:
-        plan.communicator.prepare(plan.group, plan.shards, plan.causal)
-    executor = plan.executor(q, k, transfer_stats)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, executor)  # type: ignore[no-untyped-call]
-    return out, lse.float(), plan.kernel
+    stats = options.transfer_stats
+    results = []
+    for rows, part in plan.parts():
+        x = [(t if rows is None else t[rows]).contiguous() for t in (q, k, v)]
+        if part.communicator is not None:
+            part.communicator.prepare(part.group, part.shards, part.causal)
+        executor = part.executor(x[0], x[1], stats if isinstance(stats, TransferStats) else None)
+        results.append(DilatedAttentionFunction.apply(*x, executor))  # type: ignore[no-untyped-call]
+    if len(results) == 1:
+        out, lse = results[0]
+    else:  # a sharded call's groups of padded rows, in batch order
+        out, lse = torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
+    return out, lse, plan.kernel
 
 
 def _attend_compiled(
@@ -107,19 +129,38 @@ def _attend_compiled(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: object,
-    scale: object,
-    dropout: object,
-    return_lse: object,
+    options: dict[str, object],
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """The traced path: the checks dynamo can trace (no resolver here), then the custom op."""
+    """The traced path: the checks dynamo can trace (no resolver here, and not the values of
+    ``cu_seqlens`` or the padding mask, which the op checks), then the custom op."""
     if not isinstance(pattern, DilationPattern):
         pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
+    scale, dropout = options["scale"], options["dropout_p"]
     check_options(scale, dropout)
-    causal = check_bool("causal", causal)
-    check_bool("return_lse", return_lse)
+    causal = check_bool("causal", options["causal"])
+    check_bool("return_lse", options["return_lse"])
+    stats = options["transfer_stats"]
+    if stats is not None and not isinstance(stats, TransferStats):
+        raise TypeError(
+            f"transfer_stats must be a ringdilated.TransferStats or None, got {stats!r}"
+        )
+    for name, values in (
+        ("segment_lengths", pattern.segment_lengths),
+        ("dilation_rates", pattern.dilation_rates),
+    ):
+        if max(values) > _INT64_MAX:
+            raise ValueError(
+                f"under torch.compile, {name} must fit in int64 (the custom op takes int[]), "
+                f"got {max(values)}; make this call outside the compiled region"
+            )
+    layout: list[torch.Tensor | None] = []
+    for name in ("cu_seqlens", "key_padding_mask"):
+        value = options[name]
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+        layout.append(value)
     dropout_p = float(dropout)  # type: ignore[arg-type]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     seed = (
@@ -132,6 +173,7 @@ def _attend_compiled(
         k,
         v,
         seed,
+        *layout,
         list(pattern.segment_lengths),
         list(pattern.dilation_rates),
         pattern.mode,
@@ -141,7 +183,7 @@ def _attend_compiled(
         kernel,
         backward,
     )
-    return out, lse.float(), None
+    return out, lse, None
 
 
 @overload
@@ -161,6 +203,8 @@ def dilated_attention(
     process_group: object = ...,
     communicator: str | Communicator = ...,
     transfer_stats: TransferStats | None = ...,
+    cu_seqlens: torch.Tensor | None = ...,
+    key_padding_mask: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -181,6 +225,8 @@ def dilated_attention(
     process_group: object = ...,
     communicator: str | Communicator = ...,
     transfer_stats: TransferStats | None = ...,
+    cu_seqlens: torch.Tensor | None = ...,
+    key_padding_mask: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -200,8 +246,10 @@ def dilated_attention(
     process_group: object = None,
     communicator: str | Communicator = "auto",
     transfer_stats: TransferStats | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dilated attention over ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
+    """Dilated attention over ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
 
     Semantics (docs/spec.md): for pattern ``i`` a query at position ``p`` attends to the
     positions of its segment of length ``segment_lengths[i]`` selected with stride
@@ -213,8 +261,18 @@ def dilated_attention(
     - ``causal``: keys after the query are hidden. ``scale`` defaults to ``1/sqrt(D)``.
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
-    - ``return_lse``: also return ``lse`` ``(B, H, L)`` float32, ``-inf`` where a query sees no key.
-      Gradients flow through ``out`` and ``lse``.
+    - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
+      key. Gradients flow through ``out`` and ``lse``.
+    - Query suffix: ``q`` may be shorter than ``k``, ``v`` (``Lq <= L``); it holds the last ``Lq``
+      positions (bottom-right aligned, as with a KV cache), and its rows equal those rows of the
+      full-length call.
+    - ``cu_seqlens``: a 1-D integer tensor ``[0, e_1, ..., L]``, strictly increasing, shared by
+      every batch row: packed documents, each attended as its own sequence (positions and
+      segments restart at its start; no query sees another document's keys).
+    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding. Each row's valid positions must
+      form one contiguous run (left or right padding), attended as its one document; padded
+      positions are nobody's keys and give ``out = 0``, ``lse = -inf``. Not with ``cu_seqlens``.
+      Both are read to the host once per call (the blocks are planned there).
     - Under ``torch.autocast``, ``q``, ``k``, ``v`` are cast to the autocast dtype and ``out``
       comes back in it, as with ``scaled_dot_product_attention``.
     - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``), a backend name,
@@ -244,5 +302,7 @@ def dilated_attention(
         communicator=communicator,
         return_lse=return_lse,
         transfer_stats=transfer_stats,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
     )
     return (out, lse) if return_lse else out

@@ -26,7 +26,9 @@ class DilatedAttention(nn.Module):
     """Dilated attention over given ``q``, ``k``, ``v``; no parameters.
 
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
-    semantics of :func:`ringdilated.dilated_attention`. ``dropout`` applies in training mode only.
+    semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens`` (packed
+    documents), ``key_padding_mask`` and a ``q`` shorter than ``k`` (a query suffix).
+    ``dropout`` applies in training mode only.
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. The kernel is chosen
@@ -71,7 +73,14 @@ class DilatedAttention(nn.Module):
         self.plan: Plan | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_lse: bool = False,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, lse, plan = attend(
             self.pattern,
@@ -85,6 +94,8 @@ class DilatedAttention(nn.Module):
             process_group=self.process_group,
             communicator=self.communicator,
             return_lse=return_lse,
+            cu_seqlens=cu_seqlens,
+            key_padding_mask=key_padding_mask,
         )
         if plan is not None:  # None under torch.compile, where the op resolves in the graph
             self.plan = plan

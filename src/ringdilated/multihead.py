@@ -14,15 +14,20 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ringdilated.cache import DilatedKVCache
+from ringdilated.core.call import group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
 from ringdilated.core.kernel import Kernel
+from ringdilated.core.layout import read_layout
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
 from ringdilated.core.validation import check_bool
 from ringdilated.modules import DilatedAttention
+from ringdilated.rotary import Rotary
 
 __all__ = ["MultiheadDilatedAttention", "positive_float", "positive_int", "resolve_dtype"]
 
@@ -70,6 +75,11 @@ class MultiheadDilatedAttention(nn.Module):
     :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
     must then be in that dtype. The pattern arguments are keyword-only, so
     ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+
+    ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
+    applied to ``q`` and ``k`` after the projections, with positions counted from each
+    document's start (padding and packed documents restart at 0; on a process group, global
+    positions; with a cache, from the cache's length). See :mod:`ringdilated.rotary`.
     """
 
     def __init__(
@@ -92,8 +102,12 @@ class MultiheadDilatedAttention(nn.Module):
         communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
+        if rotary is not None and not callable(rotary):
+            raise TypeError(f"rotary must be callable or None, got {type(rotary).__name__}")
+        self.rotary = rotary
         embed_dim = positive_int("embed_dim", embed_dim)
         num_heads = positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
@@ -159,24 +173,45 @@ class MultiheadDilatedAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """``(out (B, L, embed_dim), None)``. Masks and attention weights are not supported yet
-        and raise; causality is the module's ``causal`` argument."""
+        """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
+
+        ``query`` may be shorter than ``key`` and ``value`` (its last positions: a query
+        suffix). ``key_padding_mask`` ``(B, L)``, ``True`` = padding, one contiguous valid run
+        per row, and ``cu_seqlens`` (packed documents) are
+        :func:`ringdilated.dilated_attention`'s. ``attn_mask`` and ``need_weights=True`` raise
+        (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
+
+        ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
+        the next tokens (the same ones, as in self-attention), which the cache adds before
+        attending them over everything it has seen; no masks, no process group.
+        """
         try:
             self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
+            if cache is not None:
+                self._check_cache(cache, key_padding_mask, cu_seqlens)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
             k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
             v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
+            if self.rotary is not None:
+                q, k = self._rotate(q, k, key_padding_mask, cu_seqlens, cache)
         except Exception as error:
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections: an input on another device than the weights, a hook) must reach every
             # rank: the peers are waiting in that agreement.
             self.attention.reject(error, getattr(query, "device", None))
-        out = self.attention(q, k, v)
+        if cache is not None:
+            out = cache.attend(q, k, v)
+            assert isinstance(out, torch.Tensor)
+        else:
+            out = self.attention(q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask)
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -204,8 +239,6 @@ class MultiheadDilatedAttention(nn.Module):
                 "attn_mask is not supported yet; causal masking is MultiheadDilatedAttention"
                 "(causal=True)"
             )
-        if key_padding_mask is not None:
-            raise ValueError("key_padding_mask is not supported yet; pass None")
         if is_causal and not self.attention.causal:
             raise ValueError(
                 "is_causal=True needs a module built with causal=True (the pattern is fixed at "
@@ -230,6 +263,53 @@ class MultiheadDilatedAttention(nn.Module):
                     "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
                     "run under torch.autocast)"
                 )
+
+    def _rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_padding_mask: object,
+        cu_seqlens: object,
+        cache: DilatedKVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``, ``k`` rotated at their positions (see the class docstring)."""
+        assert self.rotary is not None
+        length, q_len = k.shape[1], q.shape[1]
+        if cache is not None:
+            positions = cache.length + torch.arange(q_len, device=q.device).unsqueeze(0)
+            return self.rotary(q, positions), self.rotary(k, positions)
+        group = self.attention.process_group
+        ranks = group_size(group)
+        rank = 0 if ranks == 1 else dist.get_rank(group)  # type: ignore[arg-type]
+        layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=length * ranks)
+        positions = layout.positions(q.device)[:, rank * length : (rank + 1) * length]
+        return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
+
+    def make_cache(self) -> DilatedKVCache:
+        """An empty :class:`~ringdilated.DilatedKVCache` for this module's pattern, heads,
+        causality, scale and kernel, to pass to ``forward(..., cache=)`` while decoding."""
+        a = self.attention
+        return DilatedKVCache(
+            a.pattern.segment_lengths,
+            a.pattern.dilation_rates,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            mode=a.pattern.mode,
+            causal=a.causal,
+            scale=a.scale,
+            kernel=a.kernel,
+        )
+
+    def _check_cache(self, cache: object, key_padding_mask: object, cu_seqlens: object) -> None:
+        if not isinstance(cache, DilatedKVCache):
+            raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
+        if key_padding_mask is not None or cu_seqlens is not None:
+            raise ValueError(
+                "a cache holds one unpadded sequence per row: pass key_padding_mask=None and "
+                "cu_seqlens=None with cache="
+            )
+        if self.attention.process_group is not None:
+            raise ValueError("cache= is for decoding on one process; this module is sharded")
 
     def explain(self) -> str:
         """Which kernel and communicator serve this module, and why the others were rejected."""

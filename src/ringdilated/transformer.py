@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.cache import DilatedKVCache
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
@@ -23,6 +24,7 @@ from ringdilated.multihead import (
     positive_int,
     resolve_dtype,
 )
+from ringdilated.rotary import Rotary
 
 __all__ = ["DilatedTransformerBlock"]
 
@@ -32,6 +34,8 @@ class DilatedTransformerBlock(nn.Module):
 
     ``ffn_dim`` defaults to ``4 * embed_dim``; ``gamma_init`` scales the initialisation of the
     value/output projections and both feed-forward layers (MAGNETO; 1.0 is plain Xavier).
+    ``rotary``: rotary position embeddings for the attention's ``q`` and ``k`` (see
+    :class:`~ringdilated.MultiheadDilatedAttention` and :mod:`ringdilated.rotary`).
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class DilatedTransformerBlock(nn.Module):
         communicator: str | Communicator = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
         embed_dim = positive_int("embed_dim", embed_dim)
@@ -77,6 +82,7 @@ class DilatedTransformerBlock(nn.Module):
             communicator=communicator,
             device=device,
             dtype=factory["dtype"],
+            rotary=rotary,
         )
         self.ffn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
         up = nn.Linear(embed_dim, ffn_dim, **factory)
@@ -93,8 +99,24 @@ class DilatedTransformerBlock(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape."""
+    def make_cache(self) -> DilatedKVCache:
+        """An empty cache for decoding with this block (its attention's
+        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`)."""
+        return self.attn.make_cache()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        cache: DilatedKVCache | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens`` and
+        ``key_padding_mask`` are :func:`ringdilated.dilated_attention`'s (packed documents,
+        padded rows: padded positions come out of the attention as 0 and pass through the
+        block's residual and feed-forward like any position; mask them in your loss).
+        ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding the next tokens."""
         embed_dim = self.attn.embed_dim
         try:
             if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
@@ -106,6 +128,7 @@ class DilatedTransformerBlock(nn.Module):
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
             self.attn.attention.reject(error, getattr(x, "device", None))
-        x = x + self.dropout(self.attn(h, h, h)[0])
+        attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache)[0]
+        x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out

@@ -67,6 +67,7 @@ class CallSignature:
     scale: str
     dropout_p: str
     dtype: str
+    documents: str
     device: str
     q_shape: str
     k_shape: str

@@ -15,6 +15,7 @@ A one-process call resolves no communicator.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.kernel import derive_seed
+from ringdilated.core.layout import Rows, SequenceLayout, read_layout
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.core.resolver import Plan, Resolver
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
@@ -62,13 +65,20 @@ class CallOptions:
     kernel: object = "auto"
     communicator: object = "auto"
     transfer_stats: object = attrs.field(default=None, eq=False)
+    cu_seqlens: object = attrs.field(default=None, eq=False)
+    key_padding_mask: object = attrs.field(default=None, eq=False)
+
+
+RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
+"""Batch rows sharing one padding, every rank's shard plan for them, and their communicator."""
 
 
 @attrs.frozen
 class CallPlan:
     """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``seed`` seeds the
-    call's dropout masks; ``shards`` holds every rank's shard plan (empty on one process) and
-    ``communicator`` moves their pieces (``None`` on one process)."""
+    call's dropout masks; ``layout`` places documents, padding and a query suffix; ``shards``
+    holds every rank's shard plan (empty on one process) and ``communicator`` moves their pieces
+    (``None`` on one process)."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -76,10 +86,37 @@ class CallPlan:
     scale: float
     dropout_p: float
     seed: int
+    layout: SequenceLayout
     rank: int = 0
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = attrs.field(default=None, eq=False)
     group: object = attrs.field(default=None, eq=False)
+    row_plans: tuple[RowPlan, ...] = attrs.field(default=(), eq=False)
+
+    def parts(self) -> list[tuple[slice | None, CallPlan]]:
+        """The call as independent parts over batch rows: ``[(None, self)]``, unless a sharded
+        call's rows differ in padding, whose rows then run one group at a time (each group with
+        its own shard plans and communicator, and its own dropout seed)."""
+        if not self.row_plans:
+            return [(None, self)]
+        return [
+            (
+                rows.batches,
+                attrs.evolve(
+                    self,
+                    layout=SequenceLayout(
+                        self.layout.length,
+                        self.layout.query_length,
+                        (attrs.evolve(rows, start=0, stop=rows.stop - rows.start),),
+                    ),
+                    shards=shards,
+                    communicator=communicator,
+                    seed=derive_seed(self.seed, "rows", i),
+                    row_plans=(),
+                ),
+            )
+            for i, (rows, shards, communicator) in enumerate(self.row_plans)
+        ]
 
     @property
     def shard(self) -> ShardPlan | None:
@@ -102,6 +139,7 @@ class CallPlan:
             blocks=None if shard is None else shard.inner,
             batch_limit=self.kernel.batch_limit,
             kernel_name=self.kernel.kernel_name,
+            layout=self.layout,
         )
 
     def executor(
@@ -123,8 +161,19 @@ class CallPlan:
         )
 
 
-_Checked = tuple[DilationPattern, Plan, bool, tuple[ShardPlan, ...], Communicator | None]
-"""What :func:`_check` returns: pattern, kernel plan, causal, every rank's shard, communicator."""
+@attrs.frozen
+class _Checked:
+    """What :func:`_check` found: the validated pattern, kernel plan, causal flag and layout;
+    on a process group every rank's shard plans, the communicator and, for padded rows, the
+    plans of each group of rows."""
+
+    pattern: DilationPattern
+    plan: Plan
+    causal: bool
+    layout: SequenceLayout
+    shards: tuple[ShardPlan, ...] = ()
+    communicator: Communicator | None = None
+    row_plans: tuple[RowPlan, ...] = ()
 
 
 def _check(
@@ -143,6 +192,16 @@ def _check(
         else DilationPattern(*pattern_args)  # type: ignore[arg-type]
     )
     q, k, v = check_inputs(q, k, v, pattern)
+    if ranks > 1 and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            "with a process_group, q must hold the same positions as its shard of k and v "
+            f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
+            f"{tuple(k.shape)}"
+        )
+    # With a process group, cu_seqlens holds global positions: the length is every shard's.
+    layout = read_layout(
+        q, k, options.cu_seqlens, options.key_padding_mask, length=k.shape[1] * ranks
+    )
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
@@ -163,18 +222,32 @@ def _check(
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return pattern, plan, causal, (), None
+        return _Checked(pattern, plan, causal, layout)
     _, length, heads, _ = q.shape
-    shards = tuple(
-        shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks) for rank in range(ranks)
-    )
-    communicator = resolver.communicator_for(
-        ranks,
-        causal,
-        options.communicator,  # type: ignore[arg-type]
-        shards,
-    )
-    return pattern, plan, causal, shards, communicator
+
+    def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
+        return tuple(
+            shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks, documents)
+            for rank in range(ranks)
+        )
+
+    def communicator(shards: tuple[ShardPlan, ...]) -> Communicator:
+        return resolver.communicator_for(
+            ranks,
+            causal,
+            options.communicator,  # type: ignore[arg-type]
+            shards,
+        )
+
+    if options.key_padding_mask is not None:
+        row_plans = []
+        for rows in layout.rows:
+            shards = plans(rows.documents)
+            row_plans.append((rows, shards, communicator(shards)))
+        first = row_plans[0]
+        return _Checked(pattern, plan, causal, layout, first[1], first[2], tuple(row_plans))
+    shards = plans(None if layout.is_whole else layout.rows[0].documents)
+    return _Checked(pattern, plan, causal, layout, shards, communicator(shards))
 
 
 def prepare_call(
@@ -241,23 +314,40 @@ def prepare_call(
         agree(group, error, signature, device=device)
         assert maybe is not None  # agree() raised otherwise
         checked = maybe
-    pattern, plan, causal, shards, communicator = checked
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
     scale = options.scale
     return CallPlan(
-        pattern=pattern,
-        kernel=plan,
-        causal=causal,
+        pattern=checked.pattern,
+        kernel=checked.plan,
+        causal=checked.causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=dropout_p,
         seed=seed,
+        layout=checked.layout,
         rank=0 if ranks == 1 else dist.get_rank(group),  # type: ignore[arg-type]
-        shards=shards,
-        communicator=communicator,
+        shards=checked.shards,
+        communicator=checked.communicator,
         group=group,
+        row_plans=checked.row_plans,
     )
+
+
+def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
+    """The documents and padding every rank must pass identically: a digest of the checked
+    layout (it may be long), or a description of what was passed where validation failed."""
+    if options.cu_seqlens is None and options.key_padding_mask is None:
+        return "none"
+    if checked is None:
+        kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
+        return f"<cu_seqlens {kinds[0]}, key_padding_mask {kinds[1]}>"
+    rows = checked.layout.rows
+    text = repr([(r.start, r.stop, r.documents) for r in rows]).encode()
+    digest = hashlib.blake2b(text, digest_size=8).hexdigest()
+    if options.key_padding_mask is not None:
+        return f"padding of {len(rows)} row groups, digest {digest}"
+    return f"{len(rows[0].documents)} documents, digest {digest}"
 
 
 def _signature(
@@ -271,7 +361,7 @@ def _signature(
     """What every rank must pass identically, as strings (raw values where validation failed;
     :func:`safe_repr`, so that any object a caller passed can be sent)."""
     if checked is not None:
-        pattern = checked[0]
+        pattern = checked.pattern
         fields: object = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
     else:
         fields = pattern_args
@@ -281,10 +371,11 @@ def _signature(
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
+        documents=_documents_text(options, checked),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
         k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
         backward=backward,
-        kernel=None if checked is None else checked[1].kernel_name,
-        communicator=None if checked is None else type(checked[4]).__name__,
+        kernel=None if checked is None else checked.plan.kernel_name,
+        communicator=None if checked is None else type(checked.communicator).__name__,
     )

@@ -2,7 +2,7 @@
 
 Call flow::
 
-    run = Run(kernel, blocks=pattern.blocks(L, H, Hkv), exclusive=..., scale=..., ...)
+    run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
     out, lse = DilatedAttentionFunction.apply(q, k, v, run)
         forward:  for each block chunk: strided views of q, k, v -> kernel.forward -> (out_b, lse_b)
                   head_groups: each (position, head) has one block, so out_b is copied in place;
@@ -30,6 +30,7 @@ from ringdilated.core.capabilities import UNLIMITED, BatchLimit
 from ringdilated.core.dtypes import autocast_off
 from ringdilated.core.kernel import BlockOptions, Kernel, all_finite, derive_seed
 from ringdilated.core.kernel_guard import CheckedKernel
+from ringdilated.core.layout import SequenceLayout
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "BatchLimitedKernel",
     "DilatedAttentionFunction",
     "Executor",
+    "RowBlocks",
     "Run",
     "lse_gradient",
     "pattern_run",
@@ -45,6 +47,14 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+
+@attrs.frozen
+class RowBlocks:
+    """The blocks of batch rows ``batches`` (``None``: every row)."""
+
+    batches: slice | None
+    blocks: tuple[Block, ...]
 
 
 @attrs.frozen
@@ -57,10 +67,16 @@ class Run:
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     ``batch_limit``: how many problems one kernel call may hold (the kernel's declared grid
     limit, :class:`~ringdilated.core.capabilities.BatchLimit`).
+
+    ``rows``: the blocks of each run of batch rows (documents and padding differ by row).
+    ``query_start``: the position of ``q``'s first row (a query suffix; keys start at 0).
+    ``covers_queries``: every query position of every row lies in a document (no padding), so
+    results need no zero fill where a rate-1 block writes; ``covers_keys``: the same for keys,
+    which also needs every key to be a query's (no suffix).
     """
 
     kernel: Kernel = attrs.field(eq=False)
-    blocks: tuple[Block, ...]
+    rows: tuple[RowBlocks, ...]
     exclusive: bool
     scale: float
     causal: bool = False
@@ -69,32 +85,44 @@ class Run:
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     complete: bool = True
     batch_limit: BatchLimit = UNLIMITED
+    query_start: int = 0
+    covers_queries: bool = True
+    covers_keys: bool = True
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """Every row's blocks."""
+        return tuple(block for rows in self.rows for block in rows.blocks)
 
     def chunks(
         self, batch: int, seq_len: int, head_dim: int, finite: bool | None = None
     ) -> Iterator[_Chunk]:
         """Every kernel call of the pattern, in a fixed order (backward replays the same one).
-        ``finite`` is what the caller knows of the inputs' finiteness (``BlockOptions.finite``)."""
+        ``seq_len`` is the key length; ``finite`` is what the caller knows of the inputs'
+        finiteness (``BlockOptions.finite``)."""
         index = 0
-        for block in self.blocks:
-            per_segment = block.selection.count * block.heads.num_heads * head_dim
-            for batches, selection in _split(
-                block.selection,
-                batch,
-                seq_len,
-                per_segment,
-                self.chunk_elements,
-                self.batch_limit.per_call(block.heads.num_kv_heads),
-            ):
-                options = BlockOptions(
-                    scale=self.scale,
-                    causal_offset=0 if self.causal else None,
-                    dropout_p=self.dropout_p,
-                    dropout_seed=derive_seed(self.dropout_seed, index),
-                    finite=finite,
-                )
-                yield _Chunk(block, batches, selection, options)
-                index += 1
+        for rows in self.rows:
+            batches = rows.batches or slice(0, batch)
+            for block in rows.blocks:
+                per_segment = block.selection.count * block.heads.num_heads * head_dim
+                offset = block.selection.count - block.query_selection.count
+                for chunk_batches, selection in _split(
+                    block.selection,
+                    batches,
+                    seq_len if self.query_start == 0 else -1,
+                    per_segment,
+                    self.chunk_elements,
+                    self.batch_limit.per_call(block.heads.num_kv_heads),
+                ):
+                    options = BlockOptions(
+                        scale=self.scale,
+                        causal_offset=offset if self.causal else None,
+                        dropout_p=self.dropout_p,
+                        dropout_seed=derive_seed(self.dropout_seed, index),
+                        finite=finite,
+                    )
+                    yield _Chunk(block, chunk_batches, selection, options, self.query_start)
+                    index += 1
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
@@ -117,7 +145,7 @@ class Run:
 
 def _split(
     selection: Selection,
-    batch: int,
+    batches: slice,
     seq_len: int,
     per_segment: int,
     budget: int,
@@ -127,39 +155,56 @@ def _split(
     each holding at most ``max_batch`` problems (batch rows times segments).
 
     Batch and segment dimensions merge into one kernel batch dimension as a view only when the
-    segments tile the whole sequence (or there is one segment); otherwise go one batch at a time.
+    segments tile the whole sequence of ``seq_len`` (or there is one segment); otherwise go one
+    batch row at a time. ``batches`` are the rows to cover.
     """
     segments = max(1, budget // max(1, per_segment))
     if max_batch is not None:
         segments = min(segments, max_batch)
     tiles = selection.num_segments == 1 or (selection.start == 0 and selection.stop == seq_len)
+    first, stop = batches.start, batches.stop
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)
-        for b in range(0, batch, step):
-            yield slice(b, min(batch, b + step)), selection
+        for b in range(first, stop, step):
+            yield slice(b, min(stop, b + step)), selection
         return
-    for b in range(batch):
+    for b in range(first, stop):
         for s in range(0, selection.num_segments, segments):
             yield slice(b, b + 1), selection.segments(s, min(segments, selection.num_segments - s))
 
 
 @attrs.frozen
 class _Chunk:
+    """One kernel call: ``selection`` (keys) of ``block`` for rows ``batches``; ``origin``: the
+    position of row 0 of the query-side tensors (``q``, ``out``, ``lse``, their gradients)."""
+
     block: Block
     batches: slice
     selection: Selection
     options: BlockOptions
+    origin: int = 0
+
+    @property
+    def queries(self) -> Selection:
+        """The query positions: the selection's, or the block's suffix of its one segment."""
+        return self.selection if self.block.queries is None else self.block.queries
 
     def view(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """``(B', segments, heads, count, D)``: this chunk's part of ``(B, L, H, D)``, no copy."""
+        """``(B', segments, heads, count, D)``: this chunk's part of ``(B, L, H, D)`` (keys and
+        values, ``kv``) or of ``(B, Lq, H, D)`` (the query side), no copy."""
         run = self.block.heads
-        heads = slice(run.kv_start, run.kv_stop) if kv else slice(run.q_start, run.q_stop)
-        return self.selection.view(x)[self.batches, :, :, heads].permute(0, 1, 3, 2, 4)
+        if kv:
+            view = self.selection.view(x)[self.batches, :, :, run.kv_start : run.kv_stop]
+        else:
+            view = self.queries.view(x, origin=self.origin)
+            view = view[self.batches, :, :, run.q_start : run.q_stop]
+        return view.permute(0, 1, 3, 2, 4)
 
     def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
-        """``(B', segments, heads, count)``: this chunk's part of an ``lse`` of ``(B, H, L)``."""
+        """``(B', segments, heads, count)``: this chunk's part of an ``lse`` of ``(B, H, Lq)``."""
         heads = slice(self.block.heads.q_start, self.block.heads.q_stop)
-        return self.selection.view(lse, dim=2)[self.batches, heads].permute(0, 2, 1, 3)
+        view = self.queries.view(lse, dim=2, origin=self.origin)
+        return view[self.batches, heads].permute(0, 2, 1, 3)
 
     def kernel_input(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
         """``(N, heads, count, D)`` for the kernel; a view (``_split`` made the merge legal)."""
@@ -178,12 +223,13 @@ def run_forward(
 
     Whether the inputs are finite is checked once here (``finite``, if the caller has not) and
     handed to every kernel call, rather than each call summing its own strided views."""
-    B, L, H, D = q.shape
+    B, Lq, H, D = q.shape
+    L = k.shape[1]
     if finite is None:
         finite = all_finite(q, k, v)
-    lse = torch.full((B, H, L), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
     if run.exclusive:
-        out = _result_buffer(q.shape, q.dtype, q.device, run.blocks, exclusive=True)
+        out = _result_buffer(q.shape, q.dtype, q.device, run.blocks, exclusive=run.covers_queries)
     else:
         state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
     for chunk in run.chunks(B, L, D, finite):
@@ -230,8 +276,9 @@ def _result_buffer(
 ) -> torch.Tensor:
     """A ``(B, L, heads, D)`` buffer for results written by the blocks.
 
-    Written once per element (``exclusive``): uninitialised, except heads that some position of
-    is never written (no rate-1 block covers them), which are zeroed. Otherwise zeros to add into.
+    Written once per element, every position in a document (``exclusive``): uninitialised, except
+    heads that some position of is never written (no rate-1 block covers them), which are zeroed.
+    Otherwise zeros (to add into, or left where no block writes).
     """
     if not exclusive:
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -269,7 +316,7 @@ def run_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
     ``finite``: as for :func:`run_forward`, of ``q``, ``k``, ``v``, ``dout`` and ``dlse``."""
-    B, L, _, D = q.shape
+    B, L, D = k.shape[0], k.shape[1], k.shape[3]
     if finite is None:
         finite = all_finite(q, k, v, dout, *(() if dlse is None else (dlse,)))
     # A gradient written once per element is written in the input dtype (the kernel's result,
@@ -281,7 +328,10 @@ def run_backward(
 
     def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
         dtype = like.dtype if once else accumulation_dtype(like.dtype)
-        return _result_buffer(like.shape, dtype, like.device, run.blocks, exclusive=once, kv=kv)
+        covered = run.covers_keys if kv else run.covers_queries
+        return _result_buffer(
+            like.shape, dtype, like.device, run.blocks, exclusive=once and covered, kv=kv
+        )
 
     dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
     for chunk in run.chunks(B, L, D, finite):
@@ -517,16 +567,36 @@ def pattern_run(
     blocks: tuple[Block, ...] | None = None,
     batch_limit: BatchLimit = UNLIMITED,
     kernel_name: str | None = None,
+    layout: SequenceLayout | None = None,
 ) -> Run:
     """The :class:`Run` of one call: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
-    (``blocks`` replaces them, e.g. a shard's inner blocks), scale defaulting to ``1/sqrt(D)``,
-    no kernel call holding more problems than ``batch_limit`` allows, and every call's results
-    and inputs checked (:class:`~ringdilated.core.kernel_guard.CheckedKernel`, errors naming
-    ``kernel_name``)."""
-    _, length, heads, dim = q.shape
+    (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
+    and a query suffix), scale defaulting to ``1/sqrt(D)``, no kernel call holding more problems
+    than ``batch_limit`` allows, and every call's results and inputs checked
+    (:class:`~ringdilated.core.kernel_guard.CheckedKernel`, errors naming ``kernel_name``)."""
+    batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
+    heads, dim = q.shape[2], q.shape[3]
+    layout = layout or SequenceLayout.whole(batch, length, q.shape[1])
+    rows: tuple[RowBlocks, ...]
+    if blocks is not None:
+        rows = (RowBlocks(None, blocks),)
+    elif layout.is_whole:
+        rows = (RowBlocks(None, pattern.blocks(length, heads, kv_heads)),)
+    else:
+        rows = tuple(
+            RowBlocks(
+                r.batches,
+                pattern.document_blocks(r.documents, heads, kv_heads, layout.query_start),
+            )
+            for r in layout.rows
+        )
+    covers = layout.covers_all
     return Run(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
-        blocks=pattern.blocks(length, heads, k.shape[2]) if blocks is None else blocks,
+        rows=rows,
+        query_start=layout.query_start,
+        covers_queries=covers,
+        covers_keys=covers and layout.query_start == 0,
         exclusive=pattern.mode == "head_groups",
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
         causal=causal,

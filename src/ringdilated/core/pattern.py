@@ -91,13 +91,14 @@ class Selection:
             self, start=self.start + first * self.segment_length, num_segments=count
         )
 
-    def view(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def view(self, x: torch.Tensor, dim: int = 1, origin: int = 0) -> torch.Tensor:
         """A strided view of ``x``, ``dim`` (the sequence) replaced by ``(num_segments, count)``.
 
         For ``(B, L, H, D)`` and ``dim=1`` this is ``(B, num_segments, count, H, D)``; for an
         ``lse`` of ``(B, H, L)`` and ``dim=2`` it is ``(B, H, num_segments, count)``. No copy.
+        ``origin``: the position of ``x``'s first row (a query suffix's tensors start there).
         """
-        region = x.narrow(dim, self.start, self.num_segments * self.segment_length)
+        region = x.narrow(dim, self.start - origin, self.num_segments * self.segment_length)
         segmented = torch.unflatten(region, dim, (self.num_segments, self.segment_length))
         span = self.segment_length - self.offset
         # A rate at or past the span selects one position: step by the span instead, so a huge
@@ -133,11 +134,21 @@ class HeadRun:
 
 @attrs.frozen
 class Block:
-    """One attention problem of the pattern: pattern ``index`` on ``heads`` over ``selection``."""
+    """One attention problem of the pattern: pattern ``index`` on ``heads`` over ``selection``.
+
+    ``queries``: the query positions when only the last ones of the selection's single segment
+    are queries (a query suffix starting inside it; docs/spec.md, section 1), ``None`` when
+    every selected position is a query.
+    """
 
     index: int
     heads: HeadRun
     selection: Selection
+    queries: Selection | None = None
+
+    @property
+    def query_selection(self) -> Selection:
+        return self.selection if self.queries is None else self.queries
 
 
 @attrs.frozen
@@ -224,6 +235,19 @@ class DilationPattern:
         """Every attention problem for a sequence of ``seq_len``, in pattern order. Cached."""
         return _blocks(self, seq_len, num_heads, num_kv_heads)
 
+    def document_blocks(
+        self,
+        documents: tuple[tuple[int, int], ...],
+        num_heads: int,
+        num_kv_heads: int,
+        query_start: int = 0,
+    ) -> tuple[Block, ...]:
+        """The blocks of a sequence made of ``documents`` (``[start, stop)`` spans, each attended
+        as its own sequence), keeping only queries at positions ``>= query_start``: a segment
+        wholly before it is dropped, one it starts inside keeps all its keys and the queries
+        from it on (:attr:`Block.queries`). Cached; the work is O(documents x blocks)."""
+        return _document_blocks(self, documents, num_heads, num_kv_heads, query_start)
+
     def flops(self, seq_len: int, num_heads: int, head_dim: int, causal: bool = False) -> int:
         """Multiply-add FLOPs of the pattern's attention work (``4 * n_q * n_k * D`` a block).
 
@@ -256,6 +280,51 @@ def _split_by_kv(first: int, stop: int, group: int) -> list[HeadRun]:
                 runs.append(HeadRun(h, end, h // group, end // group))
         h = end
     return runs
+
+
+@functools.lru_cache(maxsize=64)
+def _document_blocks(
+    pattern: DilationPattern,
+    documents: tuple[tuple[int, int], ...],
+    num_heads: int,
+    num_kv_heads: int,
+    query_start: int,
+) -> tuple[Block, ...]:
+    blocks: list[Block] = []
+    for start, stop in documents:
+        if stop <= query_start:
+            continue
+        for block in _blocks(pattern, stop - start, num_heads, num_kv_heads):
+            shifted = attrs.evolve(block.selection, start=block.selection.start + start)
+            blocks.extend(_from_query(attrs.evolve(block, selection=shifted), query_start))
+    return tuple(blocks)
+
+
+def _from_query(block: Block, query_start: int) -> list[Block]:
+    """``block`` restricted to queries at positions ``>= query_start``: the segments whose last
+    selected position is before it dropped; the one that starts before it keeps all its keys and
+    gets :attr:`Block.queries` (so that no query-side view reaches before ``query_start``)."""
+    sel = block.selection
+    if sel.start >= query_start:
+        return [block]
+    first_selected = sel.start + sel.offset
+    last = (sel.count - 1) * sel.rate  # of a segment's selected positions, from its first
+    # The first segment whose last selected position is a query.
+    j = max(0, -(-(query_start - first_selected - last) // sel.segment_length))
+    if j >= sel.num_segments:
+        return []
+    segment_start = sel.start + j * sel.segment_length
+    if segment_start >= query_start:
+        return [attrs.evolve(block, selection=sel.segments(j, sel.num_segments - j))]
+    segment_first = segment_start + sel.offset
+    skip = max(0, -(-(query_start - segment_first) // sel.rate))  # selected keys before it
+    q_start = segment_first + skip * sel.rate
+    queries = Selection(q_start, 1, segment_start + sel.segment_length - q_start, sel.rate, 0)
+    blocks = [attrs.evolve(block, selection=sel.segments(j, 1), queries=queries)]
+    if j + 1 < sel.num_segments:
+        rest = sel.segments(j + 1, sel.num_segments - j - 1)
+        blocks.append(attrs.evolve(block, selection=rest))
+    return blocks
 
 
 @functools.lru_cache(maxsize=256)

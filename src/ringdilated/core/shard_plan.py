@@ -152,8 +152,12 @@ def shard_plan(
     num_kv_heads: int,
     rank: int,
     world_size: int,
+    documents: tuple[tuple[int, int], ...] | None = None,
 ) -> ShardPlan:
-    """The plan of ``rank`` for a global sequence of ``seq_len`` split over ``world_size`` ranks."""
+    """The plan of ``rank`` for a global sequence of ``seq_len`` split over ``world_size`` ranks,
+    made of ``documents`` (global ``[start, stop)`` spans; ``None``: one document). A segment of a
+    document that crosses a shard boundary is a crossing like any other; one that ends at a
+    document boundary is never joined to the next document's, so nothing travels across it."""
     if seq_len % world_size:
         raise ValueError(
             f"the global sequence length {seq_len} must be a multiple of the world size "
@@ -163,7 +167,12 @@ def shard_plan(
     lo, hi = rank * shard, (rank + 1) * shard
     inner: list[Block] = []
     crossings: list[Crossing] = []
-    for block in pattern.blocks(seq_len, num_heads, num_kv_heads):
+    blocks = (
+        pattern.blocks(seq_len, num_heads, num_kv_heads)
+        if documents is None
+        else pattern.document_blocks(documents, num_heads, num_kv_heads)
+    )
+    for block in blocks:
         sel = block.selection
         w = sel.segment_length
         # Segments of this selection that meet the shard: [first, last).

@@ -18,7 +18,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def check_inputs(
     q: object, k: object, v: object, pattern: DilationPattern
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check ``q`` ``(B, L, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)`` (docs/spec.md, sec. 1)."""
+    """Check ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``, ``Lq <= L`` (a query
+    suffix when shorter; docs/spec.md, section 1)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -52,11 +53,15 @@ def check_inputs(
         raise ValueError(
             f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    B, L, H, D = q.shape
-    if k.shape[0] != B or k.shape[1] != L:
+    B, Lq, H, D = q.shape
+    if k.shape[0] != B:
         raise ValueError(
-            f"k and v must match q in batch and seq_len (self-attention), got q {tuple(q.shape)} "
-            f"and k {tuple(k.shape)}"
+            f"k and v must match q in batch, got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if Lq > k.shape[1]:
+        raise ValueError(
+            f"q may not be longer than k: q holds the last Lq <= L positions of the sequence "
+            f"(a query suffix), got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
     if k.shape[3] != D:
         raise ValueError(f"k and v head_dim must equal q's {D}, got {k.shape[3]}")

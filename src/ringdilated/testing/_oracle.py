@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "dense_attention",
+    "documents_of",
     "masked_attention",
     "oracle",
     "pattern_weights",
@@ -54,6 +55,28 @@ def _head_offsets(
     return per_head
 
 
+def documents_of(
+    seq_len: int,
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(document, start)``, each ``(B', L)`` int64: position ``p``'s document number (``-1``
+    for padding) and the first position of that document. ``B' = 1`` unless a padding mask gives
+    each row its own (its valid positions are taken as one document, as docs/spec.md requires)."""
+    p = torch.arange(seq_len, device=device)
+    if key_padding_mask is not None:
+        valid = ~key_padding_mask.to(device)
+        first = torch.where(valid, p, seq_len).amin(1, keepdim=True)
+        document = torch.where(valid, 0, -1)
+        return document, first.expand(-1, seq_len)
+    if cu_seqlens is None:
+        return torch.zeros(1, seq_len, dtype=torch.int64, device=device), p.new_zeros(1, seq_len)
+    bounds = cu_seqlens.to(device=device, dtype=torch.int64)
+    document = torch.bucketize(p, bounds[1:], right=True)
+    return document.unsqueeze(0), bounds[document].unsqueeze(0)
+
+
 def pattern_weights(
     seq_len: int,
     num_heads: int,
@@ -63,18 +86,27 @@ def pattern_weights(
     mode: str = "head_groups",
     causal: bool = False,
     device: torch.device | str = "cpu",
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(H, L, L)`` float64: how many of head ``h``'s patterns let query ``p`` see key ``j``."""
+    """``(B', H, L, L)`` float64: how many of head ``h``'s patterns let query ``p`` see key ``j``
+    (``B' = 1`` unless ``key_padding_mask`` gives every row its own). Positions count from
+    their document's start (:func:`documents_of`), and a query sees only its own document."""
     p = torch.arange(seq_len, device=device)
-    weights = torch.zeros(num_heads, seq_len, seq_len, dtype=torch.float64, device=device)
+    document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
+    rel = p - start  # (B', L): position within its document
+    same_document = (document.unsqueeze(2) == document.unsqueeze(1)) & (document >= 0).unsqueeze(2)
+    weights = torch.zeros(
+        document.shape[0], num_heads, seq_len, seq_len, dtype=torch.float64, device=device
+    )
     for h, patterns in enumerate(_head_offsets(num_heads, segment_lengths, dilation_rates, mode)):
         for w, r, offset in patterns:
-            selected = (p % w) % r == offset
-            same_segment = (p // w).unsqueeze(1) == (p // w).unsqueeze(0)
-            mask = selected.unsqueeze(1) & selected.unsqueeze(0) & same_segment
+            selected = (rel % w) % r == offset
+            same_segment = (rel // w).unsqueeze(2) == (rel // w).unsqueeze(1)
+            mask = selected.unsqueeze(2) & selected.unsqueeze(1) & same_segment & same_document
             if causal:
                 mask &= p.unsqueeze(0) <= p.unsqueeze(1)
-            weights[h] += mask.to(torch.float64)
+            weights[:, h] += mask.to(torch.float64)
     return weights
 
 
@@ -136,20 +168,31 @@ def dense_attention(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain dense masked attention computed in ``dtype`` (default: the inputs'): ``(out, lse)``.
 
-    ``out`` is ``(B, L, H, D)`` in ``dtype``, ``lse`` ``(B, H, L)`` in ``dtype``. This is both the
-    oracle (``dtype=float64``) and the baseline whose error sets a dtype's tolerance. It is
-    :func:`masked_attention` with the mask and ``log(count)`` weights of
-    :func:`pattern_weights`.
+    ``out`` is ``(B, Lq, H, D)`` in ``dtype``, ``lse`` ``(B, H, Lq)`` in ``dtype``; ``q`` may hold
+    the last ``Lq`` of ``k``'s ``L`` positions. This is both the oracle (``dtype=float64``) and
+    the baseline whose error sets a dtype's tolerance. It is :func:`masked_attention` with the
+    mask and ``log(count)`` weights of :func:`pattern_weights`.
     """
     dtype = dtype or q.dtype
-    _, L, H, D = q.shape
+    _, Lq, H, D = q.shape
+    L = k.shape[1]
     scale = D**-0.5 if scale is None else scale
     weights = pattern_weights(
-        L, H, segment_lengths, dilation_rates, mode=mode, causal=causal, device=q.device
-    )
+        L,
+        H,
+        segment_lengths,
+        dilation_rates,
+        mode=mode,
+        causal=causal,
+        device=q.device,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
+    )[:, :, L - Lq :]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     out, lse = masked_attention(qt, kt, vt, weights > 0, scale, dtype, weights.log())
     return out.transpose(1, 2), lse
@@ -175,11 +218,13 @@ def oracle(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention as docs/spec.md defines it, evaluated densely in float64; differentiable.
 
-    Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout),
-    results in float64.
+    Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout;
+    documents, padding and a query suffix included), results in float64.
     """
     out, lse = dense_attention(
         q,
@@ -191,5 +236,7 @@ def oracle(
         causal=causal,
         scale=scale,
         dtype=torch.float64,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
     )
     return (out, lse) if return_lse else out

@@ -65,9 +65,23 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
     mode = draw(st.sampled_from(["head_groups", "longnet"]))
     heads = draw(st.integers(count if mode == "head_groups" else 1, 4))
     kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    # Packed documents or padded rows (global positions; they may cross shard boundaries),
+    # or neither.
+    batch = draw(st.integers(1, 2))
+    layout = draw(st.sampled_from(["whole", "documents", "padding"]))
+    documents, padding = None, None
+    if layout == "documents":
+        cuts = draw(st.sets(st.integers(1, seq_len - 1), max_size=3)) if seq_len > 1 else set()
+        documents = [0, *sorted(cuts), seq_len]
+    elif layout == "padding":
+        padding = []
+        for _ in range(batch):
+            valid = draw(st.integers(0, seq_len))
+            start = draw(st.integers(0, seq_len - valid))  # left, right or both sides padded
+            padding.append([start, start + valid])
     return {
         "seed": draw(st.integers(0, 2**31 - 1)),
-        "batch": draw(st.integers(1, 2)),
+        "batch": batch,
         "seq_len": seq_len,
         "heads": heads,
         "kv_heads": kv_heads,
@@ -78,7 +92,20 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         "mode": mode,
         "causal": draw(st.booleans()),
         "scale": draw(st.none() | st.floats(0.1, 1.0)),
+        "cu_seqlens": documents,
+        "valid_runs": padding,
     }
+
+
+def case_layout(case: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The case's ``cu_seqlens`` or ``key_padding_mask`` keyword (global positions), if any."""
+    if case.get("cu_seqlens") is not None:
+        return {"cu_seqlens": torch.tensor(case["cu_seqlens"])}
+    if case.get("valid_runs") is not None:
+        p = torch.arange(case["seq_len"])
+        mask = torch.stack([(p < s) | (p >= e) for s, e in case["valid_runs"]])
+        return {"key_padding_mask": mask}
+    return {}
 
 
 def case_inputs(case: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -118,7 +145,7 @@ def _attend(
         scale=case["scale"],
         kernel=case.get("kernel", "auto"),
         return_lse=True,
-        **kw,
+        **{**case_layout(case), **kw},
     )
     return out, lse
 
@@ -179,6 +206,7 @@ def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
         causal=case["causal"],
         scale=case["scale"],
         return_lse=True,
+        **case_layout(case),
     )
     truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
     sharded = {

@@ -1,0 +1,197 @@
+"""The Hugging Face adapter (``ringdilated.hf``) on a tiny Llama built locally, no downloads:
+a dense pattern equals transformers' own sdpa attention (training step and ``generate()``); a
+dilated pattern runs, and padded or packed rows give what each sequence gives alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import ringdilated.hf  # noqa: E402  (registers "ringdilated")
+
+VOCAB = 64
+
+
+def _model(segments: list[int], rates: list[int], implementation: str, seed: int = 0):  # type: ignore[no-untyped-def]
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        ringdilated_segment_lengths=segments,
+        ringdilated_dilation_rates=rates,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).double()
+    model.set_attn_implementation(implementation)
+    model.generation_config.eos_token_id = None  # greedy runs always decode every token asked
+    return model
+
+
+def _ids(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_dense_pattern_equals_sdpa_in_a_training_step_and_generate() -> None:
+    """Segment >= L and rate 1 is dense causal attention: logits, gradients and greedy tokens
+    equal transformers' sdpa attention on the same weights."""
+    ours, theirs = _model([128], [1], "ringdilated"), _model([128], [1], "sdpa")
+    ids = _ids(2, 24)
+    losses = []
+    for model in (ours, theirs):
+        model.train()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append((out.logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (logits, grads), (ref_logits, ref_grads) = losses
+    assert float((logits - ref_logits).abs().max()) < 1e-10
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads, strict=True)) < 1e-10
+    prompt = _ids(1, 7, seed=2)
+    tokens = [
+        m.eval().generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        for m in (ours, theirs)
+    ]
+    assert torch.equal(tokens[0], tokens[1])
+
+
+def test_padded_rows_give_the_logits_each_sequence_gives_alone() -> None:
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    first, second = _ids(1, 13, seed=3), _ids(1, 9, seed=4)
+    with torch.no_grad():
+        alone = [model(input_ids=x).logits for x in (first, second)]
+        for left in (False, True):
+            ids = torch.zeros(2, 13, dtype=torch.long)
+            mask = torch.zeros(2, 13, dtype=torch.long)
+            ids[0], mask[0] = first[0], 1
+            valid = slice(4, 13) if left else slice(0, 9)
+            ids[1, valid], mask[1, valid] = second[0], 1
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            assert float((logits[0] - alone[0][0]).abs().max()) < 1e-10, left
+            assert float((logits[1, valid] - alone[1][0]).abs().max()) < 1e-10, left
+
+
+def test_packed_sequences_give_the_logits_each_gives_alone() -> None:
+    """cu_seq_lens (as DataCollatorWithFlattening passes them) become cu_seqlens."""
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    first, second = _ids(1, 11, seed=5), _ids(1, 6, seed=6)
+    packed = torch.cat([first, second], 1)
+    bounds = torch.tensor([0, 11, 17], dtype=torch.int32)
+    positions = torch.cat([torch.arange(11), torch.arange(6)]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(
+            input_ids=packed, position_ids=positions, use_cache=False,
+            cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=11, max_length_k=11,
+        ).logits  # fmt: skip
+        alone = [model(input_ids=x).logits for x in (first, second)]
+    assert float((logits[0, :11] - alone[0][0]).abs().max()) < 1e-10
+    assert float((logits[0, 11:] - alone[1][0]).abs().max()) < 1e-10
+
+
+def test_generate_with_a_dilated_pattern_decodes_padded_prompts_as_alone() -> None:
+    """Left-padded batched greedy decoding (transformers' cache: a query suffix each step)
+    gives each prompt the tokens it gets alone."""
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    prompts = [_ids(1, 9, seed=7), _ids(1, 5, seed=8)]
+    alone = [model.generate(p, max_new_tokens=10, do_sample=False, pad_token_id=0) for p in prompts]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    ids[0], mask[0] = prompts[0][0], 1
+    ids[1, 4:], mask[1, 4:] = prompts[1][0], 1
+    batched = model.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0
+    )
+    assert torch.equal(batched[0, 9:], alone[0][0, 9:])
+    assert torch.equal(batched[1, 9:], alone[1][0, 5:])
+
+
+def test_a_missing_pattern_and_a_custom_4d_mask_are_rejected() -> None:
+    model = _model([4], [1], "ringdilated").eval()
+    del model.config.ringdilated_dilation_rates
+    with pytest.raises(ValueError, match=r"needs config\.ringdilated_dilation_rates"):
+        model(input_ids=_ids(1, 8))
+    model = _model([4], [1], "ringdilated").eval()
+    with pytest.raises(ValueError, match="a custom 4-D mask is not supported"):
+        model(input_ids=_ids(1, 8), attention_mask=torch.ones(1, 1, 8, 8))
+
+
+def test_packing_signalled_only_by_position_ids_keeps_documents_apart() -> None:
+    """position_ids that restart at 0 (DataCollatorWithFlattening without flash kwargs) are
+    packed documents, as sdpa's mask makes them."""
+    ours, theirs = _model([64], [1], "ringdilated").eval(), _model([64], [1], "sdpa").eval()
+    ids = _ids(1, 17, seed=9)
+    positions = torch.cat([torch.arange(11), torch.arange(6)]).unsqueeze(0)
+    with torch.no_grad():
+        a, b = (
+            m(input_ids=ids, position_ids=positions, use_cache=False).logits for m in (ours, theirs)
+        )
+    assert float((a - b).abs().max()) < 1e-10
+
+
+def test_is_causal_passed_by_transformers_wins_over_the_module_attribute() -> None:
+    """A model whose attention module says is_causal=False but whose forward passes
+    is_causal=True (CLIP's text encoder) gets causal attention, as with sdpa."""
+    model = _model([64], [1], "ringdilated").eval()
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    ids = _ids(1, 9, seed=10)
+    with torch.no_grad():
+        forced = model(input_ids=ids, is_causal=True).logits
+        reference = _model([64], [1], "sdpa").eval()(input_ids=ids).logits
+    assert float((forced - reference).abs().max()) < 1e-10
+
+
+def test_layouts_it_cannot_place_are_refused_not_miscomputed() -> None:
+    """A static cache (queries not at the end of the keys) and a sliding window raise."""
+    model = _model([8], [1], "ringdilated").eval()
+    ids = _ids(1, 7, seed=11)
+    with pytest.raises(ValueError, match="queries to be the last positions of the keys"):
+        model.generate(
+            ids, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static"
+        )
+    model.config.sliding_window = 4
+    with pytest.raises(ValueError, match=r"does not combine with config\.sliding_window"):
+        model(input_ids=ids)
+
+
+def test_packing_follows_transformers_own_detection() -> None:
+    """transformers packs only without a mask and a cache, splitting wherever position_ids do
+    not step by 1; the adapter does exactly that (and nothing otherwise)."""
+    ours, theirs = _model([64], [1], "ringdilated").eval(), _model([64], [1], "sdpa").eval()
+    ids = _ids(1, 12, seed=12)
+    jumps = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 5, 6, 7, 8, 9]])  # three documents for sdpa
+    with torch.no_grad():
+        for kwargs in (
+            {"position_ids": jumps, "use_cache": False},
+            {"position_ids": jumps, "use_cache": True},  # a cache: transformers does not pack
+            {"position_ids": jumps, "use_cache": False, "attention_mask": torch.ones(1, 12)},
+        ):
+            a, b = (m(input_ids=ids, **kwargs).logits for m in (ours, theirs))
+            assert float((a - b).abs().max()) < 1e-10, kwargs
+
+
+def test_an_overlay_on_packed_sequences_is_refused() -> None:
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        or_masks,
+        packed_sequence_compatibility_function,
+    )
+
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    plain = packed_sequence_compatibility_function(causal_mask_function, positions, ids)
+    overlaid = packed_sequence_compatibility_function(
+        or_masks(causal_mask_function, bidirectional_mask_function), positions, ids
+    )
+    common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
+    assert not ringdilated.hf.padding_mask(mask_function=plain, **common).overlay
+    assert ringdilated.hf.padding_mask(mask_function=overlaid, **common).overlay
+    assert ringdilated.hf.padding_mask(
+        mask_function=and_masks(causal_mask_function, bidirectional_mask_function), **common
+    ).overlay
