@@ -293,3 +293,44 @@ def batch_limited_shards(payload: dict[str, Any]) -> dict[str, Any]:
     out.sum().backward()
     expected = oracle(*full, [16], [1], causal=True)[:, 8 * rank : 8 * (rank + 1)]
     return {"most": max(seen), "error": float((out - expected).abs().max())}
+
+
+def interleaved_groups(payload: dict[str, Any]) -> dict[str, Any]:
+    """A 4-rank world split into the interleaved groups [0, 2] and [1, 3] (created once, on
+    every rank, in the same order, outside any call), each pair running its own problem with
+    ``payload['communicator']``: this rank's output, its pair's full inputs, the time taken."""
+    import ringdilated
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[rank % 2]
+    g = torch.Generator().manual_seed(10 + rank % 2)  # each pair its own problem
+    full = torch.randn(3, 1, 32, 2, 8, generator=g, dtype=torch.float64)
+    index = dist.get_rank(mine)
+    q, k, v = (x[:, 16 * index : 16 * (index + 1)].contiguous() for x in full)
+    real_new_group = dist.new_group
+
+    def no_new_group(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a process group was created inside a call")
+
+    start = time.monotonic()
+    dist.new_group = no_new_group  # the call must work on the groups it was given
+    try:
+        # Pair [0, 2] has a segment across its shards; pair [1, 3] none (nothing moves), so
+        # only one pair reaches the communicator's setup, as independent groups do.
+        out = ringdilated.dilated_attention(
+            q, k, v, [32 if rank % 2 == 0 else 16], [2], causal=payload["causal"],
+            process_group=mine, communicator=payload["communicator"],
+        )  # fmt: skip
+    except Exception as exc:
+        return {"raised": type(exc).__name__, "message": str(exc), "seconds": 0.0}
+    finally:
+        dist.new_group = real_new_group
+    return {
+        "raised": None,
+        "out": out,
+        "full": full,
+        "index": index,
+        "segment": 32 if rank % 2 == 0 else 16,
+        "seconds": time.monotonic() - start,
+    }

@@ -141,3 +141,25 @@ def test_nan_on_one_shard_reaches_exactly_the_queries_that_see_it(
     results = workers2.results(f"{TASKS}:nan_on_a_shard", payload)
     assert all(r["out"] and r["lse"] for r in results), results
     assert sum(r["nan_rows"] for r in results) > 0
+
+
+@pytest.mark.parametrize("communicator", ["allgather", "ringpass", "auto"])
+def test_interleaved_subgroups_each_run_their_own_problem_without_hanging(
+    workers4: Workers, communicator: str
+) -> None:
+    """Groups [0, 2] and [1, 3] of a 4-rank world, each its own problem: every call completes
+    within the bound, equals the oracle, and creates no process group (allgather used to call
+    ``dist.new_group``, a collective over the whole world, inside the call: independent groups
+    of a dp x cp mesh reach it with different members at different times)."""
+    from ringdilated.testing import oracle
+
+    results = workers4.results(
+        f"{TASKS}:interleaved_groups", {"communicator": communicator, "causal": False}
+    )
+    for rank, result in enumerate(results):
+        assert result["raised"] is None, (rank, result)
+        assert result["seconds"] < BOUND_S, (rank, result["seconds"])
+        q, k, v = result["full"]
+        expected = oracle(q, k, v, [result["segment"]], [2])
+        shard = slice(16 * result["index"], 16 * (result["index"] + 1))
+        assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank

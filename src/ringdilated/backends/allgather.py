@@ -6,8 +6,13 @@ consistent (each member sees the same group) and the members' pieces are equally
 ``all_gather`` takes equal sizes only), one asynchronous ``all_gather`` per group moves exactly the
 minimum, overlapped with the local blocks' compute. Elsewhere the resolver rejects ``allgather``
 with the reason, and ``ringpass`` (exact everywhere) serves. ``causal=True`` is rejected: an
-``all_gather`` also sends to earlier ranks. Gradients return point to point. Subgroups are created
-once per set of members, on every rank, in the same order.
+``all_gather`` also sends to earlier ranks. Gradients return point to point.
+
+The one all_gather runs on the call's own process group: no process group is ever created here.
+Creating one inside a call (``dist.new_group`` is a collective over the whole default group)
+deadlocks independent groups, such as the context-parallel groups of a data-parallel x
+context-parallel mesh, which reach it with different members at different times. A segment group
+narrower than the call's group is therefore declined, not served by a new subgroup.
 """
 
 from __future__ import annotations
@@ -57,7 +62,15 @@ def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
                     f"{group_of[me]} and {group_of[member]}"
                 )
                 break
+    world = plans[0].world_size if plans else 0
     for group in segment_groups(plans, causal):
+        if len(group) < world:
+            reasons.append(
+                f"segment group {group} is narrower than the process group of {world} ranks: "
+                "one all_gather would need a subgroup, and creating one inside a call can "
+                "deadlock independent groups (a dp x cp mesh)"
+            )
+            continue
         sizes = [
             payload(plans[m], m, next(y for y in group if y != m), causal).positions_count
             for m in group
@@ -73,20 +86,13 @@ def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
 class AllGatherCommunicator:
     """One ``all_gather`` per segment group for pieces; point to point for gradients."""
 
-    def __init__(self) -> None:
-        self._groups: dict[tuple[object, tuple[int, ...]], object] = {}
-
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         peers = tuple(p for p in range(world_size) if p != rank)
         return (peers,) if peers else ()
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        pg = group if isinstance(group, dist.ProcessGroup) else None
-        for members in segment_groups(plans, causal):
-            key = (group, members)
-            if key not in self._groups:
-                ranks = [m if pg is None else dist.get_global_rank(pg, m) for m in members]
-                self._groups[key] = dist.new_group(ranks)  # every rank, same order
+        """Nothing to set up: the all_gather runs on the call's own group (no group is created
+        inside a call; see the module docstring)."""
 
     def exchange(
         self,
@@ -98,12 +104,16 @@ class AllGatherCommunicator:
         if not uniform or not (sends or recvs):
             return point_to_point(group, sends, recvs)
         payload_tensor = next(iter(sends.values()))
-        me = dist.get_rank(group if isinstance(group, dist.ProcessGroup) else None)
+        pg = group if isinstance(group, dist.ProcessGroup) else None
+        me, world = dist.get_rank(pg), dist.get_world_size(pg)
         members = tuple(sorted({me, *sends, *recvs}))
+        if members != tuple(range(world)):  # plan_reasons declines every other plan
+            raise RuntimeError(
+                f"allgather exchange among ranks {members} of a group of {world}: the resolver "
+                "should have declined this plan"
+            )
         outputs = [recvs[m] if m != me else torch.empty_like(payload_tensor) for m in members]
-        work = dist.all_gather(
-            outputs, payload_tensor, group=self._groups[(group, members)], async_op=True
-        )
+        work = dist.all_gather(outputs, payload_tensor, group=pg, async_op=True)
         return Works((work,))
 
 
