@@ -222,3 +222,20 @@ def test_a_communicator_whose_factory_fails_falls_back_with_the_reason() -> None
         resolver.communicator_for(2, False, "eager")
     with pytest.raises(ResolutionError, match="factory failed: ImportError: needs a package"):
         resolver.communicator_for(2, False, "eager")
+
+
+def test_allgather_declines_segment_groups_narrower_than_the_process_group() -> None:
+    """At 4 ranks, segments spanning pairs of shards make groups (0, 1) and (2, 3): one
+    all_gather would need subgroups, which a call may not create; ringpass serves instead."""
+    from ringdilated.backends.allgather import AllGatherCommunicator, plan_reasons
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.shard_plan import shard_plan
+
+    pattern = DilationPattern([16], [1])
+    plans = [shard_plan(pattern, 32, 2, 2, rank, 4) for rank in range(4)]
+    reasons = plan_reasons(plans, False)
+    assert any("segment group (0, 1) is narrower than the process group of 4" in r for r in reasons)
+    with pytest.raises(ValueError, match="cannot move these pieces exactly"):
+        AllGatherCommunicator().prepare(None, plans, False)  # an instance skips the resolver
+    whole = [shard_plan(DilationPattern([32], [1]), 32, 2, 2, rank, 4) for rank in range(4)]
+    assert plan_reasons(whole, False) == ()

@@ -1,4 +1,4 @@
-"""The ``allgather`` communicator: one ``all_gather`` per segment group.
+"""The ``allgather`` communicator: one ``all_gather`` on the call's process group.
 
 A *segment group* is a set of ranks that share crossing segments: every member needs every other
 member's piece. Where each rank sends one and the same payload to all its peers, the groups are
@@ -84,15 +84,22 @@ def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
 
 
 class AllGatherCommunicator:
-    """One ``all_gather`` per segment group for pieces; point to point for gradients."""
+    """One ``all_gather`` on the call's group for pieces; point to point for gradients."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         peers = tuple(p for p in range(world_size) if p != rank)
         return (peers,) if peers else ()
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        """Nothing to set up: the all_gather runs on the call's own group (no group is created
+        """Check the plans (every rank has the same, so every rank raises alike): the resolver
+        declines plans this cannot move, but an instance passed as ``communicator=`` skips it.
+        Nothing to set up: the all_gather runs on the call's own group (no group is created
         inside a call; see the module docstring)."""
+        reasons = plan_reasons(plans, causal)
+        if reasons:
+            raise ValueError(
+                "communicator 'allgather' cannot move these pieces exactly: " + "; ".join(reasons)
+            )
 
     def exchange(
         self,
@@ -124,5 +131,6 @@ ALLGATHER_SPEC = CommunicatorSpec(
     distributed=True,
     causal=False,
     plan_reasons=plan_reasons,
-    description="one all_gather per segment group (exact where pieces are uniform and equal)",
+    description="one all_gather on the call's group (exact where every rank needs every other's "
+    "equal piece)",
 )
