@@ -334,3 +334,24 @@ def interleaved_groups(payload: dict[str, Any]) -> dict[str, Any]:
         "segment": 32 if rank % 2 == 0 else 16,
         "seconds": time.monotonic() - start,
     }
+
+
+def mesh_dimension(payload: dict[str, Any]) -> dict[str, Any]:
+    """A 2 x 2 CPU mesh ("dp", "cp") on gloo, made once outside any call: each "cp" group runs
+    its own problem, given as ``(mesh, "cp")`` or as the 1-D sub-mesh ``mesh["cp"]``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringdilated
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    group = (mesh, "cp") if payload["form"] == "tuple" else mesh["cp"]
+    dp = mesh.get_local_rank("dp")
+    cp = mesh.get_local_rank("cp")
+    g = torch.Generator().manual_seed(20 + dp)  # each data-parallel replica its own problem
+    full = torch.randn(3, 1, 32, 2, 8, generator=g, dtype=torch.float64)
+    q, k, v = (x[:, 16 * cp : 16 * (cp + 1)].contiguous() for x in full)
+    start = time.monotonic()
+    out = ringdilated.dilated_attention(
+        q, k, v, [32], [2], causal=True, process_group=group, communicator=payload["communicator"]
+    )
+    return {"out": out, "full": full, "cp": cp, "seconds": time.monotonic() - start}

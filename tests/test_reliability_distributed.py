@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from tests.distributed_harness import Workers
 
@@ -163,3 +164,32 @@ def test_interleaved_subgroups_each_run_their_own_problem_without_hanging(
         expected = oracle(q, k, v, [result["segment"]], [2])
         shard = slice(16 * result["index"], 16 * (result["index"] + 1))
         assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank
+
+
+@pytest.mark.parametrize("form", ["tuple", "submesh"])
+@pytest.mark.parametrize("communicator", ["ringpass", "auto"])
+def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
+    workers4: Workers, form: str, communicator: str
+) -> None:
+    """process_group=(mesh, "cp") or mesh["cp"]: each context-parallel group of a dp x cp mesh
+    runs its own problem, exactly, within the bound."""
+    from ringdilated.testing import oracle
+
+    payload = {"form": form, "communicator": communicator}
+    for rank, result in enumerate(workers4.results(f"{TASKS}:mesh_dimension", payload)):
+        assert result["seconds"] < BOUND_S, (rank, result["seconds"])
+        q, k, v = result["full"]
+        expected = oracle(q, k, v, [32], [2], causal=True)
+        shard = slice(16 * result["cp"], 16 * (result["cp"] + 1))
+        assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank
+
+
+def test_a_mesh_without_a_dimension_is_rejected_with_the_rule() -> None:
+    import ringdilated
+
+    class NotAMesh:
+        pass
+
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(TypeError, match=r"ProcessGroup, a 1-D DeviceMesh, \(mesh, dimension\)"):
+        ringdilated.dilated_attention(q, q, q, [4], [1], process_group=NotAMesh())

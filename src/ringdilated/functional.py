@@ -22,7 +22,13 @@ from typing import Literal, overload
 import torch
 
 from ringdilated.compiled import dilated_attention_op
-from ringdilated.core.call import CallOptions, PatternArgs, group_size, prepare_call
+from ringdilated.core.call import (
+    CallOptions,
+    PatternArgs,
+    as_process_group,
+    group_size,
+    prepare_call,
+)
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import DilatedAttentionFunction
 from ringdilated.core.dtypes import autocast_inputs
@@ -91,7 +97,9 @@ def attend(
     ):
         out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
         return out, lse if full_precision_lse else lse.float(), None
-    out, lse, plan = _attend_eager(pattern, q, k, v, options, resolver, process_group)
+    out, lse, plan = _attend_eager(
+        pattern, q, k, v, options, resolver, as_process_group(process_group)
+    )
     return out, lse if full_precision_lse else lse.float(), plan
 
 
@@ -280,7 +288,9 @@ def dilated_attention(
       :class:`~ringdilated.core.Kernel` instance, used as it is.
     - ``process_group``: ``None`` (one process) or a ``torch.distributed`` group whose ranks each
       pass their contiguous shard ``(B, L / P, H, D)`` of the sequence and get back their slice of
-      the single-process result; ``communicator``: ``"auto"``, a name (``"ringpass"``,
+      the single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one
+      dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
+      ``"auto"``, a name (``"ringpass"``,
       ``"allgather"``) or a :class:`~ringdilated.core.communicator.Communicator` instance.
       Inputs are checked on every rank and a rejection raises on every rank.
     - ``transfer_stats``: a :class:`~ringdilated.core.communicator.TransferStats` to which a

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.core.agreement import agree
-from ringdilated.core.call import group_size
+from ringdilated.core.call import as_process_group, group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
@@ -63,6 +63,7 @@ class DilatedAttention(nn.Module):
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
+        process_group = as_process_group(process_group)
         group_size(process_group)  # a process group, or None
         self.causal = causal
         self.scale = scale

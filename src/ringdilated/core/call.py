@@ -36,10 +36,45 @@ from ringdilated.core.shard_plan import ShardPlan, shard_plan
 from ringdilated.core.sharded_run import ShardedRun
 from ringdilated.core.validation import check_bool, check_inputs, check_options
 
-__all__ = ["CallOptions", "CallPlan", "PatternArgs", "group_size", "prepare_call"]
+__all__ = [
+    "CallOptions",
+    "CallPlan",
+    "PatternArgs",
+    "as_process_group",
+    "group_size",
+    "prepare_call",
+]
 
 PatternArgs = tuple[object, object, object]
 """``(segment_lengths, dilation_rates, mode)``, not yet validated."""
+
+
+def as_process_group(group: object) -> object:
+    """The process group a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
+    group of a 1-D ``DeviceMesh``, or of one dimension, ``(mesh, "cp")`` or ``(mesh, 1)``, as
+    PyTorch's context parallel takes them. Anything else is returned unchanged, for
+    :func:`group_size` to reject. Reads the mesh's existing groups: nothing is created."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        names = mesh.mesh_dim_names or ()
+        if not (isinstance(dim, str) and dim in names) and not (
+            isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < mesh.ndim
+        ):
+            raise ValueError(
+                f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
+                f"{mesh.ndim}, got {dim!r}"
+            )
+        return mesh.get_group(dim)
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"process_group takes a 1-D DeviceMesh, or (mesh, dimension) for a {group.ndim}-D "
+                f"one (dimensions {group.mesh_dim_names}), e.g. (mesh, 'cp')"
+            )
+        return group.get_group()
+    return group
 
 
 def group_size(group: object) -> int:
@@ -48,7 +83,8 @@ def group_size(group: object) -> int:
         return 1
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None, got {group!r}"
+            "process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, "
+            f"(mesh, dimension) or None, got {group!r}"
         )
     return dist.get_world_size(group)
 
