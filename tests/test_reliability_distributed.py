@@ -184,7 +184,7 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
         assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank
 
 
-def test_a_mesh_without_a_dimension_is_rejected_with_the_rule() -> None:
+def test_a_process_group_that_is_no_group_is_rejected_with_the_rule() -> None:
     import ringdilated
 
     class NotAMesh:
@@ -193,3 +193,27 @@ def test_a_mesh_without_a_dimension_is_rejected_with_the_rule() -> None:
     q = torch.randn(1, 8, 2, 4)
     with pytest.raises(TypeError, match=r"ProcessGroup, a 1-D DeviceMesh, \(mesh, dimension\)"):
         ringdilated.dilated_attention(q, q, q, [4], [1], process_group=NotAMesh())
+
+
+def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On a one-process 1 x 1 mesh: a 2-D mesh needs a dimension; names and indices (any
+    integer type) select one; anything else raises naming the dimensions."""
+    import numpy as np
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ringdilated.core.call import as_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"))
+        with pytest.raises(ValueError, match=r"1-D DeviceMesh, or \(mesh, dimension\)"):
+            as_process_group(mesh)
+        for bad in ("nope", 2, True):
+            with pytest.raises(ValueError, match=r"dimension name of \('dp', 'cp'\)"):
+                as_process_group((mesh, bad))
+        for good in ("cp", 1, np.int64(1)):
+            assert as_process_group((mesh, good)) is mesh.get_group("cp")
+        assert as_process_group(mesh["cp"]) is mesh.get_group("cp")
+    finally:
+        dist.destroy_process_group()

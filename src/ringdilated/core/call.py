@@ -51,22 +51,30 @@ PatternArgs = tuple[object, object, object]
 
 def as_process_group(group: object) -> object:
     """The process group a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
-    group of a 1-D ``DeviceMesh``, or of one dimension, ``(mesh, "cp")`` or ``(mesh, 1)``, as
-    PyTorch's context parallel takes them. Anything else is returned unchanged, for
-    :func:`group_size` to reject. Reads the mesh's existing groups: nothing is created."""
+    group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
+    ``(mesh, 1)``. Anything else is returned unchanged, for :func:`group_size` to reject. Reads
+    the mesh's existing groups: nothing is created, nothing is sent.
+
+    Every rank must pass the same valid value: this runs before the ranks can agree (it says
+    which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
+    in the call's agreement until the backend's timeout."""
+    import operator
+
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         mesh, dim = group
         names = mesh.mesh_dim_names or ()
-        if not (isinstance(dim, str) and dim in names) and not (
-            isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < mesh.ndim
-        ):
+        try:
+            key: str | int = dim if isinstance(dim, str) else operator.index(dim)
+            if isinstance(dim, bool):
+                raise TypeError
+            return mesh.get_group(key)
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
             raise ValueError(
                 f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
                 f"{mesh.ndim}, got {dim!r}"
-            )
-        return mesh.get_group(dim)
+            ) from None
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
