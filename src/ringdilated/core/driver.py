@@ -109,7 +109,7 @@ class Run:
                 for chunk_batches, selection in _split(
                     block.selection,
                     batches,
-                    seq_len if self.query_start == 0 else -1,
+                    seq_len if self.query_start == 0 else None,
                     per_segment,
                     self.chunk_elements,
                     self.batch_limit.per_call(block.heads.num_kv_heads),
@@ -146,7 +146,7 @@ class Run:
 def _split(
     selection: Selection,
     batches: slice,
-    seq_len: int,
+    seq_len: int | None,
     per_segment: int,
     budget: int,
     max_batch: int | None = None,
@@ -156,12 +156,15 @@ def _split(
 
     Batch and segment dimensions merge into one kernel batch dimension as a view only when the
     segments tile the whole sequence of ``seq_len`` (or there is one segment); otherwise go one
-    batch row at a time. ``batches`` are the rows to cover.
+    batch row at a time. ``seq_len`` is ``None`` when the query-side tensors are shorter than the
+    keys (a query suffix), which no multi-segment selection tiles. ``batches``: the rows.
     """
     segments = max(1, budget // max(1, per_segment))
     if max_batch is not None:
         segments = min(segments, max_batch)
-    tiles = selection.num_segments == 1 or (selection.start == 0 and selection.stop == seq_len)
+    tiles = selection.num_segments == 1 or (
+        seq_len is not None and selection.start == 0 and selection.stop == seq_len
+    )
     first, stop = batches.start, batches.stop
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)
