@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, store: str, calls: int, rounds: int, out: Any) 
     agreements = {
         "digest": agreement.agree,
         "full": agreement.compare_reports,
-        "none": lambda group, error, signature: None,
+        "none": lambda group, error, signature, **kw: None,
     }
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(1, 128, 4, 32, generator=g) for _ in range(3))

@@ -30,6 +30,8 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
     q, k, v = _inputs(rank, world)
     kwargs: dict[str, Any] = {"process_group": dist.group.WORLD}
     segments, rates = [16], [1]
+    if payload["fault"] == "shard length":  # every rank's documents span equal shards
+        kwargs["cu_seqlens"] = torch.tensor([0, 5, 8 * world])
     if rank == payload["rank"]:
         fault = payload["fault"]
         if fault == "bad pattern":
@@ -40,6 +42,8 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
             q, k, v = q.float(), k.float(), v.float()
         elif fault == "shard length":
             q, k, v = q[:, :4].contiguous(), k[:, :4].contiguous(), v[:, :4].contiguous()
+        elif fault == "empty shard":
+            q, k, v = q[:, :0].contiguous(), k[:, :0].contiguous(), v[:, :0].contiguous()
         elif fault == "causal":
             kwargs["causal"] = True
         elif fault == "head dim":
@@ -121,14 +125,16 @@ def _same(a: object, b: object) -> bool:
 
 
 def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
-    """Counts the agreement's collectives in one call that agrees and one in which rank 1 passes
-    a different causal flag; returns the counts and the second call's exception."""
+    """Counts the agreement's collectives in one call that agrees, one whose shards are uneven
+    (rank 1 holds 4 positions) and one in which rank 1 passes a different causal flag; returns
+    the counts and the last call's exception."""
     import ringdilated
     from ringdilated.core import agreement
 
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v = _inputs(rank, world)
-    counts = {"all_reduce": 0, "all_gather_object": 0}
+    counts = {"all_gather": 0, "all_gather_object": 0}
+    kw = {"process_group": dist.group.WORLD, "communicator": "ringpass"}
     real = {name: getattr(agreement.dist, name) for name in counts}
 
     def counting(name: str) -> Any:
@@ -142,13 +148,15 @@ def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         for name in counts:
             setattr(agreement.dist, name, counting(name))
-        ringdilated.dilated_attention(q, k, v, [16], [1], process_group=dist.group.WORLD)
+        ringdilated.dilated_attention(q, k, v, [16], [1], **kw)
         result["agreed"] = dict(counts)
-        counts.update(all_reduce=0, all_gather_object=0)
+        counts.update(all_gather=0, all_gather_object=0)
+        n = 4 if rank == 1 else 8
+        ringdilated.dilated_attention(q[:, :n], k[:, :n], v[:, :n], [16], [1], **kw)
+        result["uneven"] = dict(counts)
+        counts.update(all_gather=0, all_gather_object=0)
         try:
-            ringdilated.dilated_attention(
-                q, k, v, [16], [1], causal=rank == 1, process_group=dist.group.WORLD
-            )
+            ringdilated.dilated_attention(q, k, v, [16], [1], causal=rank == 1, **kw)
         except ValueError as exc:
             result["message"] = str(exc)
         result["disagreed"] = dict(counts)

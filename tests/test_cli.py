@@ -35,7 +35,9 @@ def test_python_dash_m() -> None:
 
 
 def _doctor(capsys: pytest.CaptureFixture[str]) -> str:
-    assert main(["doctor", "--causal", "--head-dim", "32", "--world-size", "2"]) == 0
+    args = ["doctor", "--causal", "--head-dim", "32", "--world-size", "4", "--length", "4096"]
+    args += ["--segments", "1024,4096", "--rates", "1,4", "--heads", "2", "--batch", "8"]
+    assert main(args) == 0
     return capsys.readouterr().out
 
 
@@ -53,8 +55,16 @@ def test_doctor_explains_kernel_and_communicator_choice(
     out = _doctor(capsys)
     assert "kernel: sdpa (priority 100, highest priority that fits)" in out
     assert "rejected flash: package 'flash_attn' is not importable; runs on cuda, not cpu" in out
-    assert "communicator: ringpass" in out
-    assert "rejected allgather: cannot restrict sends to later ranks under causal=True" in out
+    assert "sample sharded call: L=4096 over 4 ranks, segments [1024, 4096]" in out
+    # Head 1 (segment 4096, rate 4) selects 256 positions per shard of 1024; one position's key
+    # and value weigh 2 * 8 * 32 * 4 B = 2 KiB. Causal: rank 0 sends its 256 to 3 later ranks
+    # (1.5 MiB) in 3 steps; allgather sends every rank's 256 to all 3 peers in one step, so rank
+    # 3 sends 1.5 MiB above its minimum of 0, and every rank also receives 1.5 MiB: at gloo's
+    # 1.5 GB/s that costs more than ringpass's two extra steps.
+    assert "communicator: ringpass (least modelled time that fits) for 4 rank(s)" in out
+    assert "  ringpass: sends up to 1.5 MiB (the minimum), receives up to 1.5 MiB" in out
+    assert "3 step(s)" in out
+    assert "not chosen allgather: sends up to 1.5 MiB, 1.5 MiB above the minimum" in out
 
 
 def test_bench_writes_table_json_and_csv(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

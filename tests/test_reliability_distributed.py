@@ -21,7 +21,8 @@ BOUND_S = 5.0  # a rejected call raises on every rank well within this (no timeo
         ("bad pattern", "ValueError", "dilation_rates[0] = 8 exceeds segment_lengths[0] = 4"),
         ("sparse q", "TypeError", "q must be a dense (strided) tensor"),
         ("dtype", "ValueError", "dtype: rank 0 torch.float64, rank 1 torch.float32"),
-        ("shard length", "ValueError", "q_shape: rank 0 (1, 8, 2, 8), rank 1 (1, 4, 2, 8)"),
+        # Shards of 8 and 4 are fine, but then the documents must run to 12.
+        ("shard length", "ValueError", "cu_seqlens must run from 0 to the sequence length 12"),
         ("causal", "ValueError", "causal: rank 0 False, rank 1 True"),
         ("head dim", "ValueError", "k and v must have the same shape"),
         ("unknown kernel", "ValueError", "unknown kernel 'nonexistent'"),
@@ -52,6 +53,13 @@ def test_a_fault_on_one_rank_raises_on_every_rank(
     if raised != "ValueError":  # the faulty rank raises its own error; the others a ValueError
         assert results[0]["raised"] == "ValueError"
         assert "rank 1 rejected its input, so every rank stops" in results[0]["message"]
+
+
+def test_an_empty_shard_raises_on_every_rank(workers2: Workers) -> None:
+    results = workers2.results(f"{TASKS}:call_with_fault", {"fault": "empty shard", "rank": 1})
+    assert all(r["raised"] == "ValueError" and r["seconds"] < BOUND_S for r in results), results
+    assert "shard lengths (8, 0) (rank 1 holds 0)" in results[0]["message"]
+    assert results[1]["message"] == "q must have no empty dimension, got shape (1, 0, 2, 8)"
 
 
 def test_a_fault_on_a_middle_rank_of_four_stops_all_four(workers4: Workers) -> None:
@@ -93,8 +101,9 @@ def test_an_agreeing_call_costs_one_small_collective_a_disagreeing_one_names_the
 ) -> None:
     results = workers2.results(f"{TASKS}:collectives_of_the_agreement", {})
     for result in results:
-        assert result["agreed"] == {"all_reduce": 1, "all_gather_object": 0}, result
-        assert result["disagreed"] == {"all_reduce": 1, "all_gather_object": 1}, result
+        assert result["agreed"] == {"all_gather": 1, "all_gather_object": 0}, result
+        assert result["uneven"] == {"all_gather": 2, "all_gather_object": 0}, result
+        assert result["disagreed"] == {"all_gather": 1, "all_gather_object": 1}, result
         assert "causal: rank 0 False, rank 1 True" in result["message"]
 
 

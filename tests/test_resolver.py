@@ -224,18 +224,114 @@ def test_a_communicator_whose_factory_fails_falls_back_with_the_reason() -> None
         resolver.communicator_for(2, False, "eager")
 
 
-def test_allgather_declines_segment_groups_narrower_than_the_process_group() -> None:
-    """At 4 ranks, segments spanning pairs of shards make groups (0, 1) and (2, 3): one
-    all_gather would need subgroups, which a call may not create; ringpass serves instead."""
-    from ringdilated.backends.allgather import AllGatherCommunicator, plan_reasons
+def _plans(segments: list[int], rates: list[int], length: int, world: int) -> list:
     from ringdilated.core.pattern import DilationPattern
     from ringdilated.core.shard_plan import shard_plan
 
-    pattern = DilationPattern([16], [1])
-    plans = [shard_plan(pattern, 32, 2, 2, rank, 4) for rank in range(4)]
-    reasons = plan_reasons(plans, False)
-    assert any("segment group (0, 1) is narrower than the process group of 4" in r for r in reasons)
-    with pytest.raises(ValueError, match="cannot move these pieces exactly"):
-        AllGatherCommunicator().prepare(None, plans, False)  # an instance skips the resolver
-    whole = [shard_plan(DilationPattern([32], [1]), 32, 2, 2, rank, 4) for rank in range(4)]
-    assert plan_reasons(whole, False) == ()
+    pattern = DilationPattern(segments, rates)
+    return [shard_plan(pattern, length, 1, 1, rank, world) for rank in range(world)]
+
+
+def _builtin_communicators() -> Resolver:
+    from ringdilated.backends.allgather import ALLGATHER_SPEC
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+
+    return Resolver([], communicators=[LOCAL_SPEC, RINGPASS_SPEC, ALLGATHER_SPEC])
+
+
+# One position of one head: key and value, batch 1, head dim 4, float32.
+_SIZE_BYTES = 2 * 1 * 4 * 4
+
+
+def test_traffic_counts_bytes_and_steps_by_hand() -> None:
+    """L = 16 over 4 ranks of 4. Pattern [16] (rate 1, one segment spanning every shard): each
+    rank's 4 positions go to 3 peers. ringpass: 3 steps (distance 1, 2, 3), the minimum;
+    allgather: one step, the same bytes (every peer needs the whole piece)."""
+    from ringdilated.core.cost import PieceSize, traffic
+
+    resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
+    plans = _plans([16], [1], 16, 4)
+    ring = traffic("ringpass", resolver.communicator_for(4, False, "ringpass"), plans, False, size)
+    gather = traffic(
+        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
+    )
+    assert ring.sent == ring.minimum == ring.received == (3 * 4 * _SIZE_BYTES,) * 4
+    assert ring.steps == 3 and ring.above_minimum == 0
+    assert gather.sent == gather.received == ring.sent and gather.steps == 1
+    # Causal: rank r sends its 4 positions to the 3 - r later ranks only; allgather still sends
+    # them to all 3 peers (rank 3's 4 positions too), so rank 3 sends 12 positions above its 0.
+    ring_c = traffic("ringpass", resolver.communicator_for(4, True, "ringpass"), plans, True, size)
+    gather_c = traffic(
+        "allgather", resolver.communicator_for(4, True, "allgather"), plans, True, size
+    )
+    assert ring_c.sent == tuple((3 - r) * 4 * _SIZE_BYTES for r in range(4))
+    assert ring_c.received == tuple(r * 4 * _SIZE_BYTES for r in range(4))
+    assert gather_c.sent == (3 * 4 * _SIZE_BYTES,) * 4 and gather_c.minimum == ring_c.sent
+    assert gather_c.above_minimum == 3 * 4 * _SIZE_BYTES
+
+
+def test_traffic_pads_uneven_broadcast_payloads_to_the_largest() -> None:
+    """L = 16 over shards of 2, 6, 5, 3; pattern [16] rate 2 (even positions): rank r holds
+    1, 3, 3, 1 selected positions (global 0; 2, 4, 6; 8, 10, 12; 14). allgather pads every
+    payload to 3 positions and sends it to 3 peers."""
+    from ringdilated.core.cost import PieceSize, traffic
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.shard_plan import shard_plan
+
+    pattern, lengths = DilationPattern([16], [2]), (2, 6, 5, 3)
+    plans = [shard_plan(pattern, 16, 1, 1, r, 4, None, lengths) for r in range(4)]
+    resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
+    gather = traffic(
+        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
+    )
+    assert gather.minimum == tuple(3 * n * _SIZE_BYTES for n in (1, 3, 3, 1))
+    assert gather.sent == (3 * 3 * _SIZE_BYTES,) * 4
+    assert gather.above_minimum == 3 * 2 * _SIZE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("segments", "rates", "length", "causal", "batch", "winner"),
+    [
+        # Every rank needs every other's equal piece: the same bytes in one step, not three.
+        ([64], [1], 64, False, 1, "allgather"),
+        # Neighbours only (segments of 24 over shards of 16): ringpass moves the minimum in one
+        # step; allgather would send each piece to all three peers.
+        ([24], [1], 64, False, 64, "ringpass"),
+        # Causal with large pieces: allgather's copies to earlier ranks outweigh its fewer steps.
+        ([64], [1], 64, True, 4096, "ringpass"),
+    ],
+)
+def test_auto_chooses_the_communicator_of_least_modelled_time(
+    segments: list[int], rates: list[int], length: int, causal: bool, batch: int, winner: str
+) -> None:
+    from ringdilated.core.cost import PieceSize
+
+    resolver, size = _builtin_communicators(), PieceSize(batch, 4, 4)
+    plans = _plans(segments, rates, length, 4)
+    chosen = resolver.communicator_for(4, causal, "auto", plans, size)
+    assert resolver.communicator_for(4, causal, winner) is chosen
+    text = resolver.explain_communicator(4, causal, "auto", plans, size)
+    assert text.splitlines()[0] == (
+        f"communicator: {winner} (least modelled time that fits) for 4 rank(s)"
+    )
+    assert "ringpass: " in text and "allgather: " in text and "step(s), about" in text
+
+
+def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_can() -> None:
+    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.core.communicator_spec import CommunicatorSpec
+    from ringdilated.core.cost import PieceSize
+
+    class Odd(RingPassCommunicator):
+        delivery = "multicast"
+
+    odd = CommunicatorSpec(name="odd", factory=Odd, priority=1000)
+    base = _builtin_communicators()
+    resolver = Resolver([], communicators=[*base.communicator_specs.values(), odd])
+    plans, size = _plans([64], [1], 64, 4), PieceSize(1, 4, 4)
+    chosen = resolver.communicator_for(4, False, "auto", plans, size)
+    assert type(chosen).__name__ == "AllGatherCommunicator"
+    text = resolver.explain_communicator(4, False, "auto", plans, size)
+    assert "not chosen odd: fits; traffic not modelled (ValueError: Odd.delivery must be" in text
+    assert type(resolver.communicator_for(4, False)).__name__ == "Odd"  # no plans: priority

@@ -1,18 +1,31 @@
-"""The ``allgather`` communicator: one ``all_gather`` on the call's process group.
+"""The ``allgather`` communicator: one ``all_gather`` on the call's process group per exchange.
 
-A *segment group* is a set of ranks that share crossing segments: every member needs every other
-member's piece. Where each rank sends one and the same payload to all its peers, the groups are
-consistent (each member sees the same group) and the members' pieces are equally large (gloo's
-``all_gather`` takes equal sizes only), one asynchronous ``all_gather`` per group moves exactly the
-minimum, overlapped with the local blocks' compute. Elsewhere the resolver rejects ``allgather``
-with the reason, and ``ringpass`` (exact everywhere) serves. ``causal=True`` is rejected: an
-``all_gather`` also sends to earlier ranks. Gradients return point to point.
+Each rank contributes one payload, the union of what any peer's queries see (its *broadcast
+payload*, :func:`~ringdilated.core.shard_plan.broadcast_payload`), padded to the largest of the
+group's; every rank receives all of them and extracts its own part
+(``delivery = "broadcast"``, see :mod:`ringdilated.core.communicator`). This serves every plan
+``ringpass`` serves, exactly:
 
-The one all_gather runs on the call's own process group: no process group is ever created here.
-Creating one inside a call (``dist.new_group`` is a collective over the whole default group)
-deadlocks independent groups, such as the context-parallel groups of a data-parallel x
-context-parallel mesh, which reach it with different members at different times. A segment group
-narrower than the call's group is therefore declined, not served by a new subgroup.
+- **causal**: the collective also delivers pieces to earlier ranks, who ignore them;
+- **uneven pieces**: padded to the group's largest;
+- **overlapping or narrower segment groups**: one gather over the whole group, where ranks that
+  need nothing from a peer ignore its payload.
+
+What the collective moves beyond the minimum (copies for ranks that ignore them, padding) is
+counted in the call's ``TransferStats`` and shown by ``explain()``, and the resolver weighs it
+(:mod:`ringdilated.core.cost`). Gradients return point to point, the minimum.
+
+Why padding and ``all_gather`` rather than split sizes: NCCL's ``all_gather`` (a ring or tree
+over every link at once) is its fastest collective and takes equal sizes only, and gloo's
+``all_gather`` takes equal sizes too. The split-size alternative, ``all_to_all_single``, would
+copy the same payload once per peer into its input and runs as P - 1 point-to-point pairs on
+both backends, which is ``ringpass`` with less overlap. The padding is at most the difference
+between the largest and a rank's payload, and is counted.
+
+The all_gather runs on the call's own group: no process group is ever created here. Creating one
+inside a call (``dist.new_group`` is a collective over the whole default group) deadlocks
+independent groups, such as the context-parallel groups of a data-parallel x context-parallel
+mesh, which reach it with different members at different times.
 """
 
 from __future__ import annotations
@@ -25,81 +38,23 @@ import torch.distributed as dist
 from ringdilated.backends.ringpass import Works, point_to_point
 from ringdilated.core.communicator import Pending
 from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan, payload
+from ringdilated.core.shard_plan import ShardPlan
 
-__all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator", "segment_groups"]
-
-
-def _peers(plan: ShardPlan, rank: int, causal: bool) -> tuple[int, ...]:
-    return tuple(y for y in range(plan.world_size) if y != rank and payload(plan, rank, y, causal))
-
-
-def segment_groups(plans: Sequence[ShardPlan], causal: bool) -> tuple[tuple[int, ...], ...]:
-    """The distinct groups ``{rank} + its peers`` over every rank with something to send."""
-    groups = {tuple(sorted({p.rank, *_peers(p, p.rank, causal)})) for p in plans}
-    return tuple(sorted(g for g in groups if len(g) > 1))
-
-
-def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
-    """Why one all_gather per segment group cannot move these plans' pieces exactly."""
-    reasons: list[str] = []
-    group_of = {p.rank: tuple(sorted({p.rank, *_peers(p, p.rank, causal)})) for p in plans}
-    for plan in plans:
-        me = plan.rank
-        sent = {
-            (pl.heads, pl.positions)
-            for y in _peers(plan, me, causal)
-            for pl in [payload(plan, me, y, causal)]
-        }
-        if len(sent) > 1:
-            reasons.append(
-                f"rank {me} sends different pieces to different peers (segment groups overlap)"
-            )
-        for member in group_of[me]:
-            if group_of[member] != group_of[me]:
-                reasons.append(
-                    f"ranks {me} and {member} see different segment groups "
-                    f"{group_of[me]} and {group_of[member]}"
-                )
-                break
-    world = plans[0].world_size if plans else 0
-    for group in segment_groups(plans, causal):
-        if len(group) < world:
-            reasons.append(
-                f"segment group {group} is narrower than the process group of {world} ranks: "
-                "one all_gather would need a subgroup, and creating one inside a call can "
-                "deadlock independent groups (a dp x cp mesh)"
-            )
-            continue
-        sizes = [
-            payload(plans[m], m, next(y for y in group if y != m), causal).positions_count
-            for m in group
-        ]
-        if len(set(sizes)) > 1:
-            reasons.append(
-                f"pieces of uneven size in segment group {group} ({sizes} key/value rows): "
-                "gloo's all_gather takes equal sizes only"
-            )
-    return tuple(dict.fromkeys(reasons))
+__all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 
 
 class AllGatherCommunicator:
-    """One ``all_gather`` on the call's group for pieces; point to point for gradients."""
+    """One ``all_gather`` of broadcast payloads for pieces; point to point for gradients."""
+
+    delivery = "broadcast"
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         peers = tuple(p for p in range(world_size) if p != rank)
         return (peers,) if peers else ()
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        """Check the plans (every rank has the same, so every rank raises alike): the resolver
-        declines plans this cannot move, but an instance passed as ``communicator=`` skips it.
-        Nothing to set up: the all_gather runs on the call's own group (no group is created
-        inside a call; see the module docstring)."""
-        reasons = plan_reasons(plans, causal)
-        if reasons:
-            raise ValueError(
-                "communicator 'allgather' cannot move these pieces exactly: " + "; ".join(reasons)
-            )
+        """Nothing to set up: the all_gather runs on the call's own group."""
+        return None
 
     def exchange(
         self,
@@ -114,10 +69,10 @@ class AllGatherCommunicator:
         pg = group if isinstance(group, dist.ProcessGroup) else None
         me, world = dist.get_rank(pg), dist.get_world_size(pg)
         members = tuple(sorted({me, *sends, *recvs}))
-        if members != tuple(range(world)):  # plan_reasons declines every other plan
+        if members != tuple(range(world)):  # broadcast delivery names every peer
             raise RuntimeError(
-                f"allgather exchange among ranks {members} of a group of {world}: the resolver "
-                "should have declined this plan"
+                f"allgather exchange among ranks {members} of a group of {world}: a broadcast "
+                "exchange must name every peer"
             )
         outputs = [recvs[m] if m != me else torch.empty_like(payload_tensor) for m in members]
         work = dist.all_gather(outputs, payload_tensor, group=pg, async_op=True)
@@ -129,8 +84,7 @@ ALLGATHER_SPEC = CommunicatorSpec(
     factory=AllGatherCommunicator,
     priority=50,
     distributed=True,
-    causal=False,
-    plan_reasons=plan_reasons,
-    description="one all_gather on the call's group (exact where every rank needs every other's "
-    "equal piece)",
+    causal=True,
+    description="one all_gather of each rank's pieces on the call's group (exact for every "
+    "plan; moves more than the minimum where not every rank needs every piece)",
 )

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import platform
+from typing import TYPE_CHECKING
 
 import torch
 
 from ringdilated.cli import flags
+
+if TYPE_CHECKING:
+    from ringdilated.core.resolver import Resolver
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--world-size", type=flags.positive_int, default=2, help="ranks for the communicator"
     )
+    ints = flags.int_list()
+    parser.add_argument(
+        "--length", type=flags.positive_int, default=65536, help="global sequence length"
+    )
+    parser.add_argument("--segments", type=ints, default=[2048, 4096, 8192])
+    parser.add_argument("--rates", type=ints, default=[1, 2, 4])
+    parser.add_argument("--heads", type=flags.positive_int, default=8)
+    parser.add_argument("--kv-heads", type=flags.positive_int, default=None)
+    parser.add_argument("--batch", type=flags.positive_int, default=1)
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
@@ -92,5 +105,39 @@ def run(args: argparse.Namespace) -> int:
         print(resolver.resolve(request).explain())
     except ringdilated.ResolutionError as exc:
         print(f"no kernel fits: {exc}")
-    print(resolver.explain_communicator(args.world_size, args.causal, "auto"))
+    print(_communicators(resolver, args, dtype, device))
     return 0
+
+
+def _communicators(
+    resolver: Resolver, args: argparse.Namespace, dtype: torch.dtype, device: torch.device
+) -> str:
+    """The communicator choice for a sample sharded call, with what each would move."""
+    from ringdilated.core import DilationPattern
+    from ringdilated.core.cost import PieceSize, link_for
+    from ringdilated.core.shard_plan import shard_plan
+
+    world = args.world_size
+    if world == 1:
+        return resolver.explain_communicator(world, args.causal, "auto")
+    kv_heads = args.kv_heads or args.heads
+    flags.check_pattern(args.segments, args.rates, args.heads)
+    if args.heads % kv_heads or args.length < world:
+        raise ValueError(
+            f"--kv-heads {kv_heads} must divide --heads {args.heads}, and --length "
+            f"{args.length} hold at least one position per rank of --world-size {world}"
+        )
+    pattern = DilationPattern(args.segments, args.rates)
+    share, extra = divmod(args.length, world)
+    lengths = tuple(share + (r < extra) for r in range(world))
+    plans = tuple(
+        shard_plan(pattern, args.length, args.heads, kv_heads, r, world, None, lengths)
+        for r in range(world)
+    )
+    size = PieceSize(args.batch, args.head_dim, dtype.itemsize, link_for(device.type))
+    what = (
+        f"\nsample sharded call: L={args.length} over {world} ranks, segments {args.segments}, "
+        f"rates {args.rates}, {args.heads} heads ({kv_heads} key/value), batch {args.batch}, "
+        f"{dtype}{', causal' if args.causal else ''}:"
+    )
+    return what + "\n" + resolver.explain_communicator(world, args.causal, "auto", plans, size)

@@ -12,10 +12,12 @@ If any rank rejected its input, every rank raises (that rank its own error, the 
 naming each differing field. No rank is left waiting in an exchange, and there is no way to skip
 the agreement: ranks whose shapes differ would otherwise exchange buffers of different sizes.
 
-Cost: the ranks first compare a 64-bit digest of their signatures and an error flag in one
-``all_reduce`` of three integers (:func:`digests_agree`). Only when that finds a failure or a
-difference do they exchange the full reports (one ``all_gather_object``) to name it. So a call
-that agrees costs one small fixed-size collective and no pickling. That collective cannot be
+Cost: the ranks first exchange a 64-bit digest of their signatures, an error flag and their
+shard length in one ``all_gather`` of three integers each (:func:`gather_flags`). Only when that
+finds a failure or a difference do they exchange the full reports (one ``all_gather_object``) to
+name it. So a call that agrees costs one small fixed-size collective and no pickling. Shards of
+different lengths (docs/spec.md, section 3) cost one more: the first exchange tells every rank
+the lengths, each checks its call again with them, and they agree again. That collective cannot be
 skipped for a signature seen before: a rank cannot learn that a peer's input was rejected this
 time without hearing from it.
 """
@@ -29,7 +31,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["CallSignature", "agree", "compare_reports", "digests_agree", "safe_repr", "safe_str"]
+__all__ = ["CallSignature", "agree", "compare_reports", "gather_flags", "safe_repr", "safe_str"]
 
 
 def safe_repr(value: object) -> str:
@@ -99,17 +101,17 @@ def _collective_device(group: dist.ProcessGroup, device: object = None) -> torch
     return torch.device("cpu")
 
 
-def digests_agree(
-    group: dist.ProcessGroup, failed: bool, digest: int, device: object = None
-) -> bool:
-    """Whether no rank failed and every rank's digest is equal: one ``all_reduce`` (max) of
-    ``(failed, digest, -digest)``, so every rank gets the same answer. ``device``: the call's
-    device (NCCL reduces on it when it is a CUDA device)."""
-    flags = torch.tensor([int(failed), digest, -digest], dtype=torch.int64)
-    flags = flags.to(_collective_device(group, device))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    failed_any, highest, negated_lowest = flags.tolist()
-    return bool(failed_any == 0 and highest == -negated_lowest)
+def gather_flags(
+    group: dist.ProcessGroup, failed: bool, digest: int, length: int, device: object = None
+) -> list[tuple[int, int, int]]:
+    """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
+    integers per rank, so every rank gets the same answer. ``device``: the call's device (NCCL
+    gathers on it when it is a CUDA device)."""
+    mine = torch.tensor([int(failed), digest, length], dtype=torch.int64)
+    mine = mine.to(_collective_device(group, device))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [cast(tuple[int, int, int], tuple(t.tolist())) for t in gathered]
 
 
 def agree(
@@ -117,16 +119,27 @@ def agree(
     error: Exception | None,
     signature: CallSignature | None,
     device: object = None,
-) -> None:
-    """Raise on every rank if any rank failed validation or the ranks' signatures differ.
+    length: int = -1,
+) -> tuple[int, ...] | None:
+    """Raise on every rank if any rank failed validation or the ranks' signatures differ, unless
+    the ranks' shards are of different lengths: then return every rank's length.
 
-    A rank that failed may pass ``signature=None`` (its peers then raise naming its error).
-    ``device``: the call's device, for NCCL (see :func:`digests_agree`)."""
+    ``length``: this rank's shard length, or ``-1`` when unknown (its input was unreadable, or
+    the lengths were agreed already). When every rank knows its length and they are not all
+    equal, every rank gets the same lengths back and must check its call again with them (the
+    sequence length is their sum) and agree again, passing no length; nothing else is decided.
+    A rank that failed may pass ``signature=None`` and no length (its peers then raise naming
+    its error). ``device``: the call's device, for NCCL (see :func:`gather_flags`)."""
     if error is None and signature is None:
         raise ValueError("agree() needs a signature from a rank whose checks passed")
     digest = 0 if signature is None else signature.digest()
-    if not digests_agree(group, error is not None, digest, device):
+    flags = gather_flags(group, error is not None, digest, length, device)
+    lengths = tuple(n for _, _, n in flags)
+    if min(lengths) >= 0 and len(set(lengths)) > 1:
+        return lengths
+    if any(failed for failed, _, _ in flags) or len({d for _, d, _ in flags}) > 1:
         compare_reports(group, error, signature)
+    return None
 
 
 def compare_reports(

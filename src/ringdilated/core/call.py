@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats
+from ringdilated.core.cost import PieceSize, link_for
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
 from ringdilated.core.kernel import derive_seed
@@ -198,7 +199,8 @@ class CallPlan:
         assert self.communicator is not None
         return ShardedRun(
             inner=run,
-            plan=shard,
+            plans=self.shards,
+            rank=self.rank,
             communicator=self.communicator,
             group=self.group,
             stats=stats if stats is not None else TransferStats(),
@@ -229,6 +231,7 @@ def _check(
     resolver: Resolver,
     ranks: int,
     wants_backward: Callable[[], bool],
+    lengths: tuple[int, ...] | None = None,
 ) -> _Checked:
     pattern = (
         pattern_args
@@ -242,10 +245,10 @@ def _check(
             f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
             f"{tuple(k.shape)}"
         )
-    # With a process group, cu_seqlens holds global positions: the length is every shard's.
-    layout = read_layout(
-        q, k, options.cu_seqlens, options.key_padding_mask, length=k.shape[1] * ranks
-    )
+    # With a process group, cu_seqlens holds global positions: the length is every shard's
+    # (equal shards unless the agreement found ``lengths`` that differ).
+    total = k.shape[1] * ranks if lengths is None else sum(lengths)
+    layout = read_layout(q, k, options.cu_seqlens, options.key_padding_mask, length=total)
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
@@ -267,31 +270,33 @@ def _check(
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
         return _Checked(pattern, plan, causal, layout)
-    _, length, heads, _ = q.shape
+    heads = q.shape[2]
 
     def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
         return tuple(
-            shard_plan(pattern, length * ranks, heads, k.shape[2], rank, ranks, documents)
+            shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, lengths)
             for rank in range(ranks)
         )
 
-    def communicator(shards: tuple[ShardPlan, ...]) -> Communicator:
+    def communicator(shards: tuple[ShardPlan, ...], batch: int) -> Communicator:
+        size = PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
         return resolver.communicator_for(
             ranks,
             causal,
             options.communicator,  # type: ignore[arg-type]
             shards,
+            size,
         )
 
     if options.key_padding_mask is not None:
         row_plans = []
         for rows in layout.rows:
             shards = plans(rows.documents)
-            row_plans.append((rows, shards, communicator(shards)))
+            row_plans.append((rows, shards, communicator(shards, rows.stop - rows.start)))
         first = row_plans[0]
         return _Checked(pattern, plan, causal, layout, first[1], first[2], tuple(row_plans))
     shards = plans(None if layout.is_whole else layout.rows[0].documents)
-    return _Checked(pattern, plan, causal, layout, shards, communicator(shards))
+    return _Checked(pattern, plan, causal, layout, shards, communicator(shards, k.shape[0]))
 
 
 def prepare_call(
@@ -330,33 +335,39 @@ def prepare_call(
         wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
         return torch.is_grad_enabled() and wants_grad
 
-    def check() -> _Checked:
+    def check(lengths: tuple[int, ...] | None = None) -> _Checked:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
-        return _check(pattern_args, q, k, v, options, chosen, ranks, wants_backward)
+        return _check(pattern_args, q, k, v, options, chosen, ranks, wants_backward, lengths)
 
     if ranks == 1:
         checked = check()
     else:
         # Nothing a caller passed may raise on one rank outside this guard: the peers would be
         # left waiting in the agreement's collective.
-        maybe: _Checked | None = None
-        error: Exception | None = None
-        signature: CallSignature | None = None
-        device: object = None
-        try:
-            maybe = check()
-        except Exception as exc:  # any failure here must reach every rank, not strand them
-            error = exc
-        try:
-            signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
-            device = q.device if isinstance(q, torch.Tensor) else None
-        except Exception as exc:  # a caller's object that cannot even be described
-            error = error or exc
         assert isinstance(group, dist.ProcessGroup)
-        agree(group, error, signature, device=device)
-        assert maybe is not None  # agree() raised otherwise
+        lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
+        while True:
+            maybe: _Checked | None = None
+            error: Exception | None = None
+            signature: CallSignature | None = None
+            device: object = None
+            try:
+                maybe = check(lengths)
+            except Exception as exc:  # any failure here must reach every rank, not strand them
+                error = exc
+            try:
+                signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
+                device = q.device if isinstance(q, torch.Tensor) else None
+            except Exception as exc:  # a caller's object that cannot even be described
+                error = error or exc
+            own = -1 if lengths is not None else _shard_length(k)
+            lengths = agree(group, error, signature, device=device, length=own)
+            if lengths is None:  # agreed (agree() raised otherwise)
+                break
+            # Shards of different lengths: check again knowing them (a second agreement).
+        assert maybe is not None
         checked = maybe
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     if seed is None:
@@ -376,6 +387,22 @@ def prepare_call(
         group=group,
         row_plans=checked.row_plans,
     )
+
+
+def _shard_length(k: object) -> int:
+    """The length of this rank's shard of ``k``, or ``-1`` where ``k`` is no 4-D tensor."""
+    if isinstance(k, torch.Tensor) and k.dim() == 4:
+        return int(k.shape[1])
+    return -1
+
+
+def _shape_text(x: object) -> str:
+    """``x``'s shape with the sequence dimension left out: ranks may hold shards of different
+    lengths (agreed apart, see :func:`~ringdilated.core.agreement.agree`)."""
+    shape: tuple[object, ...] = tuple(getattr(x, "shape", ()))
+    if len(shape) >= 2:
+        shape = (shape[0], "n", *shape[2:])
+    return safe_repr(shape)
 
 
 def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
@@ -417,8 +444,8 @@ def _signature(
         dtype=safe_repr(getattr(q, "dtype", None)),
         documents=_documents_text(options, checked),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
-        q_shape=safe_repr(tuple(getattr(q, "shape", ()))),
-        k_shape=safe_repr(tuple(getattr(k, "shape", ()))),
+        q_shape=_shape_text(q),
+        k_shape=_shape_text(k),
         backward=backward,
         kernel=None if checked is None else checked.plan.kernel_name,
         communicator=None if checked is None else type(checked.communicator).__name__,

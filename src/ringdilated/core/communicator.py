@@ -12,6 +12,16 @@ Call flow, per step (:mod:`ringdilated.core.exchange`)::
 Every rank calls ``exchange`` for the same steps in the same order; a peer with nothing to send
 or receive is simply absent from the mappings. A communicator is a transport and keeps no count:
 the sharded run adds the bytes of each exchange to the call's :class:`TransferStats`.
+
+**Delivery.** A communicator may declare a class attribute ``delivery``:
+
+- ``"pairwise"`` (the default when absent): each rank sends each peer exactly what that peer's
+  queries see (its payload, the analytic minimum); sizes differ per pair.
+- ``"broadcast"``: at each step each rank sends *one* payload, the union of what any peer needs,
+  padded to the largest of the group's, to every peer of the step, and every peer of the step
+  is present in ``sends`` and ``recvs`` (``uniform=True``): what a collective such as
+  ``all_gather`` moves. Receivers take their part and ignore the rest; the bytes above the
+  minimum are counted like any others. Gradients always return pairwise (``uniform=False``).
 """
 
 from __future__ import annotations
@@ -25,7 +35,10 @@ import torch
 if TYPE_CHECKING:
     from ringdilated.core.shard_plan import ShardPlan
 
-__all__ = ["Communicator", "Pending", "TransferStats"]
+__all__ = ["DELIVERIES", "Communicator", "Pending", "TransferStats", "delivery_of"]
+
+DELIVERIES = ("pairwise", "broadcast")
+"""The ways a communicator may deliver pieces (see the module docstring)."""
 
 
 @attrs.define
@@ -80,3 +93,14 @@ class Communicator(Protocol):
         data (a collective may serve the exchange).
         """
         ...
+
+
+def delivery_of(communicator: object) -> str:
+    """``communicator.delivery`` (``"pairwise"`` when absent); raises ``ValueError`` naming any
+    other value."""
+    delivery = getattr(communicator, "delivery", "pairwise")
+    if not isinstance(delivery, str) or delivery not in DELIVERIES:
+        raise ValueError(
+            f"{type(communicator).__name__}.delivery must be one of {DELIVERIES}, got {delivery!r}"
+        )
+    return str(delivery)

@@ -12,7 +12,10 @@ Call flow on every rank (the same steps in the same order)::
     exchange.finish(dk, dv)                       # backward: wait, add what came back
 
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
-rank stays O(L / P). The bytes of every exchange are added to the call's ``TransferStats``.
+rank stays O(L / P) with a pairwise communicator. A broadcast one (``delivery = "broadcast"``,
+see :mod:`ringdilated.core.communicator`) receives every peer of a step at once: each rank's
+broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
+bytes of every exchange are added to the call's ``TransferStats``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import attrs
 import torch
 
 from ringdilated.core import payload as wire
-from ringdilated.core.communicator import Pending
-from ringdilated.core.shard_plan import Crossing, Payload, payload
+from ringdilated.core.communicator import Pending, delivery_of
+from ringdilated.core.shard_plan import Crossing, Payload, broadcast_payload, payload
 
 if TYPE_CHECKING:
     from ringdilated.core.sharded_run import ShardedRun
@@ -34,6 +37,13 @@ __all__ = ["PieceExchange", "Received"]
 
 Received = tuple[int, int, Crossing, torch.Tensor, torch.Tensor]
 """``(src, i, crossing, k, v)``: crossing ``i`` of the payload from ``src``, kernel layout."""
+
+
+class _Done:
+    """The pending exchange of a step with nothing to move."""
+
+    def wait(self) -> None:
+        return None
 
 
 @attrs.define
@@ -61,6 +71,7 @@ class PieceExchange:
         plan = run.plan
         self.steps = run.communicator.schedule(plan.rank, plan.world_size)
         self.causal = run.inner.causal
+        self.broadcast = delivery_of(run.communicator) == "broadcast"
         self._next: _Step | None = None
         self._returning: _Return | None = None
 
@@ -73,9 +84,31 @@ class PieceExchange:
         self.run.stats.record(sends, recvs)
         return self.run.communicator.exchange(self.run.group, sends, recvs, uniform=uniform)
 
+    def _broadcast(self, src: int) -> Payload:
+        return broadcast_payload(self.run.plans[src], self.causal)
+
+    def _start_broadcast(self, peers: tuple[int, ...]) -> _Step:
+        """Send this rank's broadcast payload to every peer; receive theirs. All are padded to
+        the group's largest, so a collective of equal sizes can move them."""
+        sizes = [
+            wire.numel(self._broadcast(r), self.batch, self.head_dim)
+            for r in range(len(self.run.plans))
+        ]
+        width = max(sizes)
+        if width == 0:
+            return _Step(peers, _Done(), {})
+        mine = self._broadcast(self.run.plan.rank)
+        padding = self.k.new_zeros(width - sizes[self.run.plan.rank])
+        flat = torch.cat([wire.pack(mine, self.k, self.v), padding]) if mine else padding
+        sends = dict.fromkeys(peers, flat)
+        recvs = {p: self.k.new_empty(width) for p in peers}
+        return _Step(peers, self._exchange(sends, recvs, uniform=True), recvs)
+
     def _start(self, index: int) -> _Step:
         me = self.run.plan.rank
         peers = self.steps[index]
+        if self.broadcast:
+            return self._start_broadcast(peers)
         sends, recvs = {}, {}
         for peer in peers:
             outgoing = self.payload(me, peer)
@@ -105,6 +138,12 @@ class PieceExchange:
             received = []
             for src, flat in current.recvs.items():
                 incoming = self.payload(src, me)
+                if self.broadcast:
+                    if not incoming:
+                        continue  # a piece for other peers
+                    flat = wire.extract(
+                        flat, self._broadcast(src), incoming, self.batch, self.head_dim
+                    )
                 tensors = wire.unpack(flat, incoming, self.batch, self.head_dim)
                 for i, c in enumerate(incoming.crossings):
                     k, v = wire.crossing_kv(incoming, i, tensors)

@@ -20,6 +20,7 @@ from ringdilated.core.shard_plan import Crossing, Payload
 
 __all__ = [
     "crossing_kv",
+    "extract",
     "gradient_buffers",
     "kv_heads",
     "lse_piece",
@@ -86,6 +87,35 @@ def unpack(flat: torch.Tensor, payload: Payload, batch: int, head_dim: int) -> l
     shapes = [(batch, len(pos), head_dim) for pos in payload.positions for _ in range(2)]
     parts = torch.split(flat, sizes)
     return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _within(whole: Payload, part: Payload, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per head of ``part``, where its positions sit among ``whole``'s positions of that head."""
+    slots = {
+        h: {p: i for i, p in enumerate(pos)}
+        for h, pos in zip(whole.heads, whole.positions, strict=True)
+    }
+    return tuple(
+        torch.tensor([slots[h][p] for p in pos], dtype=torch.long, device=device)
+        for h, pos in zip(part.heads, part.positions, strict=True)
+    )
+
+
+def extract(
+    flat: torch.Tensor, whole: Payload, part: Payload, batch: int, head_dim: int
+) -> torch.Tensor:
+    """The flat tensor of ``part`` from that of ``whole`` (a sender's broadcast payload, which
+    holds every position of ``part``; trailing padding of ``flat`` is ignored)."""
+    tensors = unpack(flat[: numel(whole, batch, head_dim)], whole, batch, head_dim)
+    slot = {h: j for j, h in enumerate(whole.heads)}
+    parts = []
+    for h, index in zip(part.heads, _within(whole, part, flat.device), strict=True):
+        parts += [
+            tensors[2 * slot[h]][:, index].reshape(-1),
+            tensors[2 * slot[h] + 1][:, index].reshape(-1),
+        ]
+    return torch.cat(parts)
 
 
 def crossing_kv(

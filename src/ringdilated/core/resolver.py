@@ -28,6 +28,7 @@ import attrs
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit, Environment, KernelSpec, Request
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.cost import PieceSize, Traffic, traffic
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.rules import describe, describe_exception
 
@@ -200,20 +201,66 @@ class Resolver:
         causal: bool,
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
+        size: PieceSize | None = None,
     ) -> str:
-        """Which communicator serves ``world_size`` ranks, and why each other one was rejected."""
+        """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
+        given every rank's ``plans`` and the ``size`` of a position, what each would move
+        (:mod:`ringdilated.core.cost`)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
-        chosen = self.communicator_for(world_size, causal, name, plans)
+        chosen = self.communicator_for(world_size, causal, name, plans, size)
         chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
-        how = f"forced by communicator={name!r}" if name != "auto" else "highest priority that fits"
+        judged = self._judge_communicators(world_size, causal, plans, size)
+        if name != "auto":
+            how = f"forced by communicator={name!r}"
+        elif any(t is not None for _, _, t in judged):
+            how = "least modelled time that fits"
+        else:
+            how = "highest priority that fits"
         lines = [f"communicator: {chosen_name} ({how}) for {world_size} rank(s)"]
-        for spec in sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name)):
-            if spec.name != chosen_name:
-                reasons = _communicator_reasons(spec, world_size, causal, plans)
+        for spec, reasons, moved in judged:
+            if isinstance(moved, Traffic):
+                detail = moved.describe()
+            elif isinstance(moved, str):
+                detail = f"fits; traffic not modelled ({moved})"
+            else:
                 detail = "; ".join(reasons) if reasons else "fits, lower priority"
+            if spec.name == chosen_name:
+                if moved is not None:
+                    lines.append(f"  {spec.name}: {detail}")
+            else:
                 lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
         return "\n".join(lines)
+
+    def _judge_communicators(
+        self,
+        world_size: int,
+        causal: bool,
+        plans: Sequence[ShardPlan],
+        size: PieceSize | None,
+    ) -> list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]]:
+        """Every communicator in ``auto``'s order of preference, with its reasons and, where it
+        fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Never
+        raises for what a plugin does."""
+        judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
+        for spec in self.communicator_specs.values():
+            reasons = _communicator_reasons(spec, world_size, causal, plans)
+            moved: Traffic | str | None = None
+            if not reasons and plans and size is not None:
+                try:
+                    moved = traffic(spec.name, self._communicator(spec), plans, causal, size)
+                except Exception as exc:  # a plugin's schedule or factory may fail in any way
+                    moved = f"{type(exc).__name__}: {describe_exception(exc)}"
+            judged.append((spec, reasons, moved))
+
+        def preference(
+            item: tuple[CommunicatorSpec, tuple[str, ...], object],
+        ) -> tuple[float, int, str]:
+            spec, _, moved = item
+            seconds = moved.seconds if isinstance(moved, Traffic) else float("inf")
+            return (seconds, -spec.priority, spec.name)
+
+        return sorted(judged, key=preference)
 
     def communicator_for(
         self,
@@ -221,11 +268,15 @@ class Resolver:
         causal: bool,
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
+        size: PieceSize | None = None,
     ) -> Communicator:
-        """The communicator for a group of ``world_size`` ranks: ``name`` forced, the
-        highest-priority one that fits, or a :class:`~ringdilated.core.communicator.Communicator`
-        instance used as it is. A forced one that does not fit raises with its reasons. ``plans``
-        (every rank's shard plan) lets a communicator check that it can move them."""
+        """The communicator for a group of ``world_size`` ranks: ``name`` forced, or for
+        ``"auto"`` the fitting one of least modelled time (given every rank's ``plans`` and the
+        ``size`` of a position; :mod:`ringdilated.core.cost`), priority breaking ties and
+        deciding alone without them; or a
+        :class:`~ringdilated.core.communicator.Communicator` instance used as it is. A forced one
+        that does not fit raises with its reasons. ``plans`` also let a communicator check that
+        it can move them."""
         if isinstance(name, Communicator) and not isinstance(name, str):
             return name
         if not isinstance(name, str):
@@ -238,10 +289,9 @@ class Resolver:
             raise ValueError(
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
-        ranked = sorted(self.communicator_specs.values(), key=lambda s: (-s.priority, s.name))
-        verdicts = {
-            spec.name: _communicator_reasons(spec, world_size, causal, plans) for spec in ranked
-        }
+        judged = self._judge_communicators(world_size, causal, plans, size)
+        verdicts = {spec.name: reasons for spec, reasons, _ in judged}
+        ranked = [spec for spec, _, _ in judged]
         candidates = [self.communicator_specs[name]] if name != "auto" else ranked
         for spec in candidates:
             if verdicts[spec.name]:
@@ -255,7 +305,7 @@ class Resolver:
                 f"communicator {name!r} cannot serve {world_size} rank(s): "
                 + "; ".join(verdicts[name])
             )
-        detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
+        detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s, _, _ in judged)
         raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
 
     def _communicator(self, spec: CommunicatorSpec) -> Communicator:

@@ -1,7 +1,8 @@
 """What a rank computes and what moves between ranks, derived from the pattern (docs/spec.md,
 section 3).
 
-Rank ``r`` of ``P`` holds positions ``[r * S, (r + 1) * S)``, ``S = L / P``. For every block of the
+Rank ``r`` of ``P`` holds the contiguous positions ``[S_r, S_r + n_r)``, in rank order:
+``n_r = L / P`` by default, or any positive lengths summing to ``L``. For every block of the
 pattern, the segments a shard meets are of two kinds:
 
 - **inner**: wholly inside the shard. Computed locally, exactly as on one process; nothing moves.
@@ -16,13 +17,24 @@ agree on sizes and order without asking each other.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 
 import attrs
 
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
-__all__ = ["Crossing", "Payload", "Piece", "ShardPlan", "payload", "shard_plan"]
+__all__ = [
+    "Crossing",
+    "Payload",
+    "Piece",
+    "ShardPlan",
+    "broadcast_payload",
+    "payload",
+    "shard_plan",
+    "shard_starts",
+]
 
 
 @attrs.frozen
@@ -59,13 +71,19 @@ class Crossing:
 
 @attrs.frozen
 class ShardPlan:
-    """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in."""
+    """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in.
+    ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values)."""
 
     rank: int
     world_size: int
-    shard_len: int
+    starts: tuple[int, ...]
     inner: tuple[Block, ...]
     crossings: tuple[Crossing, ...]
+
+    @property
+    def shard_len(self) -> int:
+        """The length of this rank's shard."""
+        return self.starts[self.rank + 1] - self.starts[self.rank]
 
     def transfers(self, src: int, dst: int, causal: bool) -> tuple[Crossing, ...]:
         """The crossings whose ``src`` piece goes to ``dst``, in the fixed order both agree on."""
@@ -110,7 +128,21 @@ def _piece_positions(piece: Piece) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=1024)
 def payload(plan: ShardPlan, src: int, dst: int, causal: bool) -> Payload:
     """The deduplicated payload from ``src`` to ``dst`` (one of them is ``plan.rank``)."""
-    crossings = plan.transfers(src, dst, causal)
+    return _payload(plan.transfers(src, dst, causal), src)
+
+
+@functools.lru_cache(maxsize=1024)
+def broadcast_payload(plan: ShardPlan, causal: bool) -> Payload:
+    """What ``plan.rank`` sends when it sends one payload to every peer at once (a collective):
+    the union of its payloads to each peer. A receiver finds its own payload inside it."""
+    me = plan.rank
+    wanted = tuple(
+        c for c in plan.crossings if any(c.sends(me, y, causal) for y in range(plan.world_size))
+    )
+    return _payload(wanted, me)
+
+
+def _payload(crossings: tuple[Crossing, ...], src: int) -> Payload:
     union: dict[int, set[int]] = {}
     for c in crossings:
         piece = c.piece(src)
@@ -144,6 +176,33 @@ def _local(selection: Selection, lo: int, hi: int, shard_start: int) -> Selectio
     return Selection(lo - shard_start, 1, hi - lo, selection.rate, first - lo)
 
 
+def shard_starts(
+    seq_len: int, world_size: int, lengths: tuple[int, ...] | None = None
+) -> tuple[int, ...]:
+    """Where each of ``world_size`` contiguous shards of ``seq_len`` begins, then ``seq_len``:
+    equal shards when ``lengths`` is ``None``, else shards of ``lengths`` (each positive, one per
+    rank, summing to ``seq_len``). Raises ``ValueError`` naming the rule a value breaks."""
+    if lengths is None:
+        if seq_len % world_size:
+            raise ValueError(
+                f"the global sequence length {seq_len} must be a multiple of the world size "
+                f"{world_size} for equal shards (or pass every rank's shard length)"
+            )
+        lengths = (seq_len // world_size,) * world_size
+    empty = next((r for r, n in enumerate(lengths) if n < 1), None)
+    if empty is not None:
+        raise ValueError(
+            f"every rank's shard must hold at least one position, got shard lengths {lengths} "
+            f"(rank {empty} holds {lengths[empty]})"
+        )
+    if len(lengths) != world_size or sum(lengths) != seq_len:
+        raise ValueError(
+            f"shard lengths {lengths} must be {world_size} positive lengths summing to the "
+            f"sequence length {seq_len}"
+        )
+    return (0, *itertools.accumulate(lengths))
+
+
 @functools.lru_cache(maxsize=256)
 def shard_plan(
     pattern: DilationPattern,
@@ -153,18 +212,15 @@ def shard_plan(
     rank: int,
     world_size: int,
     documents: tuple[tuple[int, int], ...] | None = None,
+    lengths: tuple[int, ...] | None = None,
 ) -> ShardPlan:
-    """The plan of ``rank`` for a global sequence of ``seq_len`` split over ``world_size`` ranks,
-    made of ``documents`` (global ``[start, stop)`` spans; ``None``: one document). A segment of a
-    document that crosses a shard boundary is a crossing like any other; one that ends at a
-    document boundary is never joined to the next document's, so nothing travels across it."""
-    if seq_len % world_size:
-        raise ValueError(
-            f"the global sequence length {seq_len} must be a multiple of the world size "
-            f"{world_size} (contiguous equal shards)"
-        )
-    shard = seq_len // world_size
-    lo, hi = rank * shard, (rank + 1) * shard
+    """The plan of ``rank`` for a global sequence of ``seq_len`` split over ``world_size`` ranks
+    (equal shards, or shards of ``lengths``; see :func:`shard_starts`), made of ``documents``
+    (global ``[start, stop)`` spans; ``None``: one document). A segment of a document that
+    crosses a shard boundary is a crossing like any other; one that ends at a document boundary
+    is never joined to the next document's, so nothing travels across it."""
+    starts = shard_starts(seq_len, world_size, lengths)
+    lo, hi = starts[rank], starts[rank + 1]
     inner: list[Block] = []
     crossings: list[Crossing] = []
     blocks = (
@@ -188,15 +244,16 @@ def shard_plan(
                 continue
             segment = sel.segments(s, 1)
             pieces = []
-            for x in range(segment.start // shard, (segment.stop - 1) // shard + 1):
+            owner = bisect.bisect_right(starts, segment.start) - 1
+            for x in range(owner, bisect.bisect_left(starts, segment.stop)):
                 piece = _local(
                     segment,
-                    max(segment.start, x * shard),
-                    min(segment.stop, (x + 1) * shard),
-                    x * shard,
+                    max(segment.start, starts[x]),
+                    min(segment.stop, starts[x + 1]),
+                    starts[x],
                 )
                 if piece is not None:
                     pieces.append(Piece(x, piece))
             if any(p.rank == rank for p in pieces):
                 crossings.append(Crossing(block, tuple(pieces)))
-    return ShardPlan(rank, world_size, shard, tuple(inner), tuple(crossings))
+    return ShardPlan(rank, world_size, starts, tuple(inner), tuple(crossings))

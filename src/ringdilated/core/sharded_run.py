@@ -50,13 +50,19 @@ __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 
 @attrs.frozen
 class ShardedRun:
-    """A sharded call's fixed parts. ``inner`` is the single-process run of the inner blocks."""
+    """A sharded call's fixed parts. ``inner`` is the single-process run of the inner blocks;
+    ``plans`` every rank's shard plan, ``plan`` this rank's."""
 
     inner: Run
-    plan: ShardPlan
+    plans: tuple[ShardPlan, ...]
+    rank: int
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
     stats: TransferStats = attrs.field(factory=TransferStats, eq=False)
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self.plans[self.rank]
 
     @property
     def kernel(self) -> Kernel:

@@ -6,7 +6,8 @@ give every rank exactly what one process computes (the ``local`` path) for its s
     report = check_communicator("mycomm", pools={2: pool}) # reuse a test session's pool
 
 Hypothesis draws whole problems (pattern, mode, causal, heads, grouped-query heads, dtype,
-scale) and each rank runs its shard through ``dilated_attention(..., communicator=name)``.
+scale, packed documents or padded rows, equal or uneven shards) and each rank runs its shard
+through ``dilated_attention(..., communicator=name)``.
 Check ``matches-local``: each rank's ``out``, ``lse`` and the gradients of a loss through both
 meet the tolerance rule (docs/spec.md, section 4) against the float64 oracle with the
 single-process result's own error as the allowance, i.e. the communicator adds nothing
@@ -38,6 +39,7 @@ __all__ = [
     "case_inputs",
     "check_communicator",
     "communicator_cases",
+    "shard_slice",
     "sharded_run",
 ]
 
@@ -56,9 +58,14 @@ class CommunicatorReport:
 
 @st.composite
 def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
-    """A whole problem for ``world`` ranks as a picklable dict (see :func:`case_inputs`)."""
-    shard = draw(st.integers(1, 10))
-    seq_len = shard * world
+    """A whole problem for ``world`` ranks as a picklable dict (see :func:`case_inputs`); its
+    ``shard_lengths`` are equal or not (each rank holds at least one position)."""
+    equal = draw(st.booleans())
+    if equal:
+        shard_lengths = [draw(st.integers(1, 10))] * world
+    else:
+        shard_lengths = draw(st.lists(st.integers(1, 10), min_size=world, max_size=world))
+    seq_len = sum(shard_lengths)
     count = draw(st.integers(1, 3))
     segments = [draw(st.integers(1, 2 * seq_len)) for _ in range(count)]
     rates = [draw(st.integers(1, min(4, w))) for w in segments]
@@ -83,6 +90,7 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         "seed": draw(st.integers(0, 2**31 - 1)),
         "batch": batch,
         "seq_len": seq_len,
+        "shard_lengths": shard_lengths,
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": draw(st.sampled_from([4, 8])),
@@ -106,6 +114,14 @@ def case_layout(case: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         mask = torch.stack([(p < s) | (p >= e) for s, e in case["valid_runs"]])
         return {"key_padding_mask": mask}
     return {}
+
+
+def shard_slice(case: Mapping[str, Any], rank: int, world: int) -> slice:
+    """Rank ``rank``'s positions of the case's sequence: its ``shard_lengths``, or ``world``
+    equal shards of ``seq_len`` where it has none; contiguous in rank order."""
+    lengths = case.get("shard_lengths") or [case["seq_len"] // world] * world
+    start = sum(lengths[:rank])
+    return slice(start, start + lengths[rank])
 
 
 def case_inputs(case: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
@@ -158,7 +174,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, dout, dlse = case_inputs(case)
-    shard = slice(rank * case["seq_len"] // world, (rank + 1) * case["seq_len"] // world)
+    shard = shard_slice(case, rank, world)
     q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
     stats = TransferStats()
     try:
@@ -173,7 +189,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
         )
     except ResolutionError as exc:
         return {"declined": str(exc)}
-    forward_bytes = stats.bytes_sent
+    forward_bytes, forward_received = stats.bytes_sent, stats.bytes_received
     if case.get("lse_grad", True):
         loss = _loss(out, lse, dout[:, shard], dlse[:, :, shard])
     else:
@@ -186,6 +202,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
         "dk": k.grad,
         "dv": v.grad,
         "forward_bytes_sent": forward_bytes,
+        "forward_bytes_received": forward_received,
         "total_bytes_sent": stats.bytes_sent,
     }
 

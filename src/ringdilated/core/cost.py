@@ -1,0 +1,137 @@
+"""What each communicator would move for a sharded call, and the model ``communicator="auto"``
+chooses by (docs/distributed.md, "Choosing a communicator").
+
+For every rank, from every rank's shard plan (nothing is sent to compute this):
+
+- **minimum**: the bytes of keys and values this rank's peers' queries see (the sum of its
+  pairwise payloads, :func:`~ringdilated.core.shard_plan.payload`); what ``ringpass`` sends.
+- **sent / received**: what the communicator's delivery moves. Pairwise: the minimum. Broadcast
+  (``allgather``): at each step of its schedule, one payload to every peer of the step, the union
+  of what any peer needs, padded to the group's largest.
+- **steps**: exchanges that move anything, each a synchronization the forward pass waits on.
+
+The modelled time of one forward exchange is ``steps * latency + max over ranks of (sent +
+received) / bandwidth``, with a :class:`Link` per transport (rough defaults for gloo and NCCL;
+only their ratio, the bytes one step's latency is worth, decides). ``auto`` takes the fitting
+communicator of least modelled time, priority breaking ties, and one whose traffic cannot be
+modelled (its ``schedule`` or ``delivery`` fails) after every one that can. The backward pass
+moves the same pieces again, plus the gradients of received pieces back to their owners (the
+minimum, pairwise), so the comparison holds for training too. Compute, and how well each
+communicator overlaps it, is not modelled: ``ringpass`` overlaps each step with the previous
+step's compute, ``allgather`` its one step with the inner blocks'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from ringdilated.core.communicator import delivery_of
+from ringdilated.core.shard_plan import ShardPlan, broadcast_payload, payload
+
+__all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
+
+
+@attrs.frozen
+class Link:
+    """A transport's rough figures: seconds per exchange step, and bytes per second per rank."""
+
+    name: str
+    latency_s: float
+    bytes_per_s: float
+
+
+GLOO = Link("gloo", latency_s=100e-6, bytes_per_s=1.5e9)
+"""gloo over TCP on one host: about 0.1 ms per exchange, 1-2 GB/s (16 MiB in 10-15 ms)."""
+
+NCCL = Link("nccl", latency_s=20e-6, bytes_per_s=50e9)
+"""NCCL within a node (NVLink class): about 20 us per exchange, tens of GB/s per rank."""
+
+
+def link_for(device_type: str) -> Link:
+    """The link a call's tensors travel on: NCCL for CUDA tensors, gloo for anything else."""
+    return NCCL if device_type == "cuda" else GLOO
+
+
+@attrs.frozen
+class PieceSize:
+    """What one key/value position of one head weighs on the wire, and the link it crosses."""
+
+    batch: int
+    head_dim: int
+    element_size: int
+    link: Link = GLOO
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes of one position's key and value for one key/value head, over the batch."""
+        return 2 * self.batch * self.head_dim * self.element_size
+
+
+@attrs.frozen
+class Traffic:
+    """One communicator's forward traffic for one call: per rank, bytes sent, received and the
+    analytic minimum it must send; ``steps``: exchanges that move anything (the most of any
+    rank)."""
+
+    communicator: str
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    minimum: tuple[int, ...]
+    steps: int
+    link: Link
+
+    @property
+    def above_minimum(self) -> int:
+        """The most any rank sends beyond its minimum."""
+        return max(s - m for s, m in zip(self.sent, self.minimum, strict=True))
+
+    @property
+    def seconds(self) -> float:
+        """The modelled time of the forward exchange (see the module docstring)."""
+        busiest = max(s + r for s, r in zip(self.sent, self.received, strict=True))
+        return self.steps * self.link.latency_s + busiest / self.link.bytes_per_s
+
+    def describe(self) -> str:
+        """One line: the busiest rank's bytes, the excess over the minimum, steps and time."""
+        extra = self.above_minimum
+        over = f", {_size(extra)} above the minimum" if extra else " (the minimum)"
+        return (
+            f"sends up to {_size(max(self.sent))}{over}, receives up to "
+            f"{_size(max(self.received))} per rank, {self.steps} step(s), about "
+            f"{self.seconds * 1e3:.3g} ms on {self.link.name}"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def traffic(
+    name: str, communicator: object, plans: Sequence[ShardPlan], causal: bool, size: PieceSize
+) -> Traffic:
+    """What ``communicator`` (named ``name``) moves in a forward pass over ``plans`` (every
+    rank's); raises what its ``schedule`` or ``delivery`` raises."""
+    world = len(plans)
+    unit = size.position_bytes
+    schedules = [communicator.schedule(r, world) for r in range(world)]  # type: ignore[attr-defined]
+
+    def pairwise(src: int, dst: int) -> int:
+        return unit * payload(plans[src], src, dst, causal).positions_count
+
+    minimum = tuple(sum(pairwise(r, y) for y in range(world) if y != r) for r in range(world))
+    if delivery_of(communicator) == "broadcast":
+        width = unit * max(broadcast_payload(p, causal).positions_count for p in plans)
+        sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
+        steps = max(len(s) for s in schedules) if width else 0
+        return Traffic(name, sent, sent, minimum, steps, size.link)
+    received = tuple(sum(pairwise(y, r) for y in range(world) if y != r) for r in range(world))
+    steps = max(
+        sum(1 for step in schedules[r] if any(pairwise(r, y) or pairwise(y, r) for y in step))
+        for r in range(world)
+    )
+    return Traffic(name, minimum, received, minimum, steps, size.link)
