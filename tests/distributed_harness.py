@@ -82,6 +82,30 @@ def module_on_shards(payload: dict[str, Any]) -> dict[str, Any]:
     return {"equal": bool(torch.equal(out, expected)), "explain": attn.explain(), "out": out}
 
 
+def rotary_module_on_uneven_shards(payload: dict[str, Any]) -> dict[str, Any]:
+    """A causal MultiheadDilatedAttention with rotary embeddings on shards of
+    ``payload['lengths']``: this rank's output and the same module's on one process, whole."""
+    import ringdilated
+    from ringdilated.rotary import rotary_embedding
+
+    rank = dist.get_rank()
+    lengths = payload["lengths"]
+    kw: dict[str, Any] = {
+        "segment_lengths": [8, 32], "dilation_rates": [1, 4], "num_kv_heads": 2,
+        "causal": True, "dtype": torch.float64, "rotary": rotary_embedding,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    whole = ringdilated.MultiheadDilatedAttention(16, 4, **kw)
+    sharded = ringdilated.MultiheadDilatedAttention(16, 4, process_group=dist.group.WORLD, **kw)
+    sharded.load_state_dict(whole.state_dict())
+    x = torch.randn(2, sum(lengths), 16, generator=torch.Generator().manual_seed(1)).double()
+    start = sum(lengths[:rank])
+    local = x[:, start : start + lengths[rank]]
+    out = sharded(local, local, local)[0]
+    expected = whole(x, x, x)[0][:, start : start + lengths[rank]]
+    return {"out": out.detach(), "expected": expected.detach()}
+
+
 def dropout_directional_derivative(payload: dict[str, Any]) -> dict[str, float]:
     """With each call's dropout masks fixed by seeding, the sharded function is deterministic:
     its analytic directional derivative must match central finite differences of the global loss.

@@ -13,10 +13,16 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringdilated.testing import assert_within_tolerance, dense_attention, oracle, pattern_weights
+from ringdilated.testing import (
+    assert_within_tolerance,
+    dense_attention,
+    max_error,
+    oracle,
+    pattern_weights,
+)
 from ringdilated.testing.communicators import case_layout, communicator_cases, shard_slice
 from tests.distributed_harness import TASKS, Workers, full_inputs
 
@@ -30,7 +36,7 @@ def _expected_bytes(
     The minimum: for every other rank, the distinct (key/value head, key position) pairs of this
     rank's shard that some query of that rank sees. A broadcast communicator (allgather) sends
     one payload to every other rank instead: the union of those pairs over all other ranks,
-    padded to the largest rank's union."""
+    padded to the largest rank's union (per call: padded rows run one call per padding)."""
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
@@ -41,9 +47,10 @@ def _expected_bytes(
     itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
     per_pair = 2 * case["head_dim"] * itemsize
     minimum_sent, minimum_received = [0] * world, [0] * world
-    unions = [0] * world  # pairs, summed over batch rows
+    width = 0  # bytes of one broadcast payload, summed over the calls of padded row groups
     for row in weights:
         sees = (row > 0).view(Hkv, H // Hkv, L, L).any(1)  # (Hkv, query, key)
+        unions = []
         for src in range(world):
             seen_by_any = torch.zeros_like(sees[:, 0, shards[src]])
             for dst in range(world):
@@ -53,10 +60,11 @@ def _expected_bytes(
                     minimum_sent[src] += per_pair * pairs
                     minimum_received[dst] += per_pair * pairs
                     seen_by_any |= seen
-            unions[src] += rows * int(seen_by_any.sum())
+            unions.append(rows * int(seen_by_any.sum()))
+        # Rows of one padding run as one call, rows of another as their own: one width each.
+        width += per_pair * max(unions)
     if not broadcast:
         return minimum_sent, minimum_received, minimum_received
-    width = per_pair * max(unions)
     return [(world - 1) * width] * world, [(world - 1) * width] * world, minimum_received
 
 
@@ -108,23 +116,31 @@ def _run_and_check(pool: Workers, case: dict[str, Any], world: int) -> None:
     _check(case, results, world)
 
 
-@st.composite
-def sharded_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
-    """The communicator kit's problems, with every built-in choice of communicator."""
-    communicator = draw(st.sampled_from(["ringpass", "auto", "allgather"]))
-    return {**draw(communicator_cases(world)), "communicator": communicator}
+def _run_each_communicator(pool: Workers, case: dict[str, Any], world: int) -> None:
+    """The same problem through ``ringpass`` and ``allgather``: both exact, each with its own
+    bytes (checked in ``_check``)."""
+    for communicator in ("ringpass", "allgather"):
+        _run_and_check(pool, {**case, "communicator": communicator}, world)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "reference"])
 @given(data=st.data())
 def test_two_ranks_match_the_oracle(workers2: Workers, kernel: str, data: st.DataObject) -> None:
-    _run_and_check(workers2, {**data.draw(sharded_cases(2)), "kernel": kernel}, 2)
+    _run_each_communicator(workers2, {**data.draw(communicator_cases(2)), "kernel": kernel}, 2)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "reference"])
 @given(data=st.data())
 def test_four_ranks_match_the_oracle(workers4: Workers, kernel: str, data: st.DataObject) -> None:
-    _run_and_check(workers4, {**data.draw(sharded_cases(4)), "kernel": kernel}, 4)
+    _run_each_communicator(workers4, {**data.draw(communicator_cases(4)), "kernel": kernel}, 4)
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_auto_matches_the_oracle(workers4: Workers, data: st.DataObject) -> None:
+    """Whatever the cost model chooses is exact, and never sends below the minimum."""
+    case = {**data.draw(communicator_cases(4)), "kernel": "sdpa", "communicator": "auto"}
+    _run_and_check(workers4, case, 4)
 
 
 @pytest.mark.parametrize(
@@ -196,13 +212,26 @@ def test_a_dead_rank_makes_the_others_raise_within_the_timeout() -> None:
 def test_module_on_shards(workers2: Workers) -> None:
     results = workers2.results("module_on_shards", {})
     assert all(r["equal"] for r in results)
-    assert (
-        "communicator: ringpass (highest priority that fits) for 2 rank(s)" in results[0]["explain"]
-    )
+    # After a call, explain() shows what each communicator moves for its shards. Heads 2 and 3
+    # (segment 32, rate 4) select 4 positions per shard of 16; one position's key and value
+    # weigh 2 * 8 * 8 B. Causal: rank 0 sends 2 heads x 4 positions (1 KiB) to rank 1 only;
+    # allgather would also send rank 1's (padded) payload back to rank 0.
+    text = results[0]["explain"]
+    assert "communicator: ringpass (least modelled time that fits) for 2 rank(s)" in text
+    assert "  ringpass: sends up to 1 KiB (the minimum), receives up to 1 KiB per rank" in text
+    assert "not chosen allgather: sends up to 1 KiB, 1 KiB above the minimum" in text
     torch.manual_seed(0)
     full = torch.randn(1, 32, 4, 8, dtype=torch.float64)
     expected = oracle(full, full, full, [8, 32], [1, 4], causal=True)
     assert torch.allclose(torch.cat([r["out"] for r in results], 1), expected, atol=1e-12, rtol=0)
+
+
+def test_rotary_positions_follow_uneven_shards(workers4: Workers) -> None:
+    """Each rank's rotary positions start where its shard starts, whatever the lengths."""
+    results = workers4.results("rotary_module_on_uneven_shards", {"lengths": [3, 13, 9, 7]})
+    assert [r["out"].shape[1] for r in results] == [3, 13, 9, 7]
+    for r in results:
+        assert max_error(r["out"], r["expected"]) < 1e-12
 
 
 def _aligned_case(world: int, **overrides: Any) -> dict[str, Any]:

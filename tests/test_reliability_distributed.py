@@ -176,7 +176,7 @@ def test_interleaved_subgroups_each_run_their_own_problem_without_hanging(
 
 
 @pytest.mark.parametrize("form", ["tuple", "submesh"])
-@pytest.mark.parametrize("communicator", ["ringpass", "auto"])
+@pytest.mark.parametrize("communicator", ["allgather", "ringpass", "auto"])
 def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
     workers4: Workers, form: str, communicator: str
 ) -> None:

@@ -24,6 +24,7 @@ import torch
 from ringdilated.compiled import dilated_attention_op
 from ringdilated.core.call import (
     CallOptions,
+    CallPlan,
     PatternArgs,
     as_process_group,
     group_size,
@@ -34,7 +35,7 @@ from ringdilated.core.driver import DilatedAttentionFunction
 from ringdilated.core.dtypes import autocast_inputs
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
-from ringdilated.core.resolver import Plan, Resolver
+from ringdilated.core.resolver import Resolver
 from ringdilated.core.validation import check_bool, check_inputs, check_options
 from ringdilated.registry import default_resolver
 
@@ -64,10 +65,10 @@ def attend(
     cu_seqlens: object = None,
     key_padding_mask: object = None,
     full_precision_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
-    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``
-    (``full_precision_lse``: the lse in the accumulation dtype, float64 for float64 inputs, for
-    callers that merge results further).
+) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
+    """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
+    the call's :class:`~ringdilated.core.call.CallPlan` (``full_precision_lse``: the lse in the
+    accumulation dtype, float64 for float64 inputs, for callers that merge results further).
 
     ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
     validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
@@ -112,7 +113,7 @@ def _attend_eager(
     arguments: dict[str, object],
     resolver: Resolver | None,
     process_group: object,
-) -> tuple[torch.Tensor, torch.Tensor, Plan | None]:
+) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
     options = CallOptions(**arguments)
@@ -129,7 +130,7 @@ def _attend_eager(
         out, lse = results[0]
     else:  # a sharded call's groups of padded rows, in batch order
         out, lse = torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
-    return out, lse, plan.kernel
+    return out, lse, plan
 
 
 def _attend_compiled(
@@ -287,11 +288,13 @@ def dilated_attention(
       which must fit the request or a :class:`~ringdilated.core.ResolutionError` is raised, or a
       :class:`~ringdilated.core.Kernel` instance, used as it is.
     - ``process_group``: ``None`` (one process) or a ``torch.distributed`` group whose ranks each
-      pass their contiguous shard ``(B, L / P, H, D)`` of the sequence and get back their slice of
+      pass their contiguous shard ``(B, n_r, H, D)`` of the sequence, in rank order (lengths may
+      differ; they are exchanged in the ranks' agreement), and get back their slice of
       the single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one
       dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
-      ``"auto"``, a name (``"ringpass"``,
-      ``"allgather"``) or a :class:`~ringdilated.core.communicator.Communicator` instance.
+      ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
+      (``"ringpass"``, ``"allgather"``) or a
+      :class:`~ringdilated.core.communicator.Communicator` instance.
       Inputs are checked on every rank and a rejection raises on every rank.
     - ``transfer_stats``: a :class:`~ringdilated.core.communicator.TransferStats` to which a
       sharded call adds the bytes this rank sends and receives (forward, and backward when it

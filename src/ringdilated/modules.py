@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.core.agreement import agree
-from ringdilated.core.call import as_process_group, group_size
+from ringdilated.core.call import CallPlan, as_process_group, group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
@@ -31,7 +31,9 @@ class DilatedAttention(nn.Module):
     ``dropout`` applies in training mode only.
 
     ``plan`` says which kernel served the last call and why the others were rejected
-    (``print(attn.plan.explain())``); it is ``None`` before the first call. The kernel is chosen
+    (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
+    call's whole :class:`~ringdilated.core.call.CallPlan`; ``explain()`` shows both, with what
+    each communicator would move for the last call's shards. The kernel is chosen
     for the tensors a call actually passes (device, dtype, head dim, whether gradients are
     needed), and chosen again (a cached lookup) whenever they change, so a module built with a
     GPU-only ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call
@@ -72,6 +74,7 @@ class DilatedAttention(nn.Module):
         self.process_group = process_group
         self.communicator = communicator
         self.plan: Plan | None = None
+        self.call: CallPlan | None = None
 
     def forward(
         self,
@@ -83,7 +86,7 @@ class DilatedAttention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out, lse, plan = attend(
+        out, lse, call = attend(
             self.pattern,
             q,
             k,
@@ -98,8 +101,8 @@ class DilatedAttention(nn.Module):
             cu_seqlens=cu_seqlens,
             key_padding_mask=key_padding_mask,
         )
-        if plan is not None:  # None under torch.compile, where the op resolves in the graph
-            self.plan = plan
+        if call is not None:  # None under torch.compile, where the op resolves in the graph
+            self.plan, self.call = call.kernel, call
         return (out, lse) if return_lse else out
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -122,9 +125,12 @@ class DilatedAttention(nn.Module):
             if self.plan is not None
             else f"kernel: {self.kernel!r}, chosen for the tensors of the first call (none yet)"
         )
-        communicator = default_resolver().explain_communicator(
-            ranks, self.causal, self.communicator
-        )
+        if self.call is not None and self.call.shards:  # what the last call's shards move
+            communicator = self.call.explain_communicator(default_resolver(), self.communicator)
+        else:
+            communicator = default_resolver().explain_communicator(
+                ranks, self.causal, self.communicator
+            )
         return f"{kernel}\n{communicator}"
 
     def extra_repr(self) -> str:

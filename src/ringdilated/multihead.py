@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
-from ringdilated.core.call import group_size
+from ringdilated.core.agreement import shard_lengths
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
 from ringdilated.core.kernel import Kernel
@@ -279,10 +279,14 @@ class MultiheadDilatedAttention(nn.Module):
             positions = cache.length + torch.arange(q_len, device=q.device).unsqueeze(0)
             return self.rotary(q, positions), self.rotary(k, positions)
         group = self.attention.process_group
-        ranks = group_size(group)
-        rank = 0 if ranks == 1 else dist.get_rank(group)  # type: ignore[arg-type]
-        layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=length * ranks)
-        positions = layout.positions(q.device)[:, rank * length : (rank + 1) * length]
+        start, total = 0, length
+        if group is not None:  # where this rank's shard starts: shards may differ in length
+            assert isinstance(group, dist.ProcessGroup)
+            lengths = shard_lengths(group, length, q.device)
+            rank = dist.get_rank(group)
+            start, total = sum(lengths[:rank]), sum(lengths)
+        layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
+        positions = layout.positions(q.device)[:, start : start + length]
         return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
 
     def make_cache(self) -> DilatedKVCache:

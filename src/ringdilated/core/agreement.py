@@ -31,7 +31,15 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["CallSignature", "agree", "compare_reports", "gather_flags", "safe_repr", "safe_str"]
+__all__ = [
+    "CallSignature",
+    "agree",
+    "compare_reports",
+    "gather_flags",
+    "safe_repr",
+    "safe_str",
+    "shard_lengths",
+]
 
 
 def safe_repr(value: object) -> str:
@@ -140,6 +148,17 @@ def agree(
     if any(failed for failed, _, _ in flags) or len({d for _, d, _ in flags}) > 1:
         compare_reports(group, error, signature)
     return None
+
+
+def shard_lengths(group: dist.ProcessGroup, length: int, device: object = None) -> tuple[int, ...]:
+    """Every rank's shard length, before a call (a module placing rotary positions needs its
+    shard's offset). The same collective as :func:`agree`'s first, so a rank that rejects its
+    input meanwhile (calling :func:`agree` with its error) meets it: then every rank raises,
+    naming that rank's error."""
+    flags = gather_flags(group, False, 0, length, device)
+    if any(failed for failed, _, _ in flags):
+        compare_reports(group, None, None)
+    return tuple(n for _, _, n in flags)
 
 
 def compare_reports(

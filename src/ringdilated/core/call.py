@@ -137,6 +137,13 @@ class CallPlan:
     communicator: Communicator | None = attrs.field(default=None, eq=False)
     group: object = attrs.field(default=None, eq=False)
     row_plans: tuple[RowPlan, ...] = attrs.field(default=(), eq=False)
+    size: PieceSize | None = None
+
+    def explain_communicator(self, resolver: Resolver, name: str | Communicator) -> str:
+        """The communicator choice for this call's shards (the first group of padded rows'),
+        with what each communicator would move; on one process, that none is needed."""
+        ranks = max(1, len(self.shards))
+        return resolver.explain_communicator(ranks, self.causal, name, self.shards, self.size)
 
     def parts(self) -> list[tuple[slice | None, CallPlan]]:
         """The call as independent parts over batch rows: ``[(None, self)]``, unless a sharded
@@ -220,6 +227,7 @@ class _Checked:
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = None
     row_plans: tuple[RowPlan, ...] = ()
+    size: PieceSize | None = None
 
 
 def _check(
@@ -278,14 +286,16 @@ def _check(
             for rank in range(ranks)
         )
 
+    def size(batch: int) -> PieceSize:
+        return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
+
     def communicator(shards: tuple[ShardPlan, ...], batch: int) -> Communicator:
-        size = PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
         return resolver.communicator_for(
             ranks,
             causal,
             options.communicator,  # type: ignore[arg-type]
             shards,
-            size,
+            size(batch),
         )
 
     if options.key_padding_mask is not None:
@@ -294,9 +304,20 @@ def _check(
             shards = plans(rows.documents)
             row_plans.append((rows, shards, communicator(shards, rows.stop - rows.start)))
         first = row_plans[0]
-        return _Checked(pattern, plan, causal, layout, first[1], first[2], tuple(row_plans))
+        rows = layout.rows[0]
+        return _Checked(
+            pattern,
+            plan,
+            causal,
+            layout,
+            first[1],
+            first[2],
+            tuple(row_plans),
+            size(rows.stop - rows.start),
+        )
     shards = plans(None if layout.is_whole else layout.rows[0].documents)
-    return _Checked(pattern, plan, causal, layout, shards, communicator(shards, k.shape[0]))
+    chosen = communicator(shards, k.shape[0])
+    return _Checked(pattern, plan, causal, layout, shards, chosen, (), size(k.shape[0]))
 
 
 def prepare_call(
@@ -386,6 +407,7 @@ def prepare_call(
         communicator=checked.communicator,
         group=group,
         row_plans=checked.row_plans,
+        size=checked.size,
     )
 
 
