@@ -6,7 +6,7 @@
 Every sharded call checks, before any data moves, that no rank rejected its input and that the
 ranks' calls agree (``ringdilated.core.agreement``). This times one small forward call
 (per rank B=1, L=128, H=4, D=32; segments [64, 128, 256], rates [1, 2, 4], ``ringpass``) on 2 gloo
-ranks, one thread each, with the agreement as shipped (``digest``: one ``all_reduce`` of three
+ranks, one thread each, with the agreement as shipped (``digest``: one ``all_gather`` of three
 integers), as it was before (``full``: an ``all_gather_object`` of every rank's signature, which
 pickles and makes two collectives) and with no agreement at all (``none``, unsafe: the floor).
 The variants alternate within each round, so all see the same machine load; it prints, per
@@ -46,7 +46,9 @@ def _rank(rank: int, world: int, store: str, calls: int, rounds: int, out: Any) 
     )
     agreements = {
         "digest": agreement.agree,
-        "full": agreement.compare_reports,
+        "full": lambda group, error, signature, **kw: agreement.compare_reports(
+            group, error, signature
+        ),
         "none": lambda group, error, signature, **kw: None,
     }
     g = torch.Generator().manual_seed(rank)

@@ -62,9 +62,14 @@ def test_doctor_explains_kernel_and_communicator_choice(
     # 3 sends 1.5 MiB above its minimum of 0, and every rank also receives 1.5 MiB: at gloo's
     # 1.5 GB/s that costs more than ringpass's two extra steps.
     assert "communicator: ringpass (least modelled time that fits) for 4 rank(s)" in out
-    assert "  ringpass: sends up to 1.5 MiB (the minimum), receives up to 1.5 MiB" in out
-    assert "3 step(s)" in out
-    assert "not chosen allgather: sends up to 1.5 MiB, 1.5 MiB above the minimum" in out
+    assert (
+        "  ringpass: per rank sends 0 B to 1.5 MiB (the minimum), receives 0 B to 1.5 MiB; "
+        "3 step(s)" in out
+    )
+    assert (
+        "not chosen allgather: per rank sends 1.5 MiB, up to 1.5 MiB above the minimum, "
+        "receives 1.5 MiB; 1 step(s)" in out
+    )
 
 
 def test_bench_writes_table_json_and_csv(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -218,8 +218,8 @@ def test_module_on_shards(workers2: Workers) -> None:
     # allgather would also send rank 1's (padded) payload back to rank 0.
     text = results[0]["explain"]
     assert "communicator: ringpass (least modelled time that fits) for 2 rank(s)" in text
-    assert "  ringpass: sends up to 1 KiB (the minimum), receives up to 1 KiB per rank" in text
-    assert "not chosen allgather: sends up to 1 KiB, 1 KiB above the minimum" in text
+    assert "  ringpass: per rank sends 0 B to 1 KiB (the minimum), receives 0 B to 1 KiB;" in text
+    assert "not chosen allgather: per rank sends 1 KiB, up to 1 KiB above the minimum" in text
     torch.manual_seed(0)
     full = torch.randn(1, 32, 4, 8, dtype=torch.float64)
     expected = oracle(full, full, full, [8, 32], [1, 4], causal=True)

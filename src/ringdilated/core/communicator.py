@@ -75,8 +75,9 @@ class Communicator(Protocol):
         ...
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        """Called on every rank, with every rank's plan, before the first exchange of a call
-        (a collective communicator creates its subgroups here, once, in the same order)."""
+        """Called on every rank, with every rank's plan, before the first exchange of a call.
+        It must not create process groups: ``dist.new_group`` is a collective over the whole
+        default group, which independent groups (those of a mesh) reach at different times."""
         ...
 
     def exchange(

@@ -94,14 +94,19 @@ class Traffic:
         return self.steps * self.link.latency_s + busiest / self.link.bytes_per_s
 
     def describe(self) -> str:
-        """One line: the busiest rank's bytes, the excess over the minimum, steps and time."""
+        """One line: bytes sent and received per rank (the range over ranks), the most any rank
+        sends above its minimum, the steps and the modelled time."""
         extra = self.above_minimum
-        over = f", {_size(extra)} above the minimum" if extra else " (the minimum)"
+        over = f", up to {_size(extra)} above the minimum" if extra else " (the minimum)"
         return (
-            f"sends up to {_size(max(self.sent))}{over}, receives up to "
-            f"{_size(max(self.received))} per rank, {self.steps} step(s), about "
-            f"{self.seconds * 1e3:.3g} ms on {self.link.name}"
+            f"per rank sends {_span(self.sent)}{over}, receives {_span(self.received)}; "
+            f"{self.steps} step(s), about {self.seconds * 1e3:.3g} ms on {self.link.name}"
         )
+
+
+def _span(values: tuple[int, ...]) -> str:
+    low, high = min(values), max(values)
+    return _size(high) if low == high else f"{_size(low)} to {_size(high)}"
 
 
 def _size(n: int) -> str:
