@@ -87,7 +87,7 @@ def test_the_resolvers_plan_carries_the_limit_into_the_call() -> None:
     out, _, plan = attend(
         pattern, q, k, v, causal=False, scale=None, dropout_p=0.0, kernel="spy", resolver=resolver
     )
-    assert plan is not None and plan.batch_limit == BatchLimit(problems=4)
+    assert plan is not None and plan.kernel.batch_limit == BatchLimit(problems=4)
     assert 0 < spy.most <= 4
     assert torch.allclose(out, oracle(q, k, v, [4], [1]), atol=1e-12, rtol=0)
 

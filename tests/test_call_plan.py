@@ -49,7 +49,7 @@ def test_a_one_process_call_resolves_no_communicator() -> None:
         ([8], [1]), q, k, v, causal=False, scale=None, dropout_p=0.0, kernel="reference",
         resolver=resolver,
     )  # fmt: skip
-    assert plan is not None and plan.kernel_name == "reference"
+    assert plan is not None and plan.kernel.kernel_name == "reference"
     assert torch.allclose(out, oracle(q, k, v, [8], [1]), atol=1e-12, rtol=0)
 
 
