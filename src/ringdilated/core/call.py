@@ -25,10 +25,12 @@ import torch.distributed as dist
 
 from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
-from ringdilated.core.communicator import Communicator, TransferStats
+from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
 from ringdilated.core.cost import PieceSize, link_for
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.head_parallel import HeadParallelRun
+from ringdilated.core.heads import deal_heads, share_blocks
 from ringdilated.core.kernel import derive_seed
 from ringdilated.core.layout import Rows, SequenceLayout, read_layout
 from ringdilated.core.pattern import DilationPattern
@@ -199,14 +201,53 @@ class CallPlan:
     ) -> Executor:
         """What runs the call: the :class:`Run`, or a :class:`ShardedRun` over it that adds the
         bytes it moves to ``stats``."""
-        run = self.run(q, k)
         shard = self.shard
         if shard is None:
-            return run
+            return self.run(q, k)
         assert self.communicator is not None
+        if parallelism_of(self.communicator) == "heads":
+            return self._head_parallel(q, k, shard, stats)
+        run = self.run(q, k)
         return ShardedRun(
             inner=run,
             plans=self.shards,
+            rank=self.rank,
+            communicator=self.communicator,
+            group=self.group,
+            stats=stats if stats is not None else TransferStats(),
+        )
+
+    def _head_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
+    ) -> HeadParallelRun:
+        """The head-parallel run: this rank's share of the heads over the whole sequence."""
+        length, heads, kv_heads = shard.starts[-1], q.shape[2], k.shape[2]
+        shares = deal_heads(self.pattern, length, heads, kv_heads, len(self.shards))
+        rows = self.layout.rows[0]
+        blocks = (
+            self.pattern.blocks(length, heads, kv_heads)
+            if self.layout.is_whole
+            else self.pattern.document_blocks(rows.documents, heads, kv_heads)
+        )
+        run = pattern_run(
+            self.kernel.kernel,
+            self.pattern,
+            q,
+            k,
+            causal=self.causal,
+            scale=self.scale,
+            dropout_p=self.dropout_p,
+            dropout_seed=self.seed,
+            blocks=share_blocks(blocks, shares[self.rank], heads, kv_heads),
+            batch_limit=self.kernel.batch_limit,
+            kernel_name=self.kernel.kernel_name,
+            layout=self.layout,
+        )
+        assert self.communicator is not None
+        return HeadParallelRun(
+            inner=run,
+            shares=shares,
+            starts=shard.starts,
             rank=self.rank,
             communicator=self.communicator,
             group=self.group,

@@ -22,6 +22,12 @@ the sharded run adds the bytes of each exchange to the call's :class:`TransferSt
   is present in ``sends`` and ``recvs`` (``uniform=True``): what a collective such as
   ``all_gather`` moves. Receivers take their part and ignore the rest; the bytes above the
   minimum are counted like any others. Gradients always return pairwise (``uniform=False``).
+
+**Parallelism.** A communicator may also declare ``parallelism``: ``"sequence"`` (the default:
+ranks keep their sequence shards and exchange crossing pieces, as above) or ``"heads"``: the
+call runs by head parallelism (:mod:`ringdilated.core.head_parallel`): each exchange sends every
+peer one flat tensor of bytes at once (all peers in one step, ``uniform=False``), turning
+sequence shards into whole-sequence head shares and back.
 """
 
 from __future__ import annotations
@@ -35,10 +41,21 @@ import torch
 if TYPE_CHECKING:
     from ringdilated.core.shard_plan import ShardPlan
 
-__all__ = ["DELIVERIES", "Communicator", "Pending", "TransferStats", "delivery_of"]
+__all__ = [
+    "DELIVERIES",
+    "PARALLELISMS",
+    "Communicator",
+    "Pending",
+    "TransferStats",
+    "delivery_of",
+    "parallelism_of",
+]
 
 DELIVERIES = ("pairwise", "broadcast")
 """The ways a communicator may deliver pieces (see the module docstring)."""
+
+PARALLELISMS = ("sequence", "heads")
+"""How a communicator splits a call's work between ranks (see the module docstring)."""
 
 
 @attrs.define
@@ -105,3 +122,15 @@ def delivery_of(communicator: object) -> str:
             f"{type(communicator).__name__}.delivery must be one of {DELIVERIES}, got {delivery!r}"
         )
     return str(delivery)
+
+
+def parallelism_of(communicator: object) -> str:
+    """``communicator.parallelism`` (``"sequence"`` when absent); raises ``ValueError`` naming
+    any other value."""
+    parallelism = getattr(communicator, "parallelism", "sequence")
+    if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
+        raise ValueError(
+            f"{type(communicator).__name__}.parallelism must be one of {PARALLELISMS}, got "
+            f"{parallelism!r}"
+        )
+    return str(parallelism)

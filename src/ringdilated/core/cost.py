@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from ringdilated.core.communicator import delivery_of
+from ringdilated.core.communicator import delivery_of, parallelism_of
+from ringdilated.core.heads import deal_heads
 from ringdilated.core.shard_plan import ShardPlan, broadcast_payload, payload
 
 __all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
@@ -129,6 +130,9 @@ def traffic(
         return unit * payload(plans[src], src, dst, causal).positions_count
 
     minimum = tuple(sum(pairwise(r, y) for y in range(world) if y != r) for r in range(world))
+    if parallelism_of(communicator) == "heads":
+        sent, received = _head_parallel_bytes(plans, size)
+        return Traffic(name, sent, received, minimum, 2, size.link)
     if delivery_of(communicator) == "broadcast":
         width = unit * max(broadcast_payload(p, causal).positions_count for p in plans)
         sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
@@ -140,3 +144,26 @@ def traffic(
         for r in range(world)
     )
     return Traffic(name, minimum, received, minimum, steps, size.link)
+
+
+def _head_parallel_bytes(
+    plans: Sequence[ShardPlan], size: PieceSize
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes each rank sends and receives in a head-parallel forward: its shard of every peer's
+    query and key/value heads out, every peer's shard of its own heads in; then ``out`` (and
+    ``lse``, 4 bytes a value, 8 for float64) of its heads at every peer's positions back."""
+    first = plans[0]
+    starts, world = first.starts, len(plans)
+    shares = deal_heads(first.pattern, starts[-1], first.num_heads, first.num_kv_heads, world)
+    row = size.batch * size.head_dim * size.element_size  # one position of one head
+    lse = size.batch * (8 if size.element_size == 8 else 4)
+    n = [starts[r + 1] - starts[r] for r in range(world)]
+    heads_in = [len(s.q_heads) + 2 * len(s.kv_heads) for s in shares]  # q, k, v
+    sent, received = [], []
+    for r in range(world):
+        peers = [y for y in range(world) if y != r]
+        out_back = sum(n[y] for y in peers) * len(shares[r].q_heads) * (row + lse)
+        sent.append(n[r] * row * sum(heads_in[y] for y in peers) + out_back)
+        results_in = n[r] * sum(len(shares[y].q_heads) for y in peers) * (row + lse)
+        received.append(row * heads_in[r] * sum(n[y] for y in peers) + results_in)
+    return tuple(sent), tuple(received)

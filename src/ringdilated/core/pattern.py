@@ -22,7 +22,7 @@ from typing import Literal, TypeAlias
 import attrs
 import torch
 
-__all__ = ["MODES", "Block", "DilationPattern", "HeadRun", "Mode", "Selection"]
+__all__ = ["MODES", "Block", "DilationPattern", "HeadRun", "Mode", "Selection", "split_by_kv"]
 
 Mode: TypeAlias = Literal["head_groups", "longnet"]
 MODES: tuple[Mode, ...] = ("head_groups", "longnet")
@@ -262,7 +262,7 @@ class DilationPattern:
         return total
 
 
-def _split_by_kv(first: int, stop: int, group: int) -> list[HeadRun]:
+def split_by_kv(first: int, stop: int, group: int) -> list[HeadRun]:
     """Split query heads ``[first, stop)`` so each run maps onto whole key/value heads."""
     runs: list[HeadRun] = []
     h = first
@@ -344,6 +344,6 @@ def _blocks(
             selections.append(Selection(0, full, w, r, offset))
         if tail > offset:
             selections.append(Selection(full * w, 1, tail, r, offset))
-        for run in _split_by_kv(first, stop, group):
+        for run in split_by_kv(first, stop, group):
             blocks.extend(Block(index, run, selection) for selection in selections)
     return tuple(blocks)

@@ -72,13 +72,17 @@ class Crossing:
 @attrs.frozen
 class ShardPlan:
     """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in.
-    ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values)."""
+    ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values);
+    ``pattern``, ``num_heads``, ``num_kv_heads``: what it plans."""
 
     rank: int
     world_size: int
     starts: tuple[int, ...]
     inner: tuple[Block, ...]
     crossings: tuple[Crossing, ...]
+    pattern: DilationPattern
+    num_heads: int
+    num_kv_heads: int
 
     @property
     def shard_len(self) -> int:
@@ -256,4 +260,13 @@ def shard_plan(
                     pieces.append(Piece(x, piece))
             if any(p.rank == rank for p in pieces):
                 crossings.append(Crossing(block, tuple(pieces)))
-    return ShardPlan(rank, world_size, starts, tuple(inner), tuple(crossings))
+    return ShardPlan(
+        rank,
+        world_size,
+        starts,
+        tuple(inner),
+        tuple(crossings),
+        pattern,
+        num_heads,
+        num_kv_heads,
+    )

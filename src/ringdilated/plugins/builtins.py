@@ -19,6 +19,7 @@ from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.ringpass import RINGPASS_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC
+from ringdilated.backends.ulysses import ULYSSES_SPEC
 from ringdilated.backends.xformers import XFORMERS_SPEC
 from ringdilated.core.capabilities import KernelSpec
 from ringdilated.core.communicator_spec import CommunicatorSpec
@@ -61,5 +62,6 @@ BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
     _plugin("local", LOCAL_SPEC),
     _plugin("ringpass", RINGPASS_SPEC),
     _plugin("allgather", ALLGATHER_SPEC),
+    _plugin("ulysses", ULYSSES_SPEC),
 )
 ESSENTIAL_PLUGINS = frozenset({"ringdilated.backends.local", "ringdilated.backends.reference"})

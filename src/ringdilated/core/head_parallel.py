@@ -1,0 +1,216 @@
+"""Dilated attention by head parallelism (``ulysses``): the run (docs/spec.md, section 3).
+
+Rank ``r`` holds a sequence shard ``[S_r, S_r + n_r)`` of every head, as in every sharded call.
+One exchange with every peer turns the shards into heads: each rank receives every position of
+its share of the query heads, and of the key/value heads they read
+(:func:`~ringdilated.core.heads.deal_heads`), attends them over the whole sequence exactly as one
+process would (the single-process :class:`~ringdilated.core.driver.Run` on the share's blocks,
+with no crossing segments at all), and a second exchange returns each rank's positions of
+``out`` and ``lse``. Backward exchanges ``q``, ``k``, ``v``, ``out``, ``lse``, ``dout`` and ``dlse``
+the same way, runs the single-process backward, and returns ``dq``, ``dk`` and ``dv``; a key/value
+head shared by several ranks (fewer key/value heads than ranks) gets the sum of their
+gradients, added in the accumulation dtype.
+
+Each exchange sends every peer one flat tensor, through the communicator's ``exchange`` (all
+peers in one step; ``ulysses`` runs one ``all_to_all_single``). ``out`` and ``lse`` travel as
+bytes, each in its own dtype. Memory per rank is that of one process attending its heads:
+``O(L * H / P)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from ringdilated.core.communicator import Communicator, TransferStats
+from ringdilated.core.driver import Run, run_backward
+from ringdilated.core.heads import HeadShare
+
+__all__ = ["HeadParallelRun"]
+
+
+@attrs.frozen
+class HeadParallelRun:
+    """A head-parallel call's fixed parts: ``inner`` attends this rank's share of the heads over
+    the whole sequence; ``shares`` every rank's heads; ``starts`` where each rank's shard begins,
+    then the sequence length."""
+
+    inner: Run
+    shares: tuple[HeadShare, ...]
+    starts: tuple[int, ...]
+    rank: int
+    communicator: Communicator = attrs.field(eq=False)
+    group: object = attrs.field(eq=False)
+    stats: TransferStats = attrs.field(factory=TransferStats, eq=False)
+
+    @property
+    def share(self) -> HeadShare:
+        return self.shares[self.rank]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qh, kh, vh = self._to_heads([(q, "q"), (k, "kv"), (v, "kv")])
+        out_h, lse_h = self.inner.forward(qh, kh, vh)
+        out, lse = self._to_sequence([(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2])
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        finite: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # lse and dlse as (B, n, H): the sequence in dimension 1, as for q.
+        parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
+        parts.append((dout, "q"))
+        if dlse is not None:
+            parts.append((dlse.transpose(1, 2), "q"))
+        moved = self._to_heads(parts)
+        qh, kh, vh, out_h, lse_h, dout_h = moved[:6]
+        dlse_h = moved[6].transpose(1, 2) if dlse is not None else None
+        dq_h, dk_h, dv_h = run_backward(
+            self.inner, dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2), cast=False
+        )
+        dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2])[0]
+        if not self.shared_kv:
+            dk_h, dv_h = dk_h.to(k.dtype), dv_h.to(v.dtype)
+        # A key/value head held by several ranks gets the sum of their gradients, added in the
+        # accumulation dtype and cast once.
+        dk, dv = self._to_sequence(
+            [(dk_h, "kv", 1), (dv_h, "kv", 1)], k.shape[2], summed=self.shared_kv
+        )
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+    @property
+    def shared_kv(self) -> bool:
+        """Whether some key/value head is held by more than one rank."""
+        held = [h for share in self.shares for h in share.kv_heads]
+        return len(held) != len(set(held))
+
+    def _heads(self, rank: int, kind: str) -> tuple[int, ...]:
+        share = self.shares[rank]
+        return share.q_heads if kind == "q" else share.kv_heads
+
+    def _swap(
+        self,
+        sends: dict[int, list[torch.Tensor]],
+        layouts: dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
+        device: torch.device,
+    ) -> dict[int, list[torch.Tensor]]:
+        """Send each peer its tensors and receive from each peer tensors of the given shapes and
+        dtypes: one exchange of bytes (every tensor in its own dtype)."""
+        flat = {y: torch.cat([_as_bytes(t) for t in tensors]) for y, tensors in sends.items()}
+        sizes = {
+            src: [_numel(shape) * _itemsize(dtype) for shape, dtype in layout]
+            for src, layout in layouts.items()
+        }
+        recvs = {
+            src: torch.empty(sum(n), dtype=torch.uint8, device=device) for src, n in sizes.items()
+        }
+        self.stats.record(flat, recvs)
+        self.communicator.exchange(self.group, flat, recvs, uniform=False).wait()
+        return {
+            src: [
+                raw.view(dtype).view(shape)
+                for raw, (shape, dtype) in zip(
+                    torch.split(recvs[src], sizes[src]), layouts[src], strict=True
+                )
+            ]
+            for src in recvs
+        }
+
+    def _to_heads(self, parts: Sequence[tuple[torch.Tensor, str]]) -> list[torch.Tensor]:
+        """Sequence shards ``(B, n_r, heads, ...)`` to this rank's heads at every position
+        ``(B, L, share, ...)``: one exchange for every part."""
+        me, world = self.rank, len(self.shares)
+        device = parts[0][0].device
+
+        def piece(x: torch.Tensor, kind: str, rank: int) -> torch.Tensor:
+            index = torch.tensor(self._heads(rank, kind), device=device)
+            return x.index_select(2, index)
+
+        def layout(src: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+            n = self.starts[src + 1] - self.starts[src]
+            return [
+                ((x.shape[0], n, len(self._heads(me, kind)), *x.shape[3:]), x.dtype)
+                for x, kind in parts
+            ]
+
+        peers = [y for y in range(world) if y != me]
+        received = self._swap(
+            {y: [piece(x, kind, y) for x, kind in parts] for y in peers},
+            {src: layout(src) for src in peers},
+            device,
+        )
+        received[me] = [piece(x, kind, me) for x, kind in parts]
+        return [torch.cat([received[src][i] for src in range(world)], 1) for i in range(len(parts))]
+
+    def _to_sequence(
+        self,
+        parts: Sequence[tuple[torch.Tensor, str, int]],
+        num_heads: int,
+        summed: bool = False,
+    ) -> list[torch.Tensor]:
+        """This rank's heads at every position back to sequence shards of every head: each part
+        is ``(tensor, kind, dim)`` with the sequence in ``dim`` (1, or 2 for an lse) and its
+        heads in the other of dims 1 and 2. ``summed``: a head held by several ranks gets the sum
+        of theirs (else each head is held by one rank)."""
+        me, world = self.rank, len(self.shares)
+        device = parts[0][0].device
+        n = self.starts[me + 1] - self.starts[me]
+
+        def window(x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+            return x.narrow(dim, self.starts[rank], self.starts[rank + 1] - self.starts[rank])
+
+        def shape(x: torch.Tensor, dim: int, heads: int) -> tuple[int, ...]:
+            size = list(x.shape)
+            size[dim], size[3 - dim] = n, heads
+            return tuple(size)
+
+        peers = [y for y in range(world) if y != me]
+        received = self._swap(
+            {y: [window(x, dim, y) for x, _, dim in parts] for y in peers},
+            {
+                src: [
+                    (shape(x, dim, len(self._heads(src, kind))), x.dtype) for x, kind, dim in parts
+                ]
+                for src in peers
+            },
+            device,
+        )
+        received[me] = [window(x, dim, me) for x, _, dim in parts]
+        results = []
+        for i, (x, kind, dim) in enumerate(parts):
+            fill = torch.zeros if summed else torch.empty
+            result = fill(shape(x, dim, num_heads), dtype=x.dtype, device=device)
+            for src in range(world):
+                index = torch.tensor(self._heads(src, kind), device=device)
+                if summed:
+                    result.index_add_(3 - dim, index, received[src][i])
+                else:
+                    result.index_copy_(3 - dim, index, received[src][i])
+            results.append(result)
+        return results
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().reshape(-1).view(torch.uint8)
