@@ -155,7 +155,7 @@ CASES = [
         (Q, KV, KV),
         {"communicator": "mpi"},
         ValueError,
-        "unknown communicator 'mpi'; known communicators: allgather, local, ringpass",
+        "unknown communicator 'mpi'; known communicators: allgather, local, ringpass, ulysses",
     ),
     (
         "forced unfit kernel",
