@@ -12,6 +12,7 @@ from torch import nn
 from ringdilated.core.agreement import agree
 from ringdilated.core.call import CallPlan, as_process_group, group_size
 from ringdilated.core.communicator import Communicator
+from ringdilated.core.grid import Grid
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan
@@ -113,7 +114,7 @@ class DilatedAttention(nn.Module):
         ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
         agreement on it, as the peers do)."""
         if self.process_group is not None:
-            assert isinstance(self.process_group, dist.ProcessGroup)  # checked in __init__
+            assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__
             agree(self.process_group, error, None, device=device)
         raise error
 

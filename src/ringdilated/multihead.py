@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
+from ringdilated.core import grid
 from ringdilated.core.agreement import shard_lengths
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.dtypes import autocast_enabled, recommended_dtype
+from ringdilated.core.grid import Grid
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.layout import read_layout
 from ringdilated.core.pattern import Mode
@@ -281,9 +283,9 @@ class MultiheadDilatedAttention(nn.Module):
         group = self.attention.process_group
         start, total = 0, length
         if group is not None:  # where this rank's shard starts: shards may differ in length
-            assert isinstance(group, dist.ProcessGroup)
+            assert isinstance(group, (dist.ProcessGroup, Grid))
             lengths = shard_lengths(group, length, q.device)
-            rank = dist.get_rank(group)
+            rank = grid.rank(group)
             start, total = sum(lengths[:rank]), sum(lengths)
         layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
         positions = layout.positions(q.device)[:, start : start + length]

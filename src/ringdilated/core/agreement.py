@@ -31,6 +31,12 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ringdilated.core import grid
+from ringdilated.core.grid import Grid
+
+Layout = dist.ProcessGroup | Grid
+"""A process group, or a 2-D :class:`~ringdilated.core.grid.Grid` of two."""
+
 __all__ = [
     "CallSignature",
     "agree",
@@ -99,10 +105,10 @@ class CallSignature:
         ]
 
 
-def _collective_device(group: dist.ProcessGroup, device: object = None) -> torch.device:
+def _collective_device(group: Layout, device: object = None) -> torch.device:
     # NCCL moves CUDA tensors only: the call's own device when it is one, else the current one;
     # every other backend (gloo, mpi) takes CPU tensors.
-    if dist.get_backend(group) == "nccl":
+    if grid.backend(group) == "nccl":
         if isinstance(device, torch.device) and device.type == "cuda":
             return device
         return torch.device("cuda", torch.cuda.current_device())
@@ -110,20 +116,19 @@ def _collective_device(group: dist.ProcessGroup, device: object = None) -> torch
 
 
 def gather_flags(
-    group: dist.ProcessGroup, failed: bool, digest: int, length: int, device: object = None
+    group: Layout, failed: bool, digest: int, length: int, device: object = None
 ) -> list[tuple[int, int, int]]:
     """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
     integers per rank, so every rank gets the same answer. ``device``: the call's device (NCCL
     gathers on it when it is a CUDA device)."""
     mine = torch.tensor([int(failed), digest, length], dtype=torch.int64)
     mine = mine.to(_collective_device(group, device))
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = grid.gather(group, mine)
     return [cast(tuple[int, int, int], tuple(t.tolist())) for t in gathered]
 
 
 def agree(
-    group: dist.ProcessGroup,
+    group: Layout,
     error: Exception | None,
     signature: CallSignature | None,
     device: object = None,
@@ -150,7 +155,7 @@ def agree(
     return None
 
 
-def shard_lengths(group: dist.ProcessGroup, length: int, device: object = None) -> tuple[int, ...]:
+def shard_lengths(group: Layout, length: int, device: object = None) -> tuple[int, ...]:
     """Every rank's shard length, before a call (a module placing rotary positions needs its
     shard's offset). The same collective as :func:`agree`'s first, so a rank that rejects its
     input meanwhile (calling :func:`agree` with its error) meets it: then every rank raises,
@@ -162,14 +167,13 @@ def shard_lengths(group: dist.ProcessGroup, length: int, device: object = None) 
 
 
 def compare_reports(
-    group: dist.ProcessGroup, error: Exception | None, signature: CallSignature | None
+    group: Layout, error: Exception | None, signature: CallSignature | None
 ) -> None:
     """The full comparison (one ``all_gather_object`` of every rank's error and signature):
     raise on every rank naming the rank that failed or each field that differs. Returns only
     when every rank passed identical signatures."""
-    gathered: list[object] = [None] * dist.get_world_size(group)
     mine = (None if error is None else safe_str(error), signature)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = grid.gather_objects(group, mine)
     reports = cast(list[tuple[str | None, CallSignature]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:

@@ -23,18 +23,20 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ringdilated.core import grid
 from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
 from ringdilated.core.cost import PieceSize, link_for
 from ringdilated.core.driver import Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.grid import Grid
 from ringdilated.core.head_parallel import HeadParallelRun
-from ringdilated.core.heads import deal_heads, share_blocks
+from ringdilated.core.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.kernel import derive_seed
 from ringdilated.core.layout import Rows, SequenceLayout, read_layout
-from ringdilated.core.pattern import DilationPattern
-from ringdilated.core.resolver import Plan, Resolver
+from ringdilated.core.pattern import Block, DilationPattern
+from ringdilated.core.resolver import Plan, ResolutionError, Resolver
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
 from ringdilated.core.sharded_run import ShardedRun
 from ringdilated.core.validation import check_bool, check_inputs, check_options
@@ -53,10 +55,12 @@ PatternArgs = tuple[object, object, object]
 
 
 def as_process_group(group: object) -> object:
-    """The process group a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
+    """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
     group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
-    ``(mesh, 1)``. Anything else is returned unchanged, for :func:`group_size` to reject. Reads
-    the mesh's existing groups: nothing is created, nothing is sent.
+    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.grid.Grid` (for ``communicator="hybrid"``)
+    from a 2-D ``DeviceMesh`` (dimension 0 outer, 1 inner) or a pair ``(outer, inner)`` of
+    process groups. Anything else is returned unchanged, for :func:`group_size` to reject.
+    Reads the mesh's existing groups: nothing is created, nothing is sent.
 
     Every rank must pass the same valid value: this runs before the ranks can agree (it says
     which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
@@ -78,26 +82,35 @@ def as_process_group(group: object) -> object:
                 f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
                 f"{mesh.ndim}, got {dim!r}"
             ) from None
+    if (
+        isinstance(group, tuple)
+        and len(group) == 2
+        and all(isinstance(g, dist.ProcessGroup) for g in group)
+    ):
+        return Grid(group[0], group[1])
     if isinstance(group, DeviceMesh):
+        if group.ndim == 2:
+            return Grid(group.get_group(0), group.get_group(1))
         if group.ndim != 1:
             raise ValueError(
-                f"process_group takes a 1-D DeviceMesh, or (mesh, dimension) for a {group.ndim}-D "
-                f"one (dimensions {group.mesh_dim_names}), e.g. (mesh, 'cp')"
+                f"process_group takes a 1-D or 2-D DeviceMesh, or (mesh, dimension) for a "
+                f"{group.ndim}-D one (dimensions {group.mesh_dim_names}), e.g. (mesh, 'cp')"
             )
         return group.get_group()
     return group
 
 
 def group_size(group: object) -> int:
-    """Ranks in ``group`` (``None``: one process)."""
+    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.grid.Grid`: all
+    of its ranks)."""
     if group is None:
         return 1
-    if not isinstance(group, dist.ProcessGroup):
+    if not isinstance(group, (dist.ProcessGroup, Grid)):
         raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, "
-            f"(mesh, dimension) or None, got {group!r}"
+            "process_group must be a torch.distributed.ProcessGroup, a 1-D or 2-D DeviceMesh, "
+            f"(mesh, dimension), (outer group, inner group) or None, got {group!r}"
         )
-    return dist.get_world_size(group)
+    return grid.size(group)
 
 
 @attrs.frozen
@@ -205,8 +218,11 @@ class CallPlan:
         if shard is None:
             return self.run(q, k)
         assert self.communicator is not None
-        if parallelism_of(self.communicator) == "heads":
+        parallelism = parallelism_of(self.communicator)
+        if parallelism == "heads":
             return self._head_parallel(q, k, shard, stats)
+        if parallelism == "hybrid":
+            return self._hybrid(q, k, shard, stats)
         run = self.run(q, k)
         return ShardedRun(
             inner=run,
@@ -217,19 +233,14 @@ class CallPlan:
             stats=stats if stats is not None else TransferStats(),
         )
 
-    def _head_parallel(
-        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
-    ) -> HeadParallelRun:
-        """The head-parallel run: this rank's share of the heads over the whole sequence."""
-        length, heads, kv_heads = shard.starts[-1], q.shape[2], k.shape[2]
-        shares = deal_heads(self.pattern, length, heads, kv_heads, len(self.shards))
-        rows = self.layout.rows[0]
-        blocks = (
-            self.pattern.blocks(length, heads, kv_heads)
-            if self.layout.is_whole
-            else self.pattern.document_blocks(rows.documents, heads, kv_heads)
-        )
-        run = pattern_run(
+    def _documents(self) -> tuple[tuple[int, int], ...] | None:
+        return None if self.layout.is_whole else self.layout.rows[0].documents
+
+    def _blocks_run(
+        self, q: torch.Tensor, k: torch.Tensor, blocks: tuple[Block, ...], *, complete: bool
+    ) -> Run:
+        """A driver :class:`Run` of the given blocks, with this call's options."""
+        return pattern_run(
             self.kernel.kernel,
             self.pattern,
             q,
@@ -238,20 +249,75 @@ class CallPlan:
             scale=self.scale,
             dropout_p=self.dropout_p,
             dropout_seed=self.seed,
-            blocks=share_blocks(blocks, shares[self.rank], heads, kv_heads),
+            complete=complete,
+            blocks=blocks,
             batch_limit=self.kernel.batch_limit,
             kernel_name=self.kernel.kernel_name,
             layout=self.layout,
         )
+
+    def _head_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
+    ) -> HeadParallelRun:
+        """The head-parallel run: this rank's share of the heads over the whole sequence."""
+        length, heads, kv_heads = shard.starts[-1], q.shape[2], k.shape[2]
+        shares = deal_heads(self.pattern, length, heads, kv_heads, len(self.shards))
+        documents = self._documents()
+        blocks = (
+            self.pattern.blocks(length, heads, kv_heads)
+            if documents is None
+            else self.pattern.document_blocks(documents, heads, kv_heads)
+        )
+        local = share_blocks(blocks, shares[self.rank], heads, kv_heads)
         assert self.communicator is not None
         return HeadParallelRun(
-            inner=run,
+            inner=self._blocks_run(q, k, local, complete=True),
             shares=shares,
             starts=shard.starts,
             rank=self.rank,
             communicator=self.communicator,
             group=self.group,
             stats=stats if stats is not None else TransferStats(),
+        )
+
+    def _hybrid(
+        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
+    ) -> HeadParallelRun:
+        """The 2-D run: head parallelism within this rank's inner group, whose shards make one
+        chunk of the sequence, and sequence pieces between chunks across its outer group."""
+        assert isinstance(self.group, Grid) and self.communicator is not None
+        heads_comm, sequence_comm = _hybrid_parts(self.communicator)
+        (outer, inner), (o, i) = self.group.shape, self.group.coordinates
+        starts, heads, kv_heads = shard.starts, q.shape[2], k.shape[2]
+        chunks = tuple(starts[c * inner + inner] - starts[c * inner] for c in range(outer))
+        shares = deal_heads(self.pattern, starts[-1], heads, kv_heads, inner)
+        plans = tuple(
+            share_plan(
+                shard_plan(
+                    self.pattern, starts[-1], heads, kv_heads, c, outer, self._documents(), chunks
+                ),
+                shares[i],
+            )
+            for c in range(outer)
+        )
+        stats = stats if stats is not None else TransferStats()
+        across = ShardedRun(
+            inner=self._blocks_run(q, k, plans[o].inner, complete=False),
+            plans=plans,
+            rank=o,
+            communicator=sequence_comm,
+            group=self.group.outer,
+            stats=stats,
+        )
+        first = starts[o * inner]
+        return HeadParallelRun(
+            inner=across,
+            shares=shares,
+            starts=tuple(s - first for s in starts[o * inner : (o + 1) * inner + 1]),
+            rank=i,
+            communicator=heads_comm,
+            group=self.group.inner,
+            stats=stats,
         )
 
 
@@ -281,6 +347,7 @@ def _check(
     ranks: int,
     wants_backward: Callable[[], bool],
     lengths: tuple[int, ...] | None = None,
+    grid_shape: tuple[int, int] | None = None,
 ) -> _Checked:
     pattern = (
         pattern_args
@@ -320,6 +387,12 @@ def _check(
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
         return _Checked(pattern, plan, causal, layout)
     heads = q.shape[2]
+    if grid_shape is not None and heads < grid_shape[1]:
+        raise ResolutionError(
+            f"no communicator can serve this 2-D layout: it deals query heads within its inner "
+            f"groups of {grid_shape[1]} ranks and needs at least {grid_shape[1]} query heads, "
+            f"got {heads}"
+        )
 
     def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
         return tuple(
@@ -337,6 +410,7 @@ def _check(
             options.communicator,  # type: ignore[arg-type]
             shards,
             size(batch),
+            1 if grid_shape is None else 2,
         )
 
     if options.key_padding_mask is not None:
@@ -390,6 +464,7 @@ def prepare_call(
     group, on every rank (:func:`~ringdilated.core.agreement.agree`).
     """
     ranks = group_size(group)
+    grid_shape = group.shape if isinstance(group, Grid) else None
 
     def wants_backward() -> bool:
         if backward is not None:
@@ -401,14 +476,16 @@ def prepare_call(
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
-        return _check(pattern_args, q, k, v, options, chosen, ranks, wants_backward, lengths)
+        return _check(
+            pattern_args, q, k, v, options, chosen, ranks, wants_backward, lengths, grid_shape
+        )
 
     if ranks == 1:
         checked = check()
     else:
         # Nothing a caller passed may raise on one rank outside this guard: the peers would be
         # left waiting in the agreement's collective.
-        assert isinstance(group, dist.ProcessGroup)
+        assert isinstance(group, (dist.ProcessGroup, Grid))
         lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
         while True:
             maybe: _Checked | None = None
@@ -443,13 +520,28 @@ def prepare_call(
         dropout_p=dropout_p,
         seed=seed,
         layout=checked.layout,
-        rank=0 if ranks == 1 else dist.get_rank(group),  # type: ignore[arg-type]
+        rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
         shards=checked.shards,
         communicator=checked.communicator,
         group=group,
         row_plans=checked.row_plans,
         size=checked.size,
     )
+
+
+def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:
+    """A hybrid communicator's ``heads`` and ``sequence`` communicators (see
+    :mod:`ringdilated.core.communicator`); raises ``TypeError`` naming what is missing."""
+    parts = []
+    for name in ("heads", "sequence"):
+        part = getattr(communicator, name, None)
+        if not isinstance(part, Communicator) or parallelism_of(part) != name:
+            raise TypeError(
+                f"{type(communicator).__name__}.{name} must be a Communicator of parallelism "
+                f"{name!r} (a hybrid communicator holds one of each), got {part!r}"
+            )
+        parts.append(part)
+    return parts[0], parts[1]
 
 
 def _shard_length(k: object) -> int:

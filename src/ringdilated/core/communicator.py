@@ -27,7 +27,10 @@ the sharded run adds the bytes of each exchange to the call's :class:`TransferSt
 ranks keep their sequence shards and exchange crossing pieces, as above) or ``"heads"``: the
 call runs by head parallelism (:mod:`ringdilated.core.head_parallel`): each exchange sends every
 peer one flat tensor of bytes at once (all peers in one step, ``uniform=False``), turning
-sequence shards into whole-sequence head shares and back.
+sequence shards into whole-sequence head shares and back. ``"hybrid"``: on a 2-D
+:class:`~ringdilated.core.grid.Grid`, head parallelism within its inner groups and sequence
+pieces across its outer groups; the communicator then holds one communicator for each, as its
+attributes ``heads`` (parallelism ``"heads"``) and ``sequence`` (``"sequence"``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ __all__ = [
 DELIVERIES = ("pairwise", "broadcast")
 """The ways a communicator may deliver pieces (see the module docstring)."""
 
-PARALLELISMS = ("sequence", "heads")
+PARALLELISMS = ("sequence", "heads", "hybrid")
 """How a communicator splits a call's work between ranks (see the module docstring)."""
 
 

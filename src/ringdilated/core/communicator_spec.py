@@ -21,6 +21,8 @@ class CommunicatorSpec:
 
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
     ``causal``: honours the causal rule of sending only toward later ranks.
+    ``dims``: the process layout it runs on: 1, a process group; 2, a 2-D
+    :class:`~ringdilated.core.grid.Grid` (``hybrid``).
     ``plan_reasons``: given every rank's shard plan and the causal flag, the reasons this
     communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
     anything but str, :meth:`reasons` turns that into a reason against this communicator.
@@ -34,17 +36,25 @@ class CommunicatorSpec:
     priority: int = attrs.field(default=0, validator=rules.ints)
     distributed: bool = attrs.field(default=True, validator=rules.bools)
     causal: bool = attrs.field(default=True, validator=rules.bools)
+    dims: int = attrs.field(default=1, validator=rules.ints)
     description: str = attrs.field(default="", validator=rules.strs)
     plan_reasons: Callable[[Sequence[ShardPlan], bool], tuple[str, ...]] | None = attrs.field(
         default=None, validator=rules.optional(rules.callables)
     )
 
     def reasons(
-        self, world_size: int, causal: bool, plans: Sequence[ShardPlan] = ()
+        self, world_size: int, causal: bool, plans: Sequence[ShardPlan] = (), dims: int = 1
     ) -> tuple[str, ...]:
         """Every reason this communicator cannot serve the group (empty: it can); never raises
-        for what ``plan_reasons`` does."""
+        for what ``plan_reasons`` does. ``dims``: the call's process layout (1: a group; 2: a
+        2-D grid)."""
         out: list[str] = []
+        if world_size > 1 and dims != self.dims:
+            layouts = {1: "a process group", 2: "a 2-D process layout (a 2-D DeviceMesh)"}
+            out.append(
+                f"runs on {layouts.get(self.dims, f'{self.dims}-D layouts')}, the call has "
+                f"{layouts.get(dims, f'a {dims}-D layout')}"
+            )
         if world_size > 1 and not self.distributed:
             out.append(f"serves one process only, the group has {world_size} ranks")
         if world_size == 1 and self.distributed:

@@ -27,6 +27,7 @@ import torch
 from ringdilated.core.communicator import Communicator, TransferStats
 from ringdilated.core.driver import Run, run_backward
 from ringdilated.core.heads import HeadShare
+from ringdilated.core.sharded_run import ShardedRun
 
 __all__ = ["HeadParallelRun"]
 
@@ -34,10 +35,12 @@ __all__ = ["HeadParallelRun"]
 @attrs.frozen
 class HeadParallelRun:
     """A head-parallel call's fixed parts: ``inner`` attends this rank's share of the heads over
-    the whole sequence; ``shares`` every rank's heads; ``starts`` where each rank's shard begins,
-    then the sequence length."""
+    the whole sequence (a :class:`Run`), or over the chunk of the group's shards, with pieces
+    from other chunks (a :class:`ShardedRun` across a grid's outer group: ``hybrid``);
+    ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or
+    chunk) sequence, then its length."""
 
-    inner: Run
+    inner: Run | ShardedRun
     shares: tuple[HeadShare, ...]
     starts: tuple[int, ...]
     rank: int
@@ -76,9 +79,15 @@ class HeadParallelRun:
         moved = self._to_heads(parts)
         qh, kh, vh, out_h, lse_h, dout_h = moved[:6]
         dlse_h = moved[6].transpose(1, 2) if dlse is not None else None
-        dq_h, dk_h, dv_h = run_backward(
-            self.inner, dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2), cast=False
-        )
+        lse_h = lse_h.transpose(1, 2)
+        if isinstance(self.inner, Run):
+            dq_h, dk_h, dv_h = run_backward(
+                self.inner, dout_h, dlse_h, qh, kh, vh, out_h, lse_h, cast=False
+            )
+        else:
+            dq_h, dk_h, dv_h = self.inner.backward(
+                dout_h, dlse_h, qh, kh, vh, out_h, lse_h, cast=False
+            )
         dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2])[0]
         if not self.shared_kv:
             dk_h, dv_h = dk_h.to(k.dtype), dv_h.to(v.dtype)

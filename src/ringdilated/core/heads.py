@@ -26,8 +26,9 @@ import functools
 import attrs
 
 from ringdilated.core.pattern import Block, DilationPattern, HeadRun, split_by_kv
+from ringdilated.core.shard_plan import Crossing, ShardPlan
 
-__all__ = ["HeadShare", "deal_heads", "head_costs", "share_blocks"]
+__all__ = ["HeadShare", "deal_heads", "head_costs", "share_blocks", "share_plan"]
 
 
 @attrs.frozen
@@ -138,3 +139,22 @@ def _consecutive(heads: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((h, h + 1))
     return runs
+
+
+def share_plan(plan: ShardPlan, share: HeadShare) -> ShardPlan:
+    """``plan`` restricted to ``share``'s heads, renumbered to the rank's local head tensors
+    (its inner blocks and its crossings' blocks, :func:`share_blocks`; the pieces, which are
+    positions, stay): the shard plan of one outer rank of a 2-D layout (``hybrid``)."""
+    heads, kv_heads = plan.num_heads, plan.num_kv_heads
+    crossings = tuple(
+        Crossing(block, crossing.pieces)
+        for crossing in plan.crossings
+        for block in share_blocks((crossing.block,), share, heads, kv_heads)
+    )
+    return attrs.evolve(
+        plan,
+        inner=share_blocks(plan.inner, share, heads, kv_heads),
+        crossings=crossings,
+        num_heads=len(share.q_heads),
+        num_kv_heads=len(share.kv_heads),
+    )

@@ -202,15 +202,16 @@ class Resolver:
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
+        dims: int = 1,
     ) -> str:
         """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
         given every rank's ``plans`` and the ``size`` of a position, what each would move
         (:mod:`ringdilated.core.cost`)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
-        chosen = self.communicator_for(world_size, causal, name, plans, size)
+        chosen = self.communicator_for(world_size, causal, name, plans, size, dims)
         chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
-        judged = self._judge_communicators(world_size, causal, plans, size)
+        judged = self._judge_communicators(world_size, causal, plans, size, dims)
         if name != "auto":
             how = f"forced by communicator={name!r}"
         elif any(t is not None for _, _, t in judged):
@@ -238,13 +239,14 @@ class Resolver:
         causal: bool,
         plans: Sequence[ShardPlan],
         size: PieceSize | None,
+        dims: int = 1,
     ) -> list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]]:
         """Every communicator in ``auto``'s order of preference, with its reasons and, where it
         fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Never
         raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
         for spec in self.communicator_specs.values():
-            reasons = _communicator_reasons(spec, world_size, causal, plans)
+            reasons = _communicator_reasons(spec, world_size, causal, plans, dims)
             moved: Traffic | str | None = None
             if not reasons and plans and size is not None:
                 try:
@@ -269,6 +271,7 @@ class Resolver:
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
+        dims: int = 1,
     ) -> Communicator:
         """The communicator for a group of ``world_size`` ranks: ``name`` forced, or for
         ``"auto"`` the fitting one of least modelled time (given every rank's ``plans`` and the
@@ -289,7 +292,7 @@ class Resolver:
             raise ValueError(
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
-        judged = self._judge_communicators(world_size, causal, plans, size)
+        judged = self._judge_communicators(world_size, causal, plans, size, dims)
         verdicts = {spec.name: reasons for spec, reasons, _ in judged}
         ranked = [spec for spec, _, _ in judged]
         candidates = [self.communicator_specs[name]] if name != "auto" else ranked
@@ -357,10 +360,16 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
 
 
 def _communicator_reasons(
-    spec: CommunicatorSpec, world_size: int, causal: bool, plans: Sequence[ShardPlan]
+    spec: CommunicatorSpec,
+    world_size: int,
+    causal: bool,
+    plans: Sequence[ShardPlan],
+    dims: int = 1,
 ) -> tuple[str, ...]:
     """``spec.reasons(...)``; what it raises or returns wrongly becomes a reason. Never raises."""
-    return _contained("reasons", lambda: spec.reasons(world_size, causal, plans))
+    if dims == 1:  # a spec subclass may predate ``dims``
+        return _contained("reasons", lambda: spec.reasons(world_size, causal, plans))
+    return _contained("reasons", lambda: spec.reasons(world_size, causal, plans, dims))
 
 
 def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:

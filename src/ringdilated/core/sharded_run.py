@@ -85,8 +85,9 @@ class ShardedRun:
         out: torch.Tensor,
         lse: torch.Tensor,
         finite: bool | None = None,
+        cast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sharded_backward(self, dout, dlse, q, k, v, out, lse, finite)
+        return sharded_backward(self, dout, dlse, q, k, v, out, lse, finite, cast)
 
     def options(self, seed_index: int, own: bool, finite: bool | None) -> BlockOptions:
         """A crossing partial's options: the diagonal for a rank's own piece under causal; no
@@ -187,7 +188,10 @@ def sharded_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     finite: bool | None = None,
+    cast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
+    accumulation dtype, for a caller that adds more to them)."""
     me, plan = run.plan.rank, run.plan
     exchange = PieceExchange(run, k, v)
     exchange.start()
@@ -251,4 +255,6 @@ def sharded_backward(
             wire.scatter_add(back[src], incoming, i, gk, gv)
         exchange.return_gradients(step, back, dk, dv)
     exchange.finish(dk, dv)
+    if not cast:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -15,6 +15,7 @@ import attrs
 from ringdilated.backends.allgather import ALLGATHER_SPEC
 from ringdilated.backends.flash import FLASH_SPEC
 from ringdilated.backends.flex import FLEX_SPEC
+from ringdilated.backends.hybrid import HYBRID_SPEC
 from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.ringpass import RINGPASS_SPEC
@@ -63,5 +64,6 @@ BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
     _plugin("ringpass", RINGPASS_SPEC),
     _plugin("allgather", ALLGATHER_SPEC),
     _plugin("ulysses", ULYSSES_SPEC),
+    _plugin("hybrid", HYBRID_SPEC),
 )
 ESSENTIAL_PLUGINS = frozenset({"ringdilated.backends.local", "ringdilated.backends.reference"})

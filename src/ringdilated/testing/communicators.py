@@ -39,6 +39,7 @@ __all__ = [
     "case_inputs",
     "check_communicator",
     "communicator_cases",
+    "grid_shape",
     "shard_slice",
     "sharded_run",
 ]
@@ -183,7 +184,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
             q,
             k,
             v,
-            process_group=dist.group.WORLD,
+            process_group=_layout(case["communicator"], world),
             communicator=case["communicator"],
             transfer_stats=stats,
         )
@@ -205,6 +206,32 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
         "forward_bytes_received": forward_received,
         "total_bytes_sent": stats.bytes_sent,
     }
+
+
+_MESHES: dict[tuple[int, int], object] = {}
+
+
+def grid_shape(world: int) -> tuple[int, int]:
+    """The 2-D layout the kit gives a communicator of 2-D layouts on ``world`` ranks:
+    ``(world // 2, 2)`` (``(1, 2)`` on 2 ranks: one chunk, all heads parallel)."""
+    return (max(1, world // 2), 2 if world > 1 else 1)
+
+
+def _layout(name: object, world: int) -> object:
+    """The process layout for communicator ``name``: the world group, or for a communicator of
+    2-D layouts a 2-D CPU ``DeviceMesh`` of :func:`grid_shape` over the world (made once per
+    process, in the same order on every rank, outside any call)."""
+    from ringdilated.registry import default_resolver
+
+    spec = default_resolver().communicator_specs.get(name) if isinstance(name, str) else None
+    if spec is None or spec.dims != 2:
+        return dist.group.WORLD
+    shape = grid_shape(world)
+    if shape not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("outer", "inner"))
+    return _MESHES[shape]
 
 
 def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
