@@ -363,3 +363,36 @@ def mesh_dimension(payload: dict[str, Any]) -> dict[str, Any]:
         q, k, v, [32], [2], causal=True, process_group=group, communicator=payload["communicator"]
     )
     return {"out": out, "full": full, "cp": cp, "seconds": time.monotonic() - start}
+
+
+def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every rank passes the same wrong layout for its communicator: ``"ulysses on a mesh"``
+    (a 2-D mesh for a communicator of process groups), ``"hybrid on a group"`` (the world group
+    for the 2-D communicator) or ``"3-D mesh"``; returns what this rank raised, and how fast."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringdilated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v = _inputs(rank, world)
+    fault = payload["fault"]
+    if fault == "3-D mesh":
+        group: Any = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("a", "b", "c"))
+        communicator = "hybrid"
+    elif fault == "ulysses on a mesh":
+        group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
+        communicator = "ulysses"
+    else:
+        group, communicator = dist.group.WORLD, "hybrid"
+    start = time.monotonic()
+    try:
+        ringdilated.dilated_attention(
+            q, k, v, [16], [1], process_group=group, communicator=communicator
+        )
+    except Exception as exc:
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"raised": None, "message": "", "seconds": time.monotonic() - start}

@@ -23,7 +23,12 @@ from ringdilated.testing import (
     oracle,
     pattern_weights,
 )
-from ringdilated.testing.communicators import case_layout, communicator_cases, shard_slice
+from ringdilated.testing.communicators import (
+    case_layout,
+    communicator_cases,
+    grid_shape,
+    shard_slice,
+)
 from tests.distributed_harness import TASKS, Workers, full_inputs
 
 
@@ -92,6 +97,57 @@ def _ulysses_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[in
     return sent, received
 
 
+def _hybrid_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int]]:
+    """Forward bytes on the kit's 2-D layout ``(outer, inner)``: within each inner group, head
+    parallelism over the group's chunk (as ``_ulysses_bytes``, shares dealt over ``inner``
+    ranks); across the outer group, the minimum for the rank's share of heads: the distinct
+    (key/value head of the share, key position of this chunk) pairs that some query of the
+    share's heads in another chunk sees, from the oracle's mask."""
+    from ringdilated.core.heads import deal_heads
+    from ringdilated.core.pattern import DilationPattern
+
+    outer, inner = grid_shape(world)
+    L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
+    pattern = DilationPattern(case["segments"], case["rates"], case["mode"])
+    shares = deal_heads(pattern, L, H, Hkv, inner)
+    itemsize = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
+    row = case["batch"] * case["head_dim"] * itemsize
+    lse = case["batch"] * (8 if itemsize == 8 else 4)
+    shards = [shard_slice(case, r, world) for r in range(world)]
+    n = [s.stop - s.start for s in shards]
+    sent, received = [0] * world, [0] * world
+    for o in range(outer):
+        for a in range(inner):
+            for b in range(inner):
+                if a != b:
+                    src, dst = o * inner + a, o * inner + b
+                    heads_in = len(shares[b].q_heads) + 2 * len(shares[b].kv_heads)
+                    moved = n[src] * row * heads_in + n[dst] * len(shares[a].q_heads) * (row + lse)
+                    sent[src] += moved
+                    received[dst] += moved
+    weights = pattern_weights(
+        L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
+        **case_layout(case),
+    )  # fmt: skip
+    rows = case["batch"] if weights.shape[0] == 1 else 1
+    chunk = [
+        slice(shards[o * inner].start, shards[o * inner + inner - 1].stop) for o in range(outer)
+    ]
+    group = H // Hkv
+    for weight in weights:
+        for i, share in enumerate(shares):
+            heads = torch.tensor(share.q_heads)
+            sees = weight[heads] > 0  # (share heads, query, key)
+            per_kv = torch.stack([sees[heads // group == j].any(0) for j in share.kv_heads])
+            for c in range(outer):
+                for d in range(outer):
+                    if c != d:
+                        pairs = int(per_kv[:, chunk[d], chunk[c]].any(1).sum())
+                        sent[c * inner + i] += 2 * row * rows * pairs // case["batch"]
+                        received[d * inner + i] += 2 * row * rows * pairs // case["batch"]
+    return sent, received
+
+
 def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> None:
     q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
@@ -121,8 +177,9 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
         assert_within_tolerance(a, e, b, what=f"d{name}")
     if case["communicator"] == "auto":  # the choice is the cost model's (tests/test_resolver.py)
         return
-    if case["communicator"] == "ulysses":
-        sent, received = _ulysses_bytes(case, world)
+    if case["communicator"] in ("ulysses", "hybrid"):
+        expected = _ulysses_bytes if case["communicator"] == "ulysses" else _hybrid_bytes
+        sent, received = expected(case, world)
         assert [r["forward_bytes_sent"] for r in results] == sent
         assert [r["forward_bytes_received"] for r in results] == received
         return
@@ -143,14 +200,17 @@ def _run_and_check(pool: Workers, case: dict[str, Any], world: int) -> None:
     if case["communicator"] == "ulysses" and case["heads"] < world:
         assert all("at least one query head per rank" in r.get("declined", "") for r in results)
         return
+    if case["communicator"] == "hybrid" and case["heads"] < grid_shape(world)[1]:
+        assert all("needs at least 2 query heads" in r.get("declined", "") for r in results)
+        return
     assert all("declined" not in r for r in results), results
     _check(case, results, world)
 
 
 def _run_each_communicator(pool: Workers, case: dict[str, Any], world: int) -> None:
-    """The same problem through ``ringpass``, ``allgather`` and ``ulysses``: each exact, each
-    with its own bytes (checked in ``_check``)."""
-    for communicator in ("ringpass", "allgather", "ulysses"):
+    """The same problem through ``ringpass``, ``allgather``, ``ulysses`` and ``hybrid`` (on the
+    kit's 2-D mesh): each exact, each with its own bytes (checked in ``_check``)."""
+    for communicator in ("ringpass", "allgather", "ulysses", "hybrid"):
         _run_and_check(pool, {**case, "communicator": communicator}, world)
 
 

@@ -193,6 +193,24 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
         assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank
 
 
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ("ulysses on a mesh", "communicator 'ulysses' cannot serve 4 rank(s): runs on a process"),
+        ("hybrid on a group", "communicator 'hybrid' cannot serve 4 rank(s): runs on a 2-D"),
+        ("3-D mesh", "process_group takes a 1-D or 2-D DeviceMesh, or (mesh, dimension)"),
+    ],
+)
+def test_a_layout_the_communicator_cannot_run_on_raises_on_every_rank(
+    workers4: Workers, fault: str, named: str
+) -> None:
+    results = workers4.results(f"{TASKS}:layout_fault", {"fault": fault})
+    for rank, result in enumerate(results):
+        assert result["raised"] in ("ResolutionError", "ValueError"), (rank, result)
+        assert named in result["message"], (rank, result["message"])
+        assert result["seconds"] < BOUND_S, (rank, result["seconds"])
+
+
 def test_a_process_group_that_is_no_group_is_rejected_with_the_rule() -> None:
     import ringdilated
 

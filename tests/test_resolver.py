@@ -335,3 +335,80 @@ def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_
     text = resolver.explain_communicator(4, False, "auto", plans, size)
     assert "not chosen odd: fits; traffic not modelled (ValueError: Odd.delivery must be" in text
     assert type(resolver.communicator_for(4, False)).__name__ == "Odd"  # no plans: priority
+
+
+def test_head_parallel_and_hybrid_traffic_by_hand() -> None:
+    """L = 16 over 4 ranks of 4, pattern [16] (one segment spanning every shard), float32,
+    head dim 4, batch 1: one position of one head weighs 16 B, its lse 4 B.
+
+    ulysses, 4 heads (one per rank): each rank sends each of 3 peers its 4 positions of the
+    peer's q, k and v head (3 x 4 x 3 x 16 = 576 B), then each peer's 4 positions of its own
+    head's out and lse (3 x 4 x 20 = 240 B): 816 B, in 2 steps.
+
+    hybrid on a 2 x 2 grid, 2 heads (one per inner rank): within the inner pair, 4 x 3 x 16 =
+    192 B out and 4 x 20 = 80 B of results back; across the outer pair, each chunk of 8 sends
+    the other its 8 positions of the share's key and value head (8 x 2 x 16 = 256 B): 528 B, in
+    2 + 1 steps."""
+    from ringdilated.backends.hybrid import HybridCommunicator
+    from ringdilated.backends.ulysses import UlyssesCommunicator
+    from ringdilated.core.cost import PieceSize, traffic
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.shard_plan import shard_plan
+
+    size = PieceSize(1, 4, 4)
+    plans = [shard_plan(DilationPattern([16], [1]), 16, 4, 4, r, 4) for r in range(4)]
+    heads = traffic("ulysses", UlyssesCommunicator(), plans, False, size)
+    assert heads.sent == heads.received == (816,) * 4 and heads.steps == 2
+    plans = [shard_plan(DilationPattern([16], [1]), 16, 2, 2, r, 4) for r in range(4)]
+    grid = traffic("hybrid", HybridCommunicator(), plans, False, size, (2, 2))
+    assert grid.sent == grid.received == (528,) * 4 and grid.steps == 3
+    with pytest.raises(ValueError, match="runs on a 2-D layout: its traffic needs"):
+        traffic("hybrid", HybridCommunicator(), plans, False, size)
+
+
+def test_auto_chooses_ulysses_where_every_rank_needs_every_piece_and_bytes_dominate() -> None:
+    """Pattern [64] over 4 ranks, 4 heads: ringpass and allgather send each rank's 16 positions
+    of 4 key and value heads to 3 peers (384 rows); ulysses sends 3 x 16 x (1 + 2) rows and
+    returns 48 rows of results (192 rows and some lse): half the bytes."""
+    from ringdilated.backends.allgather import ALLGATHER_SPEC
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+    from ringdilated.core.cost import PieceSize
+    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.shard_plan import shard_plan
+
+    specs = [LOCAL_SPEC, RINGPASS_SPEC, ALLGATHER_SPEC, ULYSSES_SPEC]
+    resolver = Resolver([], communicators=specs)
+    plans = [shard_plan(DilationPattern([64], [1]), 64, 4, 4, r, 4) for r in range(4)]
+    size = PieceSize(4096, 4, 4)
+    chosen = resolver.communicator_for(4, False, "auto", plans, size)
+    assert type(chosen).__name__ == "UlyssesCommunicator"
+    text = resolver.explain_communicator(4, False, "auto", plans, size)
+    assert (
+        text.splitlines()[0]
+        == "communicator: ulysses (least modelled time that fits) for 4 rank(s)"
+    )
+    # Two heads over four ranks: ulysses cannot serve, and says why.
+    few = [shard_plan(DilationPattern([64], [1]), 64, 2, 2, r, 4) for r in range(4)]
+    text = resolver.explain_communicator(4, False, "auto", few, size)
+    assert "rejected ulysses: head parallelism needs at least one query head per rank" in text
+
+
+def test_layouts_pick_their_communicators() -> None:
+    """A 2-D layout is served by hybrid only; a process group by everything else."""
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+
+    resolver = Resolver([], communicators=[LOCAL_SPEC, RINGPASS_SPEC, ULYSSES_SPEC, HYBRID_SPEC])
+    assert type(resolver.communicator_for(4, False, "auto", grid=(2, 2))).__name__ == (
+        "HybridCommunicator"
+    )
+    with pytest.raises(ResolutionError, match="runs on a process group, the call has a 2-D"):
+        resolver.communicator_for(4, False, "ulysses", grid=(2, 2))
+    with pytest.raises(
+        ResolutionError, match=r"runs on a 2-D process layout .* the call has a pro"
+    ):
+        resolver.communicator_for(4, False, "hybrid")

@@ -410,7 +410,7 @@ def _check(
             options.communicator,  # type: ignore[arg-type]
             shards,
             size(batch),
-            1 if grid_shape is None else 2,
+            grid_shape,
         )
 
     if options.key_padding_mask is not None:

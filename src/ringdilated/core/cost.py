@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import attrs
 
 from ringdilated.core.communicator import delivery_of, parallelism_of
-from ringdilated.core.heads import deal_heads
-from ringdilated.core.shard_plan import ShardPlan, broadcast_payload, payload
+from ringdilated.core.heads import deal_heads, share_plan
+from ringdilated.core.shard_plan import ShardPlan, broadcast_payload, payload, shard_plan
 
 __all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
 
@@ -118,10 +118,17 @@ def _size(n: int) -> str:
 
 
 def traffic(
-    name: str, communicator: object, plans: Sequence[ShardPlan], causal: bool, size: PieceSize
+    name: str,
+    communicator: object,
+    plans: Sequence[ShardPlan],
+    causal: bool,
+    size: PieceSize,
+    grid: tuple[int, int] | None = None,
 ) -> Traffic:
     """What ``communicator`` (named ``name``) moves in a forward pass over ``plans`` (every
-    rank's); raises what its ``schedule`` or ``delivery`` raises."""
+    rank's, in flat rank order); ``grid``: ``(outer, inner)`` of a 2-D layout. Raises what the
+    communicator's ``schedule``, ``delivery`` or ``parallelism`` raises, and ``ValueError`` for
+    a hybrid communicator without a grid."""
     world = len(plans)
     unit = size.position_bytes
     schedules = [communicator.schedule(r, world) for r in range(world)]  # type: ignore[attr-defined]
@@ -130,9 +137,14 @@ def traffic(
         return unit * payload(plans[src], src, dst, causal).positions_count
 
     minimum = tuple(sum(pairwise(r, y) for y in range(world) if y != r) for r in range(world))
-    if parallelism_of(communicator) == "heads":
+    parallelism = parallelism_of(communicator)
+    if parallelism == "heads":
         sent, received = _head_parallel_bytes(plans, size)
         return Traffic(name, sent, received, minimum, 2, size.link)
+    if parallelism == "hybrid":
+        if grid is None:
+            raise ValueError(f"{name!r} runs on a 2-D layout: its traffic needs the grid's shape")
+        return _hybrid_traffic(name, communicator, plans, causal, size, grid, minimum)
     if delivery_of(communicator) == "broadcast":
         width = unit * max(broadcast_payload(p, causal).positions_count for p in plans)
         sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
@@ -147,14 +159,17 @@ def traffic(
 
 
 def _head_parallel_bytes(
-    plans: Sequence[ShardPlan], size: PieceSize
+    plans: Sequence[ShardPlan], size: PieceSize, starts: tuple[int, ...] | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Bytes each rank sends and receives in a head-parallel forward: its shard of every peer's
     query and key/value heads out, every peer's shard of its own heads in; then ``out`` (and
-    ``lse``, 4 bytes a value, 8 for float64) of its heads at every peer's positions back."""
+    ``lse``, 4 bytes a value, 8 for float64) of its heads at every peer's positions back.
+    ``starts``: the ranks' shards (default: the plans'), whose heads are dealt over them."""
     first = plans[0]
-    starts, world = first.starts, len(plans)
-    shares = deal_heads(first.pattern, starts[-1], first.num_heads, first.num_kv_heads, world)
+    starts = first.starts if starts is None else starts
+    world = len(starts) - 1
+    length, heads, kv_heads = first.starts[-1], first.num_heads, first.num_kv_heads
+    shares = deal_heads(first.pattern, length, heads, kv_heads, world)
     row = size.batch * size.head_dim * size.element_size  # one position of one head
     lse = size.batch * (8 if size.element_size == 8 else 4)
     n = [starts[r + 1] - starts[r] for r in range(world)]
@@ -167,3 +182,48 @@ def _head_parallel_bytes(
         results_in = n[r] * sum(len(shares[y].q_heads) for y in peers) * (row + lse)
         received.append(row * heads_in[r] * sum(n[y] for y in peers) + results_in)
     return tuple(sent), tuple(received)
+
+
+def _hybrid_traffic(
+    name: str,
+    communicator: object,
+    plans: Sequence[ShardPlan],
+    causal: bool,
+    size: PieceSize,
+    grid: tuple[int, int],
+    minimum: tuple[int, ...],
+) -> Traffic:
+    """A 2-D run: head parallelism within each inner group, over the group's chunk, then the
+    pieces of each rank's share of the heads across its outer group (pairwise, the minimum for
+    those heads)."""
+    outer, inner = grid
+    first = plans[0]
+    starts, length = first.starts, first.starts[-1]
+    sent, received = [0] * len(plans), [0] * len(plans)
+    for o in range(outer):
+        local = tuple(s - starts[o * inner] for s in starts[o * inner : (o + 1) * inner + 1])
+        group_sent, group_received = _head_parallel_bytes(plans, size, local)
+        for i in range(inner):
+            sent[o * inner + i] += group_sent[i]
+            received[o * inner + i] += group_received[i]
+    chunks = tuple(starts[(o + 1) * inner] - starts[o * inner] for o in range(outer))
+    shares = deal_heads(first.pattern, length, first.num_heads, first.num_kv_heads, inner)
+    ring = getattr(communicator, "sequence", None)
+    ring_steps = 0
+    for i, share in enumerate(shares):
+        across = [
+            share_plan(
+                shard_plan(
+                    first.pattern, length, first.num_heads, first.num_kv_heads, o, outer,
+                    first.documents, chunks,
+                ),
+                share,
+            )
+            for o in range(outer)
+        ]  # fmt: skip
+        moved = traffic(name, ring, across, causal, size)
+        ring_steps = max(ring_steps, moved.steps)
+        for o in range(outer):
+            sent[o * inner + i] += moved.sent[o]
+            received[o * inner + i] += moved.received[o]
+    return Traffic(name, tuple(sent), tuple(received), minimum, 2 + ring_steps, size.link)

@@ -202,16 +202,17 @@ class Resolver:
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
-        dims: int = 1,
+        grid: tuple[int, int] | None = None,
     ) -> str:
         """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
         given every rank's ``plans`` and the ``size`` of a position, what each would move
-        (:mod:`ringdilated.core.cost`)."""
+        (:mod:`ringdilated.core.cost`). ``grid``: ``(outer, inner)`` of a 2-D layout
+        (``None``: a process group)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
-        chosen = self.communicator_for(world_size, causal, name, plans, size, dims)
+        chosen = self.communicator_for(world_size, causal, name, plans, size, grid)
         chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
-        judged = self._judge_communicators(world_size, causal, plans, size, dims)
+        judged = self._judge_communicators(world_size, causal, plans, size, grid)
         if name != "auto":
             how = f"forced by communicator={name!r}"
         elif any(t is not None for _, _, t in judged):
@@ -239,18 +240,20 @@ class Resolver:
         causal: bool,
         plans: Sequence[ShardPlan],
         size: PieceSize | None,
-        dims: int = 1,
+        grid: tuple[int, int] | None = None,
     ) -> list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]]:
         """Every communicator in ``auto``'s order of preference, with its reasons and, where it
         fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Never
         raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
         for spec in self.communicator_specs.values():
+            dims = 1 if grid is None else 2
             reasons = _communicator_reasons(spec, world_size, causal, plans, dims)
             moved: Traffic | str | None = None
             if not reasons and plans and size is not None:
                 try:
-                    moved = traffic(spec.name, self._communicator(spec), plans, causal, size)
+                    communicator = self._communicator(spec)
+                    moved = traffic(spec.name, communicator, plans, causal, size, grid)
                 except Exception as exc:  # a plugin's schedule or factory may fail in any way
                     moved = f"{type(exc).__name__}: {describe_exception(exc)}"
             judged.append((spec, reasons, moved))
@@ -271,7 +274,7 @@ class Resolver:
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
-        dims: int = 1,
+        grid: tuple[int, int] | None = None,
     ) -> Communicator:
         """The communicator for a group of ``world_size`` ranks: ``name`` forced, or for
         ``"auto"`` the fitting one of least modelled time (given every rank's ``plans`` and the
@@ -292,7 +295,7 @@ class Resolver:
             raise ValueError(
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
-        judged = self._judge_communicators(world_size, causal, plans, size, dims)
+        judged = self._judge_communicators(world_size, causal, plans, size, grid)
         verdicts = {spec.name: reasons for spec, reasons, _ in judged}
         ranked = [spec for spec, _, _ in judged]
         candidates = [self.communicator_specs[name]] if name != "auto" else ranked

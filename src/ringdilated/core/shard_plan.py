@@ -73,7 +73,7 @@ class Crossing:
 class ShardPlan:
     """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in.
     ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values);
-    ``pattern``, ``num_heads``, ``num_kv_heads``: what it plans."""
+    ``pattern``, ``num_heads``, ``num_kv_heads``, ``documents``: what it plans."""
 
     rank: int
     world_size: int
@@ -83,6 +83,7 @@ class ShardPlan:
     pattern: DilationPattern
     num_heads: int
     num_kv_heads: int
+    documents: tuple[tuple[int, int], ...] | None = None
 
     @property
     def shard_len(self) -> int:
@@ -269,4 +270,5 @@ def shard_plan(
         pattern,
         num_heads,
         num_kv_heads,
+        documents,
     )
