@@ -396,3 +396,28 @@ def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:
             "seconds": time.monotonic() - start,
         }
     return {"raised": None, "message": "", "seconds": time.monotonic() - start}
+
+
+def rotary_on_one_rank(payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's module places rotary positions, rank 1's does not (shards of
+    ``payload['lengths']``): what each raised, and how fast."""
+    import ringdilated
+    from ringdilated.rotary import rotary_embedding
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = ringdilated.MultiheadDilatedAttention(
+        16, 4, segment_lengths=[8], dilation_rates=[1], dtype=torch.float64,
+        process_group=dist.group.WORLD, rotary=rotary_embedding if rank == 0 else None,
+    )  # fmt: skip
+    x = torch.randn(1, payload["lengths"][rank], 16, dtype=torch.float64)
+    start = time.monotonic()
+    try:
+        module(x, x, x)
+    except Exception as exc:
+        return {
+            "raised": type(exc).__name__,
+            "message": str(exc),
+            "seconds": time.monotonic() - start,
+        }
+    return {"raised": None, "message": "", "seconds": time.monotonic() - start}

@@ -60,7 +60,7 @@ def test_builtins_register_through_the_hooks() -> None:
     assert set(registry.kernels) == BUILTIN_KERNELS
     assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
     assert registry.failures == ()
-    assert set(registry.communicators) == {"local", "ringpass", "allgather", "ulysses"}
+    assert set(registry.communicators) == {"local", "ringpass", "allgather", "ulysses", "hybrid"}
     assert registry.communicator_origins["ringpass"] == "ringdilated.backends.ringpass (built-in)"
     names = {registry.manager.get_name(p) for p in registry.manager.get_plugins()}
     assert names == {p.name for p in BUILTIN_PLUGINS}

@@ -211,6 +211,16 @@ def test_a_layout_the_communicator_cannot_run_on_raises_on_every_rank(
         assert result["seconds"] < BOUND_S, (rank, result["seconds"])
 
 
+@pytest.mark.parametrize("lengths", [[8, 8], [8, 5]])
+def test_rotary_on_one_rank_only_raises_on_every_rank(workers2: Workers, lengths: list) -> None:
+    """A module placing rotary positions gathers every rank's shard length first; a peer that
+    does not is already in the call's agreement: both raise, naming the rule, not a crash."""
+    results = workers2.results(f"{TASKS}:rotary_on_one_rank", {"lengths": lengths})
+    assert all(r["raised"] is not None and r["seconds"] < BOUND_S for r in results), results
+    assert "pass the same rotary= to the module on every rank" in results[0]["message"]
+    assert "rank 0 rejected its input, so every rank stops" in results[1]["message"]
+
+
 def test_a_process_group_that_is_no_group_is_rejected_with_the_rule() -> None:
     import ringdilated
 

@@ -319,6 +319,8 @@ def test_auto_chooses_the_communicator_of_least_modelled_time(
 
 
 def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_can() -> None:
+    """A schedule that raises: the communicator still fits but ranks after every modelled one;
+    an unknown ``delivery`` (its run would raise): rejected with the reason, given plans."""
     from ringdilated.backends.ringpass import RingPassCommunicator
     from ringdilated.core.communicator_spec import CommunicatorSpec
     from ringdilated.core.cost import PieceSize
@@ -326,14 +328,29 @@ def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_
     class Odd(RingPassCommunicator):
         delivery = "multicast"
 
+    class Unscheduled(RingPassCommunicator):
+        def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+            raise RuntimeError("no schedule today")
+
     odd = CommunicatorSpec(name="odd", factory=Odd, priority=1000)
+    unscheduled = CommunicatorSpec(name="unscheduled", factory=Unscheduled, priority=900)
     base = _builtin_communicators()
-    resolver = Resolver([], communicators=[*base.communicator_specs.values(), odd])
+    resolver = Resolver([], communicators=[*base.communicator_specs.values(), odd, unscheduled])
     plans, size = _plans([64], [1], 64, 4), PieceSize(1, 4, 4)
     chosen = resolver.communicator_for(4, False, "auto", plans, size)
     assert type(chosen).__name__ == "AllGatherCommunicator"
     text = resolver.explain_communicator(4, False, "auto", plans, size)
-    assert "not chosen odd: fits; traffic not modelled (ValueError: Odd.delivery must be" in text
+    assert "rejected odd: Odd.delivery must be one of ('pairwise', 'broadcast'), got" in text
+    assert (
+        "not chosen unscheduled: fits; traffic not modelled (RuntimeError: no schedule today)"
+        in text
+    )
+    lines = text.splitlines()
+    assert lines.index(next(x for x in lines if "unscheduled" in x)) > lines.index(
+        next(x for x in lines if "ringpass" in x)
+    )
+    with pytest.raises(ResolutionError, match="communicator 'odd' cannot serve 4 rank"):
+        resolver.communicator_for(4, False, "odd", plans)
     assert type(resolver.communicator_for(4, False)).__name__ == "Odd"  # no plans: priority
 
 

@@ -155,7 +155,8 @@ CASES = [
         (Q, KV, KV),
         {"communicator": "mpi"},
         ValueError,
-        "unknown communicator 'mpi'; known communicators: allgather, local, ringpass, ulysses",
+        "unknown communicator 'mpi'; known communicators: allgather, hybrid, local, ringpass, "
+        "ulysses",
     ),
     (
         "forced unfit kernel",

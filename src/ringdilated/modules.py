@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringdilated.core.agreement import agree
+from ringdilated.core.agreement import agree, agreed
 from ringdilated.core.call import CallPlan, as_process_group, group_size
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.grid import Grid
@@ -112,8 +112,9 @@ class DilatedAttention(nn.Module):
         that on a process group every rank raises: the peers, which passed their checks, are
         waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
         ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
-        agreement on it, as the peers do)."""
-        if self.process_group is not None:
+        agreement on it, as the peers do). An error that came out of an agreement already
+        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is."""
+        if self.process_group is not None and not agreed(error):
             assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__
             agree(self.process_group, error, None, device=device)
         raise error

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core.communicator import Pending
+from ringdilated.core.communicator import Pending, every_peer_at_once
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard_plan import ShardPlan
 
@@ -49,8 +49,7 @@ class AllGatherCommunicator:
     delivery = "broadcast"
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
-        peers = tuple(p for p in range(world_size) if p != rank)
-        return (peers,) if peers else ()
+        return every_peer_at_once(rank, world_size)
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
         """Nothing to set up: the all_gather runs on the call's own group."""

@@ -24,6 +24,7 @@ time without hearing from it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import cast
 
@@ -40,6 +41,7 @@ Layout = dist.ProcessGroup | Grid
 __all__ = [
     "CallSignature",
     "agree",
+    "agreed",
     "compare_reports",
     "gather_flags",
     "safe_repr",
@@ -148,7 +150,10 @@ def agree(
     digest = 0 if signature is None else signature.digest()
     flags = gather_flags(group, error is not None, digest, length, device)
     lengths = tuple(n for _, _, n in flags)
-    if min(lengths) >= 0 and len(set(lengths)) > 1:
+    # A rank in shard_lengths() (a module placing rotary positions) while this one is in a
+    # call stops here too, whatever the lengths: it goes on to compare_reports.
+    placing = any(d == _LENGTHS_DIGEST for _, d, _ in flags)
+    if min(lengths) >= 0 and len(set(lengths)) > 1 and not placing:
         return lengths
     if any(failed for failed, _, _ in flags) or len({d for _, d, _ in flags}) > 1:
         compare_reports(group, error, signature)
@@ -160,10 +165,26 @@ def shard_lengths(group: Layout, length: int, device: object = None) -> tuple[in
     shard's offset). The same collective as :func:`agree`'s first, so a rank that rejects its
     input meanwhile (calling :func:`agree` with its error) meets it: then every rank raises,
     naming that rank's error."""
-    flags = gather_flags(group, False, 0, length, device)
+    flags = gather_flags(group, False, _LENGTHS_DIGEST, length, device)
     if any(failed for failed, _, _ in flags):
         compare_reports(group, None, None)
+    others = [r for r, (_, digest, _) in enumerate(flags) if digest != _LENGTHS_DIGEST]
+    if others:  # those ranks are in a call's agreement: this rank's difference stops them
+        compare_reports(
+            group,
+            ValueError(
+                f"this rank asked for every rank's shard length (rotary positions on a process "
+                f"group) while rank(s) {others} went straight to the attention call: pass the "
+                "same rotary= to the module on every rank"
+            ),
+            None,
+        )
     return tuple(n for _, _, n in flags)
+
+
+_LENGTHS_DIGEST = int.from_bytes(hashlib.blake2b(b"shard_lengths", digest_size=8).digest()) >> 1
+"""What :func:`shard_lengths` sends as its digest: no call signature's (those are digests of
+their fields), so a rank in a call's agreement meeting it sees a difference."""
 
 
 def compare_reports(
@@ -171,20 +192,41 @@ def compare_reports(
 ) -> None:
     """The full comparison (one ``all_gather_object`` of every rank's error and signature):
     raise on every rank naming the rank that failed or each field that differs. Returns only
-    when every rank passed identical signatures."""
+    when every rank passed identical signatures. What it raises is marked as raised on every
+    rank already (:func:`agreed`), so nothing agrees on it again."""
     mine = (None if error is None else safe_str(error), signature)
     gathered = grid.gather_objects(group, mine)
     reports = cast(list[tuple[str | None, CallSignature]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:
         if error is not None:
-            raise error
+            raise _mark(error)
         rank, message = failures[0]
-        raise ValueError(f"rank {rank} rejected its input, so every rank stops: {message}")
+        raise _mark(ValueError(f"rank {rank} rejected its input, so every rank stops: {message}"))
     reference = reports[0][1]
     for rank, (_, other) in enumerate(reports):
         diffs = reference.differences(other, rank)
         if diffs:
-            raise ValueError(
-                "ranks disagree on the call (every rank must pass the same): " + "; ".join(diffs)
+            raise _mark(
+                ValueError(
+                    "ranks disagree on the call (every rank must pass the same): "
+                    + "; ".join(diffs)
+                )
             )
+
+
+_AGREED = "_ringdilated_raised_on_every_rank"
+
+
+def _mark(error: Exception) -> Exception:
+    # An exception type that takes no attributes stays unmarked.
+    with contextlib.suppress(Exception):
+        setattr(error, _AGREED, True)
+    return error
+
+
+def agreed(error: BaseException) -> bool:
+    """Whether ``error`` came out of an agreement, and so is being raised on every rank: a
+    caller that would report it to its peers (a module's ``reject``) must not, as they have
+    moved on."""
+    return bool(getattr(error, _AGREED, False))

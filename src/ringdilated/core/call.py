@@ -193,21 +193,8 @@ class CallPlan:
     def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
         """The driver's :class:`Run`: the whole pattern, or a shard's inner blocks."""
         shard = self.shard
-        return pattern_run(
-            self.kernel.kernel,
-            self.pattern,
-            q,
-            k,
-            causal=self.causal,
-            scale=self.scale,
-            dropout_p=self.dropout_p,
-            dropout_seed=self.seed,
-            complete=shard is None,
-            blocks=None if shard is None else shard.inner,
-            batch_limit=self.kernel.batch_limit,
-            kernel_name=self.kernel.kernel_name,
-            layout=self.layout,
-        )
+        blocks = None if shard is None else shard.inner
+        return self._blocks_run(q, k, blocks, complete=shard is None)
 
     def executor(
         self, q: torch.Tensor, k: torch.Tensor, stats: TransferStats | None = None
@@ -237,9 +224,10 @@ class CallPlan:
         return None if self.layout.is_whole else self.layout.rows[0].documents
 
     def _blocks_run(
-        self, q: torch.Tensor, k: torch.Tensor, blocks: tuple[Block, ...], *, complete: bool
+        self, q: torch.Tensor, k: torch.Tensor, blocks: tuple[Block, ...] | None, *, complete: bool
     ) -> Run:
-        """A driver :class:`Run` of the given blocks, with this call's options."""
+        """A driver :class:`Run` of ``blocks`` (``None``: the layout's), with this call's
+        options."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,

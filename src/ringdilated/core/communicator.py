@@ -51,6 +51,7 @@ __all__ = [
     "Pending",
     "TransferStats",
     "delivery_of",
+    "every_peer_at_once",
     "parallelism_of",
 ]
 
@@ -137,3 +138,9 @@ def parallelism_of(communicator: object) -> str:
             f"{parallelism!r}"
         )
     return str(parallelism)
+
+
+def every_peer_at_once(rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+    """A schedule of one step meeting every peer (a collective's), or none on one rank."""
+    peers = tuple(p for p in range(world_size) if p != rank)
+    return (peers,) if peers else ()

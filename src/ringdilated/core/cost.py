@@ -8,11 +8,15 @@ For every rank, from every rank's shard plan (nothing is sent to compute this):
 - **sent / received**: what the communicator's delivery moves. Pairwise: the minimum. Broadcast
   (``allgather``): at each step of its schedule, one payload to every peer of the step, the union
   of what any peer needs, padded to the group's largest.
-- **steps**: exchanges that move anything, each a synchronization the forward pass waits on.
+- **steps**: exchanges that move anything, each a synchronization the forward pass waits on;
+  **hops**: the sequential hops inside them beyond that (a ring ``all_gather`` of ``P`` ranks
+  passes each payload on ``P - 1`` times: ``P - 1`` hops a step; point-to-point and all-to-all
+  exchanges run their pairs concurrently: none).
 
-The modelled time of one forward exchange is ``steps * latency + max over ranks of (sent +
-received) / bandwidth``, with a :class:`Link` per transport (rough defaults for gloo and NCCL;
-only their ratio, the bytes one step's latency is worth, decides). ``auto`` takes the fitting
+The modelled time of one forward exchange is ``steps * latency + hops * hop + max over ranks of
+(sent + received) / bandwidth``, with a :class:`Link` per transport (rough defaults for gloo and
+NCCL, not measured on GPUs; what decides is their ratios: the bytes one step's or one hop's
+latency is worth). ``auto`` takes the fitting
 communicator of least modelled time, priority breaking ties, and one whose traffic cannot be
 modelled (its ``schedule`` or ``delivery`` fails) after every one that can. The backward pass
 moves the same pieces again, plus the gradients of received pieces back to their owners (the
@@ -23,30 +27,38 @@ step's compute, ``allgather`` its one step with the inner blocks'.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
 
-from ringdilated.core.communicator import delivery_of, parallelism_of
+from ringdilated.core.communicator import Communicator, delivery_of, parallelism_of
 from ringdilated.core.heads import deal_heads, share_plan
-from ringdilated.core.shard_plan import ShardPlan, broadcast_payload, payload, shard_plan
+from ringdilated.core.shard_plan import (
+    ShardPlan,
+    broadcast_positions,
+    payload_positions,
+    shard_plan,
+)
 
 __all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
 
 
 @attrs.frozen
 class Link:
-    """A transport's rough figures: seconds per exchange step, and bytes per second per rank."""
+    """A transport's rough figures: seconds per exchange step (started, waited on), seconds per
+    hop inside a ring collective, and bytes per second per rank."""
 
     name: str
     latency_s: float
+    hop_s: float
     bytes_per_s: float
 
 
-GLOO = Link("gloo", latency_s=100e-6, bytes_per_s=1.5e9)
+GLOO = Link("gloo", latency_s=100e-6, hop_s=30e-6, bytes_per_s=1.5e9)
 """gloo over TCP on one host: about 0.1 ms per exchange, 1-2 GB/s (16 MiB in 10-15 ms)."""
 
-NCCL = Link("nccl", latency_s=20e-6, bytes_per_s=50e9)
+NCCL = Link("nccl", latency_s=20e-6, hop_s=5e-6, bytes_per_s=50e9)
 """NCCL within a node (NVLink class): about 20 us per exchange, tens of GB/s per rank."""
 
 
@@ -74,7 +86,7 @@ class PieceSize:
 class Traffic:
     """One communicator's forward traffic for one call: per rank, bytes sent, received and the
     analytic minimum it must send; ``steps``: exchanges that move anything (the most of any
-    rank)."""
+    rank); ``hops``: sequential hops inside them beyond that (see the module docstring)."""
 
     communicator: str
     sent: tuple[int, ...]
@@ -82,6 +94,7 @@ class Traffic:
     minimum: tuple[int, ...]
     steps: int
     link: Link
+    hops: int = 0
 
     @property
     def above_minimum(self) -> int:
@@ -92,7 +105,8 @@ class Traffic:
     def seconds(self) -> float:
         """The modelled time of the forward exchange (see the module docstring)."""
         busiest = max(s + r for s, r in zip(self.sent, self.received, strict=True))
-        return self.steps * self.link.latency_s + busiest / self.link.bytes_per_s
+        latency = self.steps * self.link.latency_s + self.hops * self.link.hop_s
+        return latency + busiest / self.link.bytes_per_s
 
     def describe(self) -> str:
         """One line: bytes sent and received per rank (the range over ranks), the most any rank
@@ -119,7 +133,7 @@ def _size(n: int) -> str:
 
 def traffic(
     name: str,
-    communicator: object,
+    communicator: Communicator,
     plans: Sequence[ShardPlan],
     causal: bool,
     size: PieceSize,
@@ -128,13 +142,29 @@ def traffic(
     """What ``communicator`` (named ``name``) moves in a forward pass over ``plans`` (every
     rank's, in flat rank order); ``grid``: ``(outer, inner)`` of a 2-D layout. Raises what the
     communicator's ``schedule``, ``delivery`` or ``parallelism`` raises, and ``ValueError`` for
-    a hybrid communicator without a grid."""
+    a hybrid communicator without a grid. Cached per problem (the plans are cached values, and
+    hash once)."""
+    # A communicator instance hashes by identity: the resolver keeps one per name.
+    return _traffic(name, communicator, tuple(plans), causal, size, grid)  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=256)
+def _traffic(
+    name: str,
+    communicator: Communicator,
+    plans: tuple[ShardPlan, ...],
+    causal: bool,
+    size: PieceSize,
+    grid: tuple[int, int] | None,
+) -> Traffic:
     world = len(plans)
     unit = size.position_bytes
-    schedules = [communicator.schedule(r, world) for r in range(world)]  # type: ignore[attr-defined]
+    schedules = [communicator.schedule(r, world) for r in range(world)]
+    # Not payload(): its cache is the exchange's.
+    counts = [payload_positions(plan, causal) for plan in plans]
 
     def pairwise(src: int, dst: int) -> int:
-        return unit * payload(plans[src], src, dst, causal).positions_count
+        return unit * counts[src].get(dst, 0)
 
     minimum = tuple(sum(pairwise(r, y) for y in range(world) if y != r) for r in range(world))
     parallelism = parallelism_of(communicator)
@@ -146,10 +176,11 @@ def traffic(
             raise ValueError(f"{name!r} runs on a 2-D layout: its traffic needs the grid's shape")
         return _hybrid_traffic(name, communicator, plans, causal, size, grid, minimum)
     if delivery_of(communicator) == "broadcast":
-        width = unit * max(broadcast_payload(p, causal).positions_count for p in plans)
+        width = unit * max(broadcast_positions(p, causal) for p in plans)
         sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
         steps = max(len(s) for s in schedules) if width else 0
-        return Traffic(name, sent, sent, minimum, steps, size.link)
+        hops = max(sum(len(step) for step in s) for s in schedules) if width else 0
+        return Traffic(name, sent, sent, minimum, steps, size.link, hops)
     received = tuple(sum(pairwise(y, r) for y in range(world) if y != r) for r in range(world))
     steps = max(
         sum(1 for step in schedules[r] if any(pairwise(r, y) or pairwise(y, r) for y in step))
@@ -209,6 +240,8 @@ def _hybrid_traffic(
     chunks = tuple(starts[(o + 1) * inner] - starts[o * inner] for o in range(outer))
     shares = deal_heads(first.pattern, length, first.num_heads, first.num_kv_heads, inner)
     ring = getattr(communicator, "sequence", None)
+    if not isinstance(ring, Communicator):
+        raise TypeError(f"{name!r} holds no sequence communicator, got {ring!r}")
     ring_steps = 0
     for i, share in enumerate(shares):
         across = [

@@ -7,7 +7,9 @@ Call flow::
     plan.kernel.forward(...)                          # the hot path: no checks, no try/except
     print(plan.explain())
 
-``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name).
+``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name); for
+communicators, given every rank's shard plan, the one of least modelled exchange time
+(:mod:`ringdilated.core.cost`), priority breaking ties.
 A name forces that backend: it fits, or :class:`ResolutionError` lists its reasons. It never
 falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever ``"auto"`` was asked.
 
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit, Environment, KernelSpec, Request
-from ringdilated.core.communicator import Communicator
+from ringdilated.core.communicator import Communicator, delivery_of, parallelism_of
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.cost import PieceSize, Traffic, traffic
 from ringdilated.core.kernel import Kernel
@@ -243,19 +245,16 @@ class Resolver:
         grid: tuple[int, int] | None = None,
     ) -> list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]]:
         """Every communicator in ``auto``'s order of preference, with its reasons and, where it
-        fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Never
-        raises for what a plugin does."""
+        fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Given
+        ``plans``, an instance declaring an unknown ``delivery`` or ``parallelism`` is rejected
+        with the reason (its run would raise). Never raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
         for spec in self.communicator_specs.values():
             dims = 1 if grid is None else 2
             reasons = _communicator_reasons(spec, world_size, causal, plans, dims)
             moved: Traffic | str | None = None
-            if not reasons and plans and size is not None:
-                try:
-                    communicator = self._communicator(spec)
-                    moved = traffic(spec.name, communicator, plans, causal, size, grid)
-                except Exception as exc:  # a plugin's schedule or factory may fail in any way
-                    moved = f"{type(exc).__name__}: {describe_exception(exc)}"
+            if not reasons and plans:
+                reasons, moved = self._model(spec, plans, causal, size, grid)
             judged.append((spec, reasons, moved))
 
         def preference(
@@ -266,6 +265,33 @@ class Resolver:
             return (seconds, -spec.priority, spec.name)
 
         return sorted(judged, key=preference)
+
+    def _model(
+        self,
+        spec: CommunicatorSpec,
+        plans: Sequence[ShardPlan],
+        causal: bool,
+        size: PieceSize | None,
+        grid: tuple[int, int] | None,
+    ) -> tuple[tuple[str, ...], Traffic | str | None]:
+        """A fitting communicator's instance checked (its factory, its declared ``delivery`` and
+        ``parallelism``: failures are reasons) and, given ``size``, its traffic (a failure there
+        is said, not a reason). Never raises for what a plugin does."""
+        try:
+            communicator = self._communicator(spec)
+        except Exception as exc:  # a plugin's factory may fail in any way
+            return (f"factory failed: {type(exc).__name__}: {describe_exception(exc)}",), None
+        try:
+            delivery_of(communicator)
+            parallelism_of(communicator)
+        except ValueError as exc:
+            return (describe_exception(exc),), None
+        if size is None:
+            return (), None
+        try:
+            return (), traffic(spec.name, communicator, plans, causal, size, grid)
+        except Exception as exc:  # a plugin's schedule may fail in any way
+            return (), f"{type(exc).__name__}: {describe_exception(exc)}"
 
     def communicator_for(
         self,
@@ -295,7 +321,9 @@ class Resolver:
             raise ValueError(
                 f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
             )
-        judged = self._judge_communicators(world_size, causal, plans, size, grid)
+        # Traffic is modelled only to choose: a forced name needs none (explain shows it).
+        modelled = size if name == "auto" else None
+        judged = self._judge_communicators(world_size, causal, plans, modelled, grid)
         verdicts = {spec.name: reasons for spec, reasons, _ in judged}
         ranked = [spec for spec, _, _ in judged]
         candidates = [self.communicator_specs[name]] if name != "auto" else ranked

@@ -31,7 +31,9 @@ __all__ = [
     "Piece",
     "ShardPlan",
     "broadcast_payload",
+    "broadcast_positions",
     "payload",
+    "payload_positions",
     "shard_plan",
     "shard_starts",
 ]
@@ -69,7 +71,7 @@ class Crossing:
         return src < dst or not causal
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class ShardPlan:
     """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in.
     ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values);
@@ -102,7 +104,7 @@ class ShardPlan:
         )
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Payload:
     """What ``src`` sends ``dst``: for each key/value head, the union of the positions (local to
     ``src``, sorted) that any of ``crossings`` needs. A key two patterns need travels once."""
@@ -125,9 +127,10 @@ class Payload:
         return bool(self.crossings)
 
 
-def _piece_positions(piece: Piece) -> tuple[int, ...]:
+def _piece_positions(piece: Piece) -> range:
     sel = piece.selection
-    return tuple(sel.start + sel.offset + j * sel.rate for j in range(sel.count))
+    first = sel.start + sel.offset
+    return range(first, first + sel.count * sel.rate, sel.rate)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,6 +148,38 @@ def broadcast_payload(plan: ShardPlan, causal: bool) -> Payload:
         c for c in plan.crossings if any(c.sends(me, y, causal) for y in range(plan.world_size))
     )
     return _payload(wanted, me)
+
+
+def payload_positions(plan: ShardPlan, causal: bool) -> dict[int, int]:
+    """For each rank ``plan.rank`` sends anything, ``payload(plan, plan.rank, dst,
+    causal).positions_count``, without building (or caching) the payloads: the distinct
+    (key/value head, position) pairs it sends ``dst``. Work in the crossings' participants, not
+    in the world size."""
+    me = plan.rank
+    union: dict[int, dict[int, set[int]]] = {}
+    for c in plan.crossings:
+        piece = c.piece(me)
+        assert piece is not None
+        positions = _piece_positions(piece)
+        for other in c.pieces:
+            if c.sends(me, other.rank, causal):
+                heads = union.setdefault(other.rank, {})
+                for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
+                    heads.setdefault(h, set()).update(positions)
+    return {dst: sum(len(p) for p in heads.values()) for dst, heads in union.items()}
+
+
+def broadcast_positions(plan: ShardPlan, causal: bool) -> int:
+    """``broadcast_payload(plan, causal).positions_count``, without building the payload."""
+    me = plan.rank
+    union: dict[int, set[int]] = {}
+    for c in plan.crossings:
+        if any(c.sends(me, other.rank, causal) for other in c.pieces):
+            piece = c.piece(me)
+            assert piece is not None
+            for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
+                union.setdefault(h, set()).update(_piece_positions(piece))
+    return sum(len(p) for p in union.values())
 
 
 def _payload(crossings: tuple[Crossing, ...], src: int) -> Payload:
