@@ -122,10 +122,12 @@ def _communicators(
         return resolver.explain_communicator(world, args.causal, "auto")
     kv_heads = args.kv_heads or args.heads
     flags.check_pattern(args.segments, args.rates, args.heads)
-    if args.heads % kv_heads or args.length < world:
+    if args.heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
+    if args.length < world:
         raise ValueError(
-            f"--kv-heads {kv_heads} must divide --heads {args.heads}, and --length "
-            f"{args.length} hold at least one position per rank of --world-size {world}"
+            f"--length {args.length} must hold at least one position per rank of --world-size "
+            f"{world}"
         )
     pattern = DilationPattern(args.segments, args.rates)
     share, extra = divmod(args.length, world)

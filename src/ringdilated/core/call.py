@@ -532,6 +532,12 @@ def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicato
     return parts[0], parts[1]
 
 
+def _communicator_names(checked: _Checked) -> str:
+    """The communicator of every group of rows (one, without padding), by type."""
+    chosen: list[object] = [c for _, _, c in checked.row_plans] or [checked.communicator]
+    return ",".join(type(c).__name__ for c in chosen)
+
+
 def _shard_length(k: object) -> int:
     """The length of this rank's shard of ``k``, or ``-1`` where ``k`` is no 4-D tensor."""
     if isinstance(k, torch.Tensor) and k.dim() == 4:
@@ -591,5 +597,5 @@ def _signature(
         k_shape=_shape_text(k),
         backward=backward,
         kernel=None if checked is None else checked.plan.kernel_name,
-        communicator=None if checked is None else type(checked.communicator).__name__,
+        communicator=None if checked is None else _communicator_names(checked),
     )
