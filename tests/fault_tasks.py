@@ -357,12 +357,14 @@ def mesh_dimension(payload: dict[str, Any]) -> dict[str, Any]:
     cp = mesh.get_local_rank("cp")
     g = torch.Generator().manual_seed(20 + dp)  # each data-parallel replica its own problem
     full = torch.randn(3, 1, 32, 2, 8, generator=g, dtype=torch.float64)
-    q, k, v = (x[:, 16 * cp : 16 * (cp + 1)].contiguous() for x in full)
+    cut = payload.get("cut", 16)  # cp rank 0 holds [0, cut), cp rank 1 [cut, 32)
+    shard = slice(0, cut) if cp == 0 else slice(cut, 32)
+    q, k, v = (x[:, shard].contiguous() for x in full)
     start = time.monotonic()
     out = ringdilated.dilated_attention(
         q, k, v, [32], [2], causal=True, process_group=group, communicator=payload["communicator"]
     )
-    return {"out": out, "full": full, "cp": cp, "seconds": time.monotonic() - start}
+    return {"out": out, "full": full, "cp": cp, "shard": shard, "seconds": time.monotonic() - start}
 
 
 def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:

@@ -176,7 +176,7 @@ def test_interleaved_subgroups_each_run_their_own_problem_without_hanging(
 
 
 @pytest.mark.parametrize("form", ["tuple", "submesh"])
-@pytest.mark.parametrize("communicator", ["allgather", "ringpass", "auto"])
+@pytest.mark.parametrize("communicator", ["allgather", "ringpass", "ulysses", "auto"])
 def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
     workers4: Workers, form: str, communicator: str
 ) -> None:
@@ -184,13 +184,15 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
     runs its own problem, exactly, within the bound."""
     from ringdilated.testing import oracle
 
-    payload = {"form": form, "communicator": communicator}
-    for rank, result in enumerate(workers4.results(f"{TASKS}:mesh_dimension", payload)):
-        assert result["seconds"] < BOUND_S, (rank, result["seconds"])
-        q, k, v = result["full"]
-        expected = oracle(q, k, v, [32], [2], causal=True)
-        shard = slice(16 * result["cp"], 16 * (result["cp"] + 1))
-        assert float((result["out"] - expected[:, shard]).abs().max()) < 1e-12, rank
+    for cut in (16, 11):  # equal shards, then 11 and 21 positions
+        payload = {"form": form, "communicator": communicator, "cut": cut}
+        for rank, result in enumerate(workers4.results(f"{TASKS}:mesh_dimension", payload)):
+            assert result["seconds"] < BOUND_S, (rank, result["seconds"])
+            q, k, v = result["full"]
+            expected = oracle(q, k, v, [32], [2], causal=True)
+            assert result["out"].shape[1] == (cut if result["cp"] == 0 else 32 - cut)
+            error = (result["out"] - expected[:, result["shard"]]).abs().max()
+            assert float(error) < 1e-12, (rank, cut)
 
 
 @pytest.mark.parametrize(
@@ -233,19 +235,25 @@ def test_a_process_group_that_is_no_group_is_rejected_with_the_rule() -> None:
 
 
 def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """On a one-process 1 x 1 mesh: a 2-D mesh needs a dimension; names and indices (any
-    integer type) select one; anything else raises naming the dimensions."""
+    """On one-process meshes: a 2-D mesh is a Grid (outer dimension 0, inner 1), a 3-D one
+    needs a dimension; names and indices (any integer type) select one; anything else raises
+    naming the dimensions."""
     import numpy as np
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from ringdilated.core.call import as_process_group
+    from ringdilated.core.grid import Grid
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"))
-        with pytest.raises(ValueError, match=r"1-D DeviceMesh, or \(mesh, dimension\)"):
-            as_process_group(mesh)
+        layout = as_process_group(mesh)
+        assert isinstance(layout, Grid) and layout.outer is mesh.get_group("dp")
+        assert layout.inner is mesh.get_group("cp") and layout.shape == (1, 1)
+        cube = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
+        with pytest.raises(ValueError, match=r"1-D or 2-D DeviceMesh, or \(mesh, dimension\)"):
+            as_process_group(cube)
         for bad in ("nope", 2, True):
             with pytest.raises(ValueError, match=r"dimension name of \('dp', 'cp'\)"):
                 as_process_group((mesh, bad))
