@@ -9,7 +9,7 @@ from ringdilated.pool import Workers
 from ringdilated.testing import ConformanceError, check_communicator
 
 
-@pytest.mark.parametrize("name", ["ringpass", "allgather", "ulysses"])
+@pytest.mark.parametrize("name", ["ringpass", "allgather", "ulysses", "hybrid"])
 def test_builtin_communicator_matches_local_on_as_many_problems_as_asked(
     name: str, workers2: Workers, workers4: Workers
 ) -> None:
