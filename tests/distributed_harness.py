@@ -82,6 +82,24 @@ def module_on_shards(payload: dict[str, Any]) -> dict[str, Any]:
     return {"equal": bool(torch.equal(out, expected)), "explain": attn.explain(), "out": out}
 
 
+def module_on_a_grid(payload: dict[str, Any]) -> dict[str, Any]:
+    """DilatedAttention on a 2 x 2 CPU mesh (communicator auto: hybrid, the only one for a 2-D
+    layout): this rank's output, the full inputs and the module's explanation."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ringdilated
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(3, 1, 32, 4, 8, generator=g, dtype=torch.float64)
+    local = [x[:, 8 * rank : 8 * (rank + 1)] for x in full]
+    attn = ringdilated.DilatedAttention([8, 32], [1, 4], causal=True, process_group=mesh)
+    before = attn.explain()
+    out = attn(*local)
+    return {"out": out, "full": full, "before": before, "after": attn.explain()}
+
+
 def rotary_module_on_uneven_shards(payload: dict[str, Any]) -> dict[str, Any]:
     """A causal MultiheadDilatedAttention with rotary embeddings on shards of
     ``payload['lengths']``: this rank's output and the same module's on one process, whole."""

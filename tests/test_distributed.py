@@ -317,6 +317,17 @@ def test_module_on_shards(workers2: Workers) -> None:
     assert torch.allclose(torch.cat([r["out"] for r in results], 1), expected, atol=1e-12, rtol=0)
 
 
+def test_a_module_on_a_2x2_mesh_runs_hybrid_exactly(workers4: Workers) -> None:
+    results = workers4.results("module_on_a_grid", {})
+    q, k, v = results[0]["full"]
+    expected = oracle(q, k, v, [8, 32], [1, 4], causal=True)
+    assert max_error(torch.cat([r["out"] for r in results], 1), expected) < 1e-12
+    for r in results:
+        assert "communicator: hybrid (highest priority that fits) for 4 rank(s)" in r["before"]
+        assert "communicator: hybrid (least modelled time that fits) for 4 rank(s)" in r["after"]
+        assert "rejected ringpass: runs on a process group, the call has a 2-D" in r["after"]
+
+
 def test_rotary_positions_follow_uneven_shards(workers4: Workers) -> None:
     """Each rank's rotary positions start where its shard starts, whatever the lengths."""
     results = workers4.results("rotary_module_on_uneven_shards", {"lengths": [3, 13, 9, 7]})

@@ -130,8 +130,9 @@ class DilatedAttention(nn.Module):
         if self.call is not None and self.call.shards:  # what the last call's shards move
             communicator = self.call.explain_communicator(default_resolver(), self.communicator)
         else:
+            grid_shape = self.process_group.shape if isinstance(self.process_group, Grid) else None
             communicator = default_resolver().explain_communicator(
-                ranks, self.causal, self.communicator
+                ranks, self.causal, self.communicator, grid=grid_shape
             )
         return f"{kernel}\n{communicator}"
 

@@ -158,7 +158,10 @@ class CallPlan:
         """The communicator choice for this call's shards (the first group of padded rows'),
         with what each communicator would move; on one process, that none is needed."""
         ranks = max(1, len(self.shards))
-        return resolver.explain_communicator(ranks, self.causal, name, self.shards, self.size)
+        grid_shape = self.group.shape if isinstance(self.group, Grid) else None
+        return resolver.explain_communicator(
+            ranks, self.causal, name, self.shards, self.size, grid_shape
+        )
 
     def parts(self) -> list[tuple[slice | None, CallPlan]]:
         """The call as independent parts over batch rows: ``[(None, self)]``, unless a sharded
