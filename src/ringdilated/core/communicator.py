@@ -64,8 +64,9 @@ PARALLELISMS = ("sequence", "heads", "hybrid")
 
 @attrs.define
 class TransferStats:
-    """Bytes this rank sent and received, and exchanges started: one call's (pass an instance as
-    ``dilated_attention(..., transfer_stats=)``), forward and backward, or several calls' sums."""
+    """Bytes this rank sent and received, and exchanges that moved anything to or from it: one
+    call's (pass an instance as ``dilated_attention(..., transfer_stats=)``), forward and
+    backward, or several calls' sums."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -74,7 +75,8 @@ class TransferStats:
     def record(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> None:
         self.bytes_sent += sum(t.numel() * t.element_size() for t in sends.values())
         self.bytes_received += sum(t.numel() * t.element_size() for t in recvs.values())
-        self.exchanges += 1
+        if sends or recvs:
+            self.exchanges += 1
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_received = self.exchanges = 0
