@@ -94,7 +94,9 @@ def module_on_a_grid(payload: dict[str, Any]) -> dict[str, Any]:
     g = torch.Generator().manual_seed(4)
     full = torch.randn(3, 1, 32, 4, 8, generator=g, dtype=torch.float64)
     local = [x[:, 8 * rank : 8 * (rank + 1)] for x in full]
-    attn = ringdilated.DilatedAttention([8, 32], [1, 4], causal=True, process_group=mesh)
+    attn = ringdilated.DilatedAttention(
+        [8, 32], [1, 4], causal=True, process_group=(mesh, ("ring", "ulysses"))
+    )
     before = attn.explain()
     out = attn(*local)
     return {"out": out, "full": full, "before": before, "after": attn.explain()}
@@ -245,3 +247,44 @@ def stats_and_instances(payload: dict[str, Any]) -> dict[str, Any]:
         "minimum": plan.elements_sent(8, 1, causal=False) * 8,
         "errors": errors,
     }
+
+
+def lse_loss_on_one_rank(payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's loss uses lse, rank 1's does not (its dlse is None): this rank's gradients with
+    ``payload['communicator']``, and the full inputs and upstream gradients."""
+    import ringdilated
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(8)
+    full = torch.randn(3, 1, 8 * world, 4, 8, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, 8 * world, 4, 8, generator=g, dtype=torch.float64)
+    dlse = torch.randn(1, 4, 8 * world, generator=g, dtype=torch.float64)
+    shard = slice(8 * rank, 8 * (rank + 1))
+    q, k, v = (x[:, shard].clone().requires_grad_() for x in full)
+    out, lse = ringdilated.dilated_attention(
+        q, k, v, [8 * world], [2], causal=True, return_lse=True,
+        process_group=dist.group.WORLD, communicator=payload["communicator"],
+    )  # fmt: skip
+    loss = (out * dout[:, shard]).sum()
+    if rank == 0:
+        loss = loss + (lse.double() * dlse[:, :, shard]).sum()
+    loss.backward()
+    return {"grads": [q.grad, k.grad, v.grad], "full": full, "dout": dout, "dlse": dlse}
+
+
+def dropout_on_equal_heads(payload: dict[str, Any]) -> dict[str, Any]:
+    """Heads 0 and 2 get identical inputs and the same pattern; with dropout, whether their
+    outputs differ (they should: each head its own masks) under ``payload['communicator']``."""
+    import ringdilated
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 8, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    for x in (q, k, v):
+        x[:, :, 2] = x[:, :, 0]
+    torch.manual_seed(1)  # the same dropout seed on every rank
+    out = ringdilated.dilated_attention(
+        q, k, v, [16], [1], dropout_p=0.5, process_group=dist.group.WORLD,
+        communicator=payload["communicator"],
+    )  # fmt: skip
+    return {"rank": rank, "heads_differ": not torch.equal(out[:, :, 0], out[:, :, 2])}

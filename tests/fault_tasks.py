@@ -382,8 +382,22 @@ def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:
         group: Any = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("a", "b", "c"))
         communicator = "hybrid"
     elif fault == "ulysses on a mesh":
-        group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
-        communicator = "ulysses"
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
+        group, communicator = (mesh, ("outer", "inner")), "ulysses"
+    elif fault == "ulysses instance on a mesh":
+        from ringdilated.backends.ulysses import UlyssesCommunicator
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("outer", "inner"))
+        group, communicator = (mesh, ("outer", "inner")), UlyssesCommunicator()
+    elif fault == "hybrid instance on a group":
+        from ringdilated.backends.hybrid import HybridCommunicator
+
+        group, communicator = dist.group.WORLD, HybridCommunicator()
+    elif fault == "not a grid":
+        group, communicator = (dist.group.WORLD, dist.group.WORLD), "hybrid"
+    elif fault == "2-D mesh alone":
+        group = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+        communicator = "auto"
     else:
         group, communicator = dist.group.WORLD, "hybrid"
     start = time.monotonic()

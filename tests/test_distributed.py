@@ -328,6 +328,52 @@ def test_a_module_on_a_2x2_mesh_runs_hybrid_exactly(workers4: Workers) -> None:
         assert "rejected ringpass: runs on a process group, the call has a 2-D" in r["after"]
 
 
+@pytest.mark.parametrize("communicator", ["ringpass", "ulysses"])
+def test_a_loss_using_lse_on_one_rank_only_has_exact_gradients(
+    workers2: Workers, communicator: str
+) -> None:
+    """One rank's dlse is None, the other's a tensor: the ranks still exchange alike (ulysses
+    sends zeros for None), and the gradients are those of the sum of both ranks' losses."""
+    results = workers2.results("lse_loss_on_one_rank", {"communicator": communicator})
+    r0 = results[0]
+    q, k, v = (x.clone().requires_grad_() for x in r0["full"])
+    out, lse = oracle(q, k, v, [16], [2], causal=True, return_lse=True)
+    dlse = r0["dlse"].clone()
+    dlse[:, :, 8:] = 0  # rank 1's positions: its loss has no lse term
+
+    def loss(o: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (o * r0["dout"]).sum() + (s.masked_fill(torch.isneginf(s), 0) * dlse).sum()
+
+    expected = torch.autograd.grad(loss(out, lse), (q, k, v))
+    # The returned lse is float32: its gradient's rounding is the baseline's too.
+    base_out, _ = dense_attention(q, k, v, [16], [2], causal=True)
+    _, base_lse = dense_attention(q, k, v, [16], [2], causal=True, dtype=torch.float32)
+    baseline = torch.autograd.grad(loss(base_out, base_lse.double()), (q, k, v))
+    for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
+        got = torch.cat([r["grads"][i] for r in results], 1)
+        assert_within_tolerance(got, expected[i], baseline[i], what=name)
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "ulysses"])
+def test_dropout_gives_every_head_its_own_masks(workers2: Workers, communicator: str) -> None:
+    results = workers2.results("dropout_on_equal_heads", {"communicator": communicator})
+    assert all(r["heads_differ"] for r in results), results
+
+
+@pytest.mark.parametrize("communicator", ["ulysses", "hybrid"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_with_odd_sizes(workers2: Workers, communicator: str, dtype: str) -> None:
+    """Out (2-byte) and lse (4-byte) travel in one byte buffer: with an odd number of half
+    values before it, the lse must still land aligned. Shards of 3 and 4, head dim 3."""
+    case = {
+        "seed": 3, "batch": 1, "seq_len": 7, "shard_lengths": [3, 4], "heads": 2,
+        "kv_heads": 1, "head_dim": 3, "dtype": dtype, "segments": [4, 7], "rates": [1, 2],
+        "mode": "head_groups", "causal": True, "scale": None, "communicator": communicator,
+        "kernel": "reference",
+    }  # fmt: skip
+    _run_and_check(workers2, case, 2)
+
+
 def test_rotary_positions_follow_uneven_shards(workers4: Workers) -> None:
     """Each rank's rotary positions start where its shard starts, whatever the lengths."""
     results = workers4.results("rotary_module_on_uneven_shards", {"lengths": [3, 13, 9, 7]})

@@ -200,7 +200,12 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
     [
         ("ulysses on a mesh", "communicator 'ulysses' cannot serve 4 rank(s): runs on a process"),
         ("hybrid on a group", "communicator 'hybrid' cannot serve 4 rank(s): runs on a 2-D"),
-        ("3-D mesh", "process_group takes a 1-D or 2-D DeviceMesh, or (mesh, dimension)"),
+        ("3-D mesh", "process_group takes a 1-D DeviceMesh; for a 3-D one"),
+        ("ulysses instance on a mesh", "UlyssesCommunicator instance (parallelism 'heads') runs"),
+        ("hybrid instance on a group", "HybridCommunicator instance (parallelism 'hybrid') runs"),
+        ("not a grid", "must form a grid, every rank once in (outer, inner) order; its (4, 4)"),
+        # A dp x cp mesh is not silently a 2-D layout: the caller names the dimensions.
+        ("2-D mesh alone", "name the sequence's dimension, (mesh, 'cp'), or two for a 2-D"),
     ],
 )
 def test_a_layout_the_communicator_cannot_run_on_raises_on_every_rank(
@@ -248,12 +253,14 @@ def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # typ
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"))
-        layout = as_process_group(mesh)
+        with pytest.raises(ValueError, match=r"1-D DeviceMesh; for a 2-D one \(dimensions"):
+            as_process_group(mesh)
+        layout = as_process_group((mesh, ("dp", "cp")))
         assert isinstance(layout, Grid) and layout.outer is mesh.get_group("dp")
         assert layout.inner is mesh.get_group("cp") and layout.shape == (1, 1)
-        cube = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
-        with pytest.raises(ValueError, match=r"1-D or 2-D DeviceMesh, or \(mesh, dimension\)"):
-            as_process_group(cube)
+        assert as_process_group((mesh, (1, 0))).outer is mesh.get_group("cp")
+        with pytest.raises(ValueError, match=r"dimension name of \('dp', 'cp'\)"):
+            as_process_group((mesh, ("dp", "nope")))
         for bad in ("nope", 2, True):
             with pytest.raises(ValueError, match=r"dimension name of \('dp', 'cp'\)"):
                 as_process_group((mesh, bad))

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core.communicator import Pending, every_peer_at_once
+from ringdilated.core.communicator import Pending, every_peer_at_once, process_group
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard_plan import ShardPlan
 
@@ -65,7 +65,7 @@ class AllGatherCommunicator:
         if not uniform or not (sends or recvs):
             return point_to_point(group, sends, recvs)
         payload_tensor = next(iter(sends.values()))
-        pg = group if isinstance(group, dist.ProcessGroup) else None
+        pg = process_group(group)
         me, world = dist.get_rank(pg), dist.get_world_size(pg)
         members = tuple(sorted({me, *sends, *recvs}))
         if members != tuple(range(world)):  # broadcast delivery names every peer

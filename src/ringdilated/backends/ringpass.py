@@ -15,6 +15,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ringdilated.core.communicator import process_group
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard_plan import ShardPlan
 
@@ -58,7 +59,7 @@ def point_to_point(
     group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
 ) -> Works:
     """``isend`` each ``sends[peer]``, ``irecv`` each ``recvs[peer]`` (group ranks), batched."""
-    pg = group if isinstance(group, dist.ProcessGroup) else None
+    pg = process_group(group)
 
     def global_rank(peer: int) -> int:
         return peer if pg is None else dist.get_global_rank(pg, peer)

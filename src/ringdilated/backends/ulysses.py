@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works
-from ringdilated.core.communicator import Pending, every_peer_at_once
+from ringdilated.core.communicator import Pending, every_peer_at_once, process_group
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard_plan import ShardPlan
 
@@ -41,7 +41,7 @@ def all_to_all(
 ) -> Pending:
     """One ``all_to_all_single`` with split sizes: ``sends[peer]`` to each peer, ``recvs[peer]``
     from each (flat tensors of one dtype; a peer absent from a mapping exchanges nothing)."""
-    pg = group if isinstance(group, dist.ProcessGroup) else None
+    pg = process_group(group)
     world = dist.get_world_size(pg)
     sample = next(iter(sends.values()), None)
     if sample is None:

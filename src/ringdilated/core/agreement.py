@@ -121,12 +121,25 @@ def gather_flags(
     group: Layout, failed: bool, digest: int, length: int, device: object = None
 ) -> list[tuple[int, int, int]]:
     """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
-    integers per rank, so every rank gets the same answer. ``device``: the call's device (NCCL
-    gathers on it when it is a CUDA device)."""
-    mine = torch.tensor([int(failed), digest, length], dtype=torch.int64)
-    mine = mine.to(_collective_device(group, device))
-    gathered = grid.gather(group, mine)
-    return [cast(tuple[int, int, int], tuple(t.tolist())) for t in gathered]
+    integers per rank (on a :class:`~ringdilated.core.grid.Grid`, one along each dimension,
+    with each rank's global rank), so every rank gets the same answer. ``device``: the call's
+    device (NCCL gathers on it when it is a CUDA device).
+
+    On a grid, raises ``ValueError`` on every rank unless its two groups hold every rank once
+    (``(WORLD, WORLD)``, or an inner group that is not a row of the outer ones, do not)."""
+    values = [int(failed), digest, length]
+    if isinstance(group, Grid):
+        values.append(dist.get_rank())
+    mine = torch.tensor(values, dtype=torch.int64).to(_collective_device(group, device))
+    gathered = [tuple(t.tolist()) for t in grid.gather(group, mine)]
+    if isinstance(group, Grid):
+        members = [g[3] for g in gathered]
+        if len(set(members)) != len(members):
+            raise ValueError(
+                f"process_group=(outer, inner) must form a grid, every rank once in (outer, "
+                f"inner) order; its {group.shape} groups hold global ranks {members}"
+            )
+    return [cast(tuple[int, int, int], g[:3]) for g in gathered]
 
 
 def agree(

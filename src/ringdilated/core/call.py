@@ -58,30 +58,22 @@ def as_process_group(group: object) -> object:
     """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
     group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
     ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.grid.Grid` (for ``communicator="hybrid"``)
-    from a 2-D ``DeviceMesh`` (dimension 0 outer, 1 inner) or a pair ``(outer, inner)`` of
-    process groups. Anything else is returned unchanged, for :func:`group_size` to reject.
+    from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
+    inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
+    alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
+    caller's to say. Anything else is returned unchanged, for :func:`group_size` to reject.
     Reads the mesh's existing groups: nothing is created, nothing is sent.
 
     Every rank must pass the same valid value: this runs before the ranks can agree (it says
     which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
     in the call's agreement until the backend's timeout."""
-    import operator
-
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
         mesh, dim = group
-        names = mesh.mesh_dim_names or ()
-        try:
-            key: str | int = dim if isinstance(dim, str) else operator.index(dim)
-            if isinstance(dim, bool):
-                raise TypeError
-            return mesh.get_group(key)
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
-            raise ValueError(
-                f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
-                f"{mesh.ndim}, got {dim!r}"
-            ) from None
+        if isinstance(dim, tuple) and len(dim) == 2:
+            return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
+        return _mesh_group(mesh, dim)
     if (
         isinstance(group, tuple)
         and len(group) == 2
@@ -89,15 +81,31 @@ def as_process_group(group: object) -> object:
     ):
         return Grid(group[0], group[1])
     if isinstance(group, DeviceMesh):
-        if group.ndim == 2:
-            return Grid(group.get_group(0), group.get_group(1))
         if group.ndim != 1:
             raise ValueError(
-                f"process_group takes a 1-D or 2-D DeviceMesh, or (mesh, dimension) for a "
-                f"{group.ndim}-D one (dimensions {group.mesh_dim_names}), e.g. (mesh, 'cp')"
+                f"process_group takes a 1-D DeviceMesh; for a {group.ndim}-D one (dimensions "
+                f"{group.mesh_dim_names}) name the sequence's dimension, (mesh, 'cp'), or two "
+                "for a 2-D layout (communicator='hybrid'), (mesh, ('ring', 'ulysses'))"
             )
         return group.get_group()
     return group
+
+
+def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
+    """The existing group of one dimension of ``mesh``, by name or index."""
+    import operator
+
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    try:
+        if isinstance(dim, bool):
+            raise TypeError
+        key: str | int = dim if isinstance(dim, str) else operator.index(dim)  # type: ignore[arg-type]
+        return mesh.get_group(key)  # type: ignore[attr-defined,no-any-return]
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
+            f"{getattr(mesh, 'ndim', '?')} (or a pair of them for a 2-D layout), got {dim!r}"
+        ) from None
 
 
 def group_size(group: object) -> int:
@@ -194,10 +202,8 @@ class CallPlan:
         return self.shards[self.rank] if self.shards else None
 
     def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
-        """The driver's :class:`Run`: the whole pattern, or a shard's inner blocks."""
-        shard = self.shard
-        blocks = None if shard is None else shard.inner
-        return self._blocks_run(q, k, blocks, complete=shard is None)
+        """The driver's :class:`Run` of a one-process call: the whole pattern."""
+        return self._blocks_run(q, k, None, complete=True)
 
     def executor(
         self, q: torch.Tensor, k: torch.Tensor, stats: TransferStats | None = None
@@ -213,9 +219,10 @@ class CallPlan:
             return self._head_parallel(q, k, shard, stats)
         if parallelism == "hybrid":
             return self._hybrid(q, k, shard, stats)
-        run = self.run(q, k)
+        # Each shard its own dropout seed: every rank's inner blocks count from 0.
+        seed = derive_seed(self.seed, "shard", self.rank)
         return ShardedRun(
-            inner=run,
+            inner=self._blocks_run(q, k, shard.inner, complete=False, seed=seed),
             plans=self.shards,
             rank=self.rank,
             communicator=self.communicator,
@@ -227,10 +234,16 @@ class CallPlan:
         return None if self.layout.is_whole else self.layout.rows[0].documents
 
     def _blocks_run(
-        self, q: torch.Tensor, k: torch.Tensor, blocks: tuple[Block, ...] | None, *, complete: bool
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        blocks: tuple[Block, ...] | None,
+        *,
+        complete: bool,
+        seed: int | None = None,
     ) -> Run:
         """A driver :class:`Run` of ``blocks`` (``None``: the layout's), with this call's
-        options."""
+        options; ``seed``: its dropout seed (default: the call's)."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -239,7 +252,7 @@ class CallPlan:
             causal=self.causal,
             scale=self.scale,
             dropout_p=self.dropout_p,
-            dropout_seed=self.seed,
+            dropout_seed=self.seed if seed is None else seed,
             complete=complete,
             blocks=blocks,
             batch_limit=self.kernel.batch_limit,
@@ -261,8 +274,10 @@ class CallPlan:
         )
         local = share_blocks(blocks, shares[self.rank], heads, kv_heads)
         assert self.communicator is not None
+        # Each share its own dropout seed: local head 0 of every rank is another head.
+        seed = derive_seed(self.seed, "heads", self.rank)
         return HeadParallelRun(
-            inner=self._blocks_run(q, k, local, complete=True),
+            inner=self._blocks_run(q, k, local, complete=True, seed=seed),
             shares=shares,
             starts=shard.starts,
             rank=self.rank,
@@ -293,7 +308,13 @@ class CallPlan:
         )
         stats = stats if stats is not None else TransferStats()
         across = ShardedRun(
-            inner=self._blocks_run(q, k, plans[o].inner, complete=False),
+            inner=self._blocks_run(
+                q,
+                k,
+                plans[o].inner,
+                complete=False,
+                seed=derive_seed(self.seed, "heads", self.rank),
+            ),
             plans=plans,
             rank=o,
             communicator=sequence_comm,

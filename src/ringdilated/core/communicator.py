@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from ringdilated.core.shard_plan import ShardPlan
@@ -53,6 +54,7 @@ __all__ = [
     "delivery_of",
     "every_peer_at_once",
     "parallelism_of",
+    "process_group",
 ]
 
 DELIVERIES = ("pairwise", "broadcast")
@@ -146,3 +148,15 @@ def every_peer_at_once(rank: int, world_size: int) -> tuple[tuple[int, ...], ...
     """A schedule of one step meeting every peer (a collective's), or none on one rank."""
     peers = tuple(p for p in range(world_size) if p != rank)
     return (peers,) if peers else ()
+
+
+def process_group(group: object) -> dist.ProcessGroup | None:
+    """``group`` as a transport takes it: a ``ProcessGroup``, or ``None`` (the default group).
+    Raises ``TypeError`` naming anything else (a 2-D layout reaching a communicator of process
+    groups), rather than falling back to the whole world."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(
+        f"a communicator exchanges on a torch.distributed ProcessGroup (or None), got "
+        f"{type(group).__name__}"
+    )

@@ -24,8 +24,8 @@ __all__ = ["Grid", "gather", "gather_objects", "rank", "size"]
 class Grid:
     """A 2-D process layout: ``outer`` and ``inner`` process groups (see the module docstring)."""
 
-    outer: dist.ProcessGroup = attrs.field(eq=False)
-    inner: dist.ProcessGroup = attrs.field(eq=False)
+    outer: dist.ProcessGroup
+    inner: dist.ProcessGroup
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -71,14 +71,15 @@ class HeadParallelRun:
         lse: torch.Tensor,
         finite: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # lse and dlse as (B, n, H): the sequence in dimension 1, as for q.
+        # lse and dlse as (B, n, H): the sequence in dimension 1, as for q. A dlse of None (this
+        # rank's loss does not use lse) travels as zeros: a peer's may not be None, and every
+        # rank must send the same parts.
+        if dlse is None:
+            dlse = torch.zeros_like(lse)
         parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
-        parts.append((dout, "q"))
-        if dlse is not None:
-            parts.append((dlse.transpose(1, 2), "q"))
-        moved = self._to_heads(parts)
-        qh, kh, vh, out_h, lse_h, dout_h = moved[:6]
-        dlse_h = moved[6].transpose(1, 2) if dlse is not None else None
+        parts += [(dout, "q"), (dlse.transpose(1, 2), "q")]
+        qh, kh, vh, out_h, lse_h, dout_h, dlse_h = self._to_heads(parts)
+        dlse_h = dlse_h.transpose(1, 2)
         lse_h = lse_h.transpose(1, 2)
         if isinstance(self.inner, Run):
             dq_h, dk_h, dv_h = run_backward(
@@ -115,10 +116,20 @@ class HeadParallelRun:
         device: torch.device,
     ) -> dict[int, list[torch.Tensor]]:
         """Send each peer its tensors and receive from each peer tensors of the given shapes and
-        dtypes: one exchange of bytes (every tensor in its own dtype)."""
-        flat = {y: torch.cat([_as_bytes(t) for t in tensors]) for y, tensors in sends.items()}
+        dtypes: one exchange of bytes, every tensor in its own dtype. Within a buffer the
+        tensors go widest dtype first, so each starts at a multiple of its item size (a float32
+        after an odd number of float16 values could not be viewed); both ends order alike."""
+
+        def widest_first(dtypes: Sequence[torch.dtype]) -> list[int]:
+            return sorted(range(len(dtypes)), key=lambda j: (-_itemsize(dtypes[j]), j))
+
+        flat = {}
+        for y, tensors in sends.items():
+            order = widest_first([t.dtype for t in tensors])
+            flat[y] = torch.cat([_as_bytes(tensors[j]) for j in order])
+        orders = {src: widest_first([d for _, d in layout]) for src, layout in layouts.items()}
         sizes = {
-            src: [_numel(shape) * _itemsize(dtype) for shape, dtype in layout]
+            src: [_numel(layout[j][0]) * _itemsize(layout[j][1]) for j in orders[src]]
             for src, layout in layouts.items()
         }
         recvs = {
@@ -126,15 +137,14 @@ class HeadParallelRun:
         }
         self.stats.record(flat, recvs)
         self.communicator.exchange(self.group, flat, recvs, uniform=False).wait()
-        return {
-            src: [
-                raw.view(dtype).view(shape)
-                for raw, (shape, dtype) in zip(
-                    torch.split(recvs[src], sizes[src]), layouts[src], strict=True
-                )
-            ]
-            for src in recvs
-        }
+        received = {}
+        for src, layout in layouts.items():
+            parts: list[torch.Tensor | None] = [None] * len(layout)
+            for j, raw in zip(orders[src], torch.split(recvs[src], sizes[src]), strict=True):
+                shape, dtype = layout[j]
+                parts[j] = raw.view(dtype).view(shape)
+            received[src] = [p for p in parts if p is not None]
+        return received
 
     def _to_heads(self, parts: Sequence[tuple[torch.Tensor, str]]) -> list[torch.Tensor]:
         """Sequence shards ``(B, n_r, heads, ...)`` to this rank's heads at every position

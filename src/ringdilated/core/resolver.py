@@ -310,6 +310,7 @@ class Resolver:
         that does not fit raises with its reasons. ``plans`` also let a communicator check that
         it can move them."""
         if isinstance(name, Communicator) and not isinstance(name, str):
+            _check_instance_layout(name, world_size, grid)
             return name
         if not isinstance(name, str):
             raise TypeError(
@@ -388,6 +389,28 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
     except Exception as exc:  # a plugin's spec may fail in any way
         return _UNRANKED, (_failed("priority_for", exc),)
     return priority, _contained("reasons", lambda: spec.reasons(request, env))
+
+
+def _check_instance_layout(
+    communicator: Communicator, world_size: int, grid: tuple[int, int] | None
+) -> None:
+    """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
+    the call's layout (a hybrid one needs a 2-D layout, every other kind a process group), or
+    declares an unknown ``delivery`` or ``parallelism``: a named one is rejected with the same
+    reasons."""
+    what = type(communicator).__name__
+    try:
+        parallelism = parallelism_of(communicator)
+        delivery_of(communicator)
+    except ValueError as exc:
+        raise ResolutionError(f"communicator {what} instance: {exc}") from None
+    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
+        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
+        has = "a process group" if grid is None else "a 2-D layout"
+        raise ResolutionError(
+            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
+            f"call has {has}"
+        )
 
 
 def _communicator_reasons(

@@ -213,8 +213,9 @@ _MESHES: dict[tuple[int, int], object] = {}
 
 def grid_shape(world: int) -> tuple[int, int]:
     """The 2-D layout the kit gives a communicator of 2-D layouts on ``world`` ranks:
-    ``(world // 2, 2)`` (``(1, 2)`` on 2 ranks: one chunk, all heads parallel)."""
-    return (max(1, world // 2), 2 if world > 1 else 1)
+    ``(world // 2, 2)`` for an even world (``(1, 2)`` on 2 ranks: one chunk, all heads
+    parallel), ``(1, world)`` for an odd one."""
+    return (world // 2, 2) if world % 2 == 0 else (1, world)
 
 
 def _layout(name: object, world: int) -> object:
@@ -231,7 +232,7 @@ def _layout(name: object, world: int) -> object:
         from torch.distributed.device_mesh import init_device_mesh
 
         _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("outer", "inner"))
-    return _MESHES[shape]
+    return (_MESHES[shape], ("outer", "inner"))
 
 
 def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
