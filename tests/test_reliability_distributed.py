@@ -240,9 +240,9 @@ def test_a_process_group_that_is_no_group_is_rejected_with_the_rule() -> None:
 
 
 def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """On one-process meshes: a 2-D mesh is a Grid (outer dimension 0, inner 1), a 3-D one
-    needs a dimension; names and indices (any integer type) select one; anything else raises
-    naming the dimensions."""
+    """On a one-process 1 x 1 mesh: the mesh alone is refused (which dimension is the
+    sequence's is the caller's to say); names and indices (any integer type) select one, a pair
+    of them a 2-D layout; anything else raises naming the dimensions."""
     import numpy as np
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

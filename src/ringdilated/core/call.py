@@ -115,8 +115,9 @@ def group_size(group: object) -> int:
         return 1
     if not isinstance(group, (dist.ProcessGroup, Grid)):
         raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup, a 1-D or 2-D DeviceMesh, "
-            f"(mesh, dimension), (outer group, inner group) or None, got {group!r}"
+            "process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, "
+            "(mesh, dimension), (mesh, (outer, inner)), (outer group, inner group) or None, got "
+            f"{group!r}"
         )
     return grid.size(group)
 
