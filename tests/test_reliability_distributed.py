@@ -203,7 +203,7 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
         ("3-D mesh", "process_group takes a 1-D DeviceMesh; for a 3-D one"),
         ("ulysses instance on a mesh", "UlyssesCommunicator instance (parallelism 'heads') runs"),
         ("hybrid instance on a group", "HybridCommunicator instance (parallelism 'hybrid') runs"),
-        ("not a grid", "must form a grid, every rank once in (outer, inner) order; its (4, 4)"),
+        ("not a grid", "process_group=(outer, inner) must form a grid: every outer group holds"),
         # A dp x cp mesh is not silently a 2-D layout: the caller names the dimensions.
         ("2-D mesh alone", "name the sequence's dimension, (mesh, 'cp'), or two for a 2-D"),
     ],

@@ -129,6 +129,7 @@ def gather_flags(
     (``(WORLD, WORLD)``, or an inner group that is not a row of the outer ones, do not)."""
     values = [int(failed), digest, length]
     if isinstance(group, Grid):
+        _check_grid(group, device)
         values.append(dist.get_rank())
     mine = torch.tensor(values, dtype=torch.int64).to(_collective_device(group, device))
     gathered = [tuple(t.tolist()) for t in grid.gather(group, mine)]
@@ -140,6 +141,27 @@ def gather_flags(
                 f"inner) order; its {group.shape} groups hold global ranks {members}"
             )
     return [cast(tuple[int, int, int], g[:3]) for g in gathered]
+
+
+def _check_grid(layout: Grid, device: object = None) -> None:
+    """Raise ``ValueError`` on every rank unless ``layout``'s outer groups each hold ranks of
+    one inner index, and its inner groups are all equally large: one ``all_gather`` of two
+    integers along ``outer``, then one ``all_reduce`` (max) of a flag along each dimension
+    (equal shapes whatever the groups, so a malformed layout cannot mismatch them)."""
+    at = _collective_device(layout, device)
+    mine = torch.tensor([dist.get_rank(layout.inner), dist.get_world_size(layout.inner)])
+    mine = mine.to(at)
+    column = [torch.empty_like(mine) for _ in range(dist.get_world_size(layout.outer))]
+    dist.all_gather(column, mine, group=layout.outer)
+    bad = torch.tensor([int(any(not torch.equal(c, mine) for c in column))], device=at)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.inner)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.outer)
+    if bad.item():
+        raise ValueError(
+            "process_group=(outer, inner) must form a grid: every outer group holds the ranks "
+            "of one inner index, every inner group is as large as the others, and the two "
+            "together hold every rank once"
+        )
 
 
 def agree(

@@ -78,8 +78,10 @@ class HeadParallelRun:
             dlse = torch.zeros_like(lse)
         parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
         parts += [(dout, "q"), (dlse.transpose(1, 2), "q")]
-        qh, kh, vh, out_h, lse_h, dout_h, dlse_h = self._to_heads(parts)
-        dlse_h = dlse_h.transpose(1, 2)
+        qh, kh, vh, out_h, lse_h, dout_h, moved_dlse = self._to_heads(parts)
+        # Zeros everywhere (no rank's loss uses lse): no lse term, which would cost a second
+        # kernel backward per block. Exact either way.
+        dlse_h = moved_dlse.transpose(1, 2) if bool(moved_dlse.any()) else None
         lse_h = lse_h.transpose(1, 2)
         if isinstance(self.inner, Run):
             dq_h, dk_h, dv_h = run_backward(

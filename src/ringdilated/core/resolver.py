@@ -404,6 +404,18 @@ def _check_instance_layout(
         delivery_of(communicator)
     except ValueError as exc:
         raise ResolutionError(f"communicator {what} instance: {exc}") from None
+    if parallelism == "hybrid":
+        for part, wanted in (("heads", "heads"), ("sequence", "sequence")):
+            inner = getattr(communicator, part, None)
+            try:
+                ok = isinstance(inner, Communicator) and parallelism_of(inner) == wanted
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ResolutionError(
+                    f"communicator {what} instance: its {part!r} must be a Communicator of "
+                    f"parallelism {wanted!r}, got {inner!r}"
+                )
     if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
         needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
         has = "a process group" if grid is None else "a 2-D layout"
