@@ -393,6 +393,11 @@ def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:
         from ringdilated.backends.hybrid import HybridCommunicator
 
         group, communicator = dist.group.WORLD, HybridCommunicator()
+    elif fault == "inconsistent grid":  # rows {0, 1}, {2, 3}; columns {0, 3}, {1, 2}
+        groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 3], [1, 2])]
+        inner = groups[0] if rank in (0, 1) else groups[1]
+        outer = groups[2] if rank in (0, 3) else groups[3]
+        group, communicator = (outer, inner), "hybrid"
     elif fault == "not a grid":
         group, communicator = (dist.group.WORLD, dist.group.WORLD), "hybrid"
     elif fault == "2-D mesh alone":
