@@ -398,6 +398,11 @@ def layout_fault(payload: dict[str, Any]) -> dict[str, Any]:
         inner = groups[0] if rank in (0, 1) else groups[1]
         outer = groups[2] if rank in (0, 3) else groups[3]
         group, communicator = (outer, inner), "hybrid"
+    elif fault == "unequal columns":  # rows {0, 1}, {2, 3}; columns {0, 2}, {1}, {3}
+        groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1], [3])]
+        inner = groups[0] if rank in (0, 1) else groups[1]
+        outer = {0: groups[2], 2: groups[2], 1: groups[3], 3: groups[4]}[rank]
+        group, communicator = (outer, inner), "hybrid"
     elif fault == "not a grid":
         group, communicator = (dist.group.WORLD, dist.group.WORLD), "hybrid"
     elif fault == "2-D mesh alone":

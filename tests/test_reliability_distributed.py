@@ -205,6 +205,7 @@ def test_the_cp_dimension_of_a_2x2_mesh_is_a_process_group(
         ("hybrid instance on a group", "HybridCommunicator instance (parallelism 'hybrid') runs"),
         ("not a grid", "process_group=(outer, inner) must form a grid: every outer group holds"),
         ("inconsistent grid", "must form a grid: every outer group holds the ranks of one"),
+        ("unequal columns", "must form a grid: every outer group holds the ranks of one"),
         # A dp x cp mesh is not silently a 2-D layout: the caller names the dimensions.
         ("2-D mesh alone", "name the sequence's dimension, (mesh, 'cp'), or two for a 2-D"),
     ],

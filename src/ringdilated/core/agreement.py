@@ -144,23 +144,32 @@ def gather_flags(
 
 
 def _check_grid(layout: Grid, device: object = None) -> None:
-    """Raise ``ValueError`` on every rank unless ``layout``'s outer groups each hold ranks of
-    one inner index, and its inner groups are all equally large: one ``all_gather`` of two
-    integers along ``outer``, then one ``all_reduce`` (max) of a flag along each dimension
-    (equal shapes whatever the groups, so a malformed layout cannot mismatch them)."""
+    """Raise ``ValueError`` unless ``layout`` looks like a grid: each outer group holds ranks of
+    one inner index and equal inner sizes, each inner group ranks of one outer index and equal
+    outer sizes. One ``all_gather`` of two integers along each dimension, then a flag
+    ``all_reduce`` (max) along inner, outer and inner again, so that every rank of a
+    row-and-column layout raises alike. Groups that do not partition the ranks at all can
+    still leave a rank waiting here until the backend's timeout."""
     at = _collective_device(layout, device)
-    mine = torch.tensor([dist.get_rank(layout.inner), dist.get_world_size(layout.inner)])
-    mine = mine.to(at)
-    column = [torch.empty_like(mine) for _ in range(dist.get_world_size(layout.outer))]
-    dist.all_gather(column, mine, group=layout.outer)
-    bad = torch.tensor([int(any(not torch.equal(c, mine) for c in column))], device=at)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.inner)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=layout.outer)
+
+    def differs(group: dist.ProcessGroup, mine: torch.Tensor) -> bool:
+        column = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(column, mine, group=group)
+        return any(not torch.equal(c, mine) for c in column)
+
+    inner = torch.tensor([dist.get_rank(layout.inner), dist.get_world_size(layout.inner)])
+    outer = torch.tensor([dist.get_rank(layout.outer), dist.get_world_size(layout.outer)])
+    bad_now = differs(layout.outer, inner.to(at)) | differs(layout.inner, outer.to(at))
+    bad = torch.tensor([int(bad_now)], device=at)
+    for group in (layout.inner, layout.outer, layout.inner):
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item():
-        raise ValueError(
-            "process_group=(outer, inner) must form a grid: every outer group holds the ranks "
-            "of one inner index, every inner group is as large as the others, and the two "
-            "together hold every rank once"
+        raise _mark(
+            ValueError(
+                "process_group=(outer, inner) must form a grid: every outer group holds the "
+                "ranks of one inner index, every inner group those of one outer index, and "
+                "groups of one dimension are equally large"
+            )
         )
 
 
