@@ -11,7 +11,12 @@ from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import KernelSpec, Resolver
 from ringdilated.core.capabilities import BatchLimit
-from ringdilated.core.driver import BatchLimitedKernel, DilatedAttentionFunction, pattern_run
+from ringdilated.core.driver import (
+    BatchLimitedKernel,
+    CallState,
+    DilatedAttentionFunction,
+    pattern_run,
+)
 from ringdilated.core.kernel import BlockOptions
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.functional import attend
@@ -59,10 +64,10 @@ def test_no_call_exceeds_the_declared_limit_and_results_stay_exact(
     spy = SpyKernel()
     q, k, v = _inputs()
     run = pattern_run(
-        spy, pattern, q, k, causal=True, scale=None, dropout_p=0.0, dropout_seed=0,
+        spy, pattern, q, k, causal=True, scale=None, dropout_p=0.0,
         batch_limit=limit,
     )  # fmt: skip
-    out, _ = DilatedAttentionFunction.apply(q, k, v, run)
+    out, _ = DilatedAttentionFunction.apply(q, k, v, run, CallState())
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     assert spy.most <= (most or 48) and spy.most_x_heads <= (most_x_heads or 96)

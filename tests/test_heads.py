@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringdilated.core.driver import pattern_run
+from ringdilated.core.driver import CallState, pattern_run
 from ringdilated.core.heads import deal_heads, head_costs, share_blocks
 from ringdilated.core.pattern import DilationPattern
 from ringdilated.registry import default_resolver
@@ -108,7 +108,7 @@ def test_every_share_attends_exactly_its_heads(problem: dict) -> None:
         )
         run = pattern_run(
             kernel, pattern, qs, ks, causal=p["causal"], scale=None, dropout_p=0.0,
-            dropout_seed=0, blocks=share_blocks(blocks, share, p["heads"], p["kv_heads"]),
+            blocks=share_blocks(blocks, share, p["heads"], p["kv_heads"]),
         )  # fmt: skip
-        out, _ = run.forward(qs, ks, vs)
+        out, _ = run.forward(qs, ks, vs, CallState())
         assert max_error(out, expected[:, :, list(share.q_heads)]) < 1e-12

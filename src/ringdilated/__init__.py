@@ -11,6 +11,8 @@
         512, 8, segment_lengths=[2048, 4096], dilation_rates=[1, 2]
     )
     out, _ = mha(x, x, x)  # x: (B, L, 512)
+    layout = ringdilated.SequenceLayout(cu_seqlens=cu)  # once per batch, for every layer
+    out, _ = mha(x, x, x, layout=layout)
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -27,6 +29,7 @@ from ringdilated.core import (
 )
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
 from ringdilated.multihead import MultiheadDilatedAttention
@@ -50,6 +53,7 @@ __all__ = [
     "Request",
     "ResolutionError",
     "Resolver",
+    "SequenceLayout",
     "SlowDtypeWarning",
     "TransferStats",
     "__version__",

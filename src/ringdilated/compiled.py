@@ -17,7 +17,7 @@ import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.call import CallOptions, prepare_call
-from ringdilated.core.driver import Run, first_order_only
+from ringdilated.core.driver import CallState, Run, as_lse_layout, first_order_only, lse_buffer
 from ringdilated.core.dtypes import autocast_off
 
 __all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
@@ -59,7 +59,6 @@ def _run(
         options,
         default_resolver(),
         backward=backward,
-        seed=int(seed.item()),
     )
     return plan.run(q, k)
 
@@ -101,7 +100,9 @@ def dilated_attention_op(
         backward,
     )
     with autocast_off(q.device.type):
-        return run.forward(q.contiguous(), k.contiguous(), v.contiguous())
+        return run.forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), CallState(int(seed.item()))
+        )
 
 
 @dilated_attention_op.register_fake
@@ -110,7 +111,7 @@ def _fake(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, length, heads, _ = q.shape
     out = q.new_empty(b, length, heads, v.shape[-1])
-    return out, q.new_empty(b, heads, length, dtype=accumulation_dtype(q.dtype))
+    return out, lse_buffer(b, heads, length, accumulation_dtype(q.dtype), q.device)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -166,12 +167,13 @@ def dilated_attention_backward_op(
     with autocast_off(q.device.type):
         return run.backward(
             dout.contiguous(),
-            None if dlse is None else dlse.to(lse.dtype).contiguous(),
+            None if dlse is None else as_lse_layout(dlse.to(lse.dtype)),
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
             out,
-            lse,
+            as_lse_layout(lse),
+            CallState(int(seed.item())),
         )
 
 

@@ -2,11 +2,14 @@
 
 Call flow::
 
-    dilated_attention(q, k, v, segment_lengths, dilation_rates, ...)
+    dilated_attention(q, k, v, segment_lengths, dilation_rates, ..., layout=None)
       -> attend(...)
-           prepare_call(...)                   validate (inside the ranks' agreement), resolve
-                                               the kernel for these tensors, plan the shards
-           DilatedAttentionFunction.apply(q, k, v, plan.executor(q, k, stats))
+           the call's SequenceLayout               the one passed; else one built for the call
+           layout.plans[plan_key(...)]             a planned call with this signature, or
+             prepare_call(...)                     validate (inside the ranks' agreement),
+                                                   resolve the kernel, plan the shards, build
+                                                   the executors, and keep the plan
+           plan.apply(q, k, v, CallState(...))     kernels and the data exchange only
 
 Under ``torch.compile`` a one-process call with a named kernel becomes one custom op
 (:mod:`ringdilated.compiled`); a sharded call, or one with a kernel instance, runs eagerly behind
@@ -28,14 +31,16 @@ from ringdilated.core.call import (
     PatternArgs,
     as_process_group,
     group_size,
+    plan_key,
     prepare_call,
 )
 from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.driver import DilatedAttentionFunction
+from ringdilated.core.driver import CallState, draw_seed
 from ringdilated.core.dtypes import autocast_inputs
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Resolver
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.validation import check_bool, check_inputs, check_options
 from ringdilated.registry import default_resolver
 
@@ -64,11 +69,19 @@ def attend(
     transfer_stats: TransferStats | None = None,
     cu_seqlens: object = None,
     key_padding_mask: object = None,
+    layout: object = None,
     full_precision_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
     the call's :class:`~ringdilated.core.call.CallPlan` (``full_precision_lse``: the lse in the
     accumulation dtype, float64 for float64 inputs, for callers that merge results further).
+    ``lse`` carries a gradient only with ``return_lse=True`` (every rank then exchanges it).
+
+    ``layout``: the batch's :class:`~ringdilated.SequenceLayout`; a call with the signature of
+    an earlier call on it is not checked or agreed again (see
+    :mod:`ringdilated.core.sequence_layout`). Without one, a one-process call with neither
+    ``cu_seqlens`` nor ``key_padding_mask`` uses a process-wide layout of whole sequences (its
+    plans kept, so a steady-state call is planned once), and any other call builds its own.
 
     ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
     validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
@@ -93,15 +106,58 @@ def attend(
     if (
         isinstance(kernel, str)
         and process_group is None
+        and layout is None
         and resolver is None
         and torch.compiler.is_compiling()
     ):
         out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
         return out, lse if full_precision_lse else lse.float(), None
-    out, lse, plan = _attend_eager(
-        pattern, q, k, v, options, resolver, as_process_group(process_group)
-    )
+    out, lse, plan = _attend_eager(pattern, q, k, v, options, resolver, process_group, layout)
     return out, lse if full_precision_lse else lse.float(), plan
+
+
+_WHOLE_SEQUENCES = SequenceLayout(agree_every_call=False)
+"""The layout of one-process calls made without documents, padding or a layout: every call's
+plan is kept in it, keyed by the call's signature (shapes included)."""
+
+
+def call_layout(
+    layout: object, process_group: object, cu_seqlens: object, key_padding_mask: object
+) -> SequenceLayout | None:
+    """The layout a call runs on: ``layout`` (which nothing else the call passes may
+    contradict), the process-wide one of whole sequences for a plain one-process call, or
+    ``None``: the call builds its own (and agrees on it with its signature). Raises
+    ``TypeError``/``ValueError`` naming what contradicts the layout."""
+    if layout is None:
+        if process_group is None and cu_seqlens is None and key_padding_mask is None:
+            return _WHOLE_SEQUENCES
+        return None
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(
+            f"layout must be a ringdilated.SequenceLayout or None, got {type(layout).__name__}"
+        )
+    for name, value in (("cu_seqlens", cu_seqlens), ("key_padding_mask", key_padding_mask)):
+        if value is not None:
+            raise ValueError(
+                f"pass {name} to the SequenceLayout, not with layout= (the layout holds the "
+                "batch's documents and padding)"
+            )
+    if process_group is not None and as_process_group(process_group) != layout.group:
+        raise ValueError(
+            f"process_group {process_group!r} contradicts the layout's process group "
+            f"{layout.group!r}: build the SequenceLayout on the call's process group"
+        )
+    return layout
+
+
+def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
+    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix
+    reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
+    or when it has one batch row; else contiguous (so batch rows and segments merge into one
+    kernel call)."""
+    if query_suffix or x.shape[0] == 1 or x.is_contiguous():
+        return x if x.stride(-1) == 1 else x.contiguous()
+    return x.contiguous()
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -113,23 +169,31 @@ def _attend_eager(
     arguments: dict[str, object],
     resolver: Resolver | None,
     process_group: object,
+    layout: object,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
     """The eager path: never traced by dynamo (the resolver, the plan and the process group are
     Python state), so from inside ``torch.compile`` it is a graph break."""
     options = CallOptions(**arguments)
-    plan = prepare_call(pattern, q, k, v, options, resolver or default_resolver, process_group)
+    on = call_layout(layout, process_group, options.cu_seqlens, options.key_padding_mask)
+    chosen = resolver or default_resolver()
+    key = None
+    plan = None
+    if on is not None and not on.agree_every_call:
+        key = plan_key(pattern, q, k, v, options, chosen, on)
+        if key is not None:
+            plan = on.plans.get(key)  # type: ignore[assignment]
+    if plan is None:
+        group = on.group if on is not None else as_process_group(process_group)
+        plan = prepare_call(pattern, q, k, v, options, chosen, group, layout=on)
+        if key is not None:
+            on.plans.put(key, plan)  # type: ignore[union-attr]
+    else:
+        plan.check_shard(q, k, v)
+    suffix = q.shape[1] != k.shape[1]
+    q, k, v = q.contiguous(), _kv_operand(k, suffix), _kv_operand(v, suffix)
     stats = options.transfer_stats
-    results = []
-    for rows, part in plan.parts():
-        x = [(t if rows is None else t[rows]).contiguous() for t in (q, k, v)]
-        if part.communicator is not None:
-            part.communicator.prepare(part.group, part.shards, part.causal)
-        executor = part.executor(x[0], x[1], stats if isinstance(stats, TransferStats) else None)
-        results.append(DilatedAttentionFunction.apply(*x, executor))  # type: ignore[no-untyped-call]
-    if len(results) == 1:
-        out, lse = results[0]
-    else:  # a sharded call's groups of padded rows, in batch order
-        out, lse = torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
+    call = CallState(draw_seed(plan.dropout_p), stats, plan.lse_used)  # type: ignore[arg-type]
+    out, lse = plan.apply(q, k, v, call)
     return out, lse, plan
 
 
@@ -173,7 +237,7 @@ def _attend_compiled(
     dropout_p = float(dropout)  # type: ignore[arg-type]
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     seed = (
-        torch.randint(0, 2**62, (), dtype=torch.int64)
+        torch.randint(1, 2**62, (), dtype=torch.int64)
         if dropout_p > 0
         else torch.zeros((), dtype=torch.int64)
     )
@@ -214,6 +278,7 @@ def dilated_attention(
     transfer_stats: TransferStats | None = ...,
     cu_seqlens: torch.Tensor | None = ...,
     key_padding_mask: torch.Tensor | None = ...,
+    layout: SequenceLayout | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -236,6 +301,7 @@ def dilated_attention(
     transfer_stats: TransferStats | None = ...,
     cu_seqlens: torch.Tensor | None = ...,
     key_padding_mask: torch.Tensor | None = ...,
+    layout: SequenceLayout | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -257,6 +323,7 @@ def dilated_attention(
     transfer_stats: TransferStats | None = None,
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    layout: SequenceLayout | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
 
@@ -281,7 +348,13 @@ def dilated_attention(
     - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding. Each row's valid positions must
       form one contiguous run (left or right padding), attended as its one document; padded
       positions are nobody's keys and give ``out = 0``, ``lse = -inf``. Not with ``cu_seqlens``.
-      Both are read to the host once per call (the blocks are planned there).
+      Both are read to the host once per call (the blocks are planned there): for many layers
+      of one batch, pass them once to a ``layout`` instead.
+    - ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, process
+      group and shard lengths, read and agreed once per batch). A call on a layout is planned and
+      agreed at its first call with each signature; later ones read nothing from the device and
+      make no collective but the data exchange. Not with ``cu_seqlens`` or
+      ``key_padding_mask``; a ``process_group`` must be the layout's.
     - Under ``torch.autocast``, ``q``, ``k``, ``v`` are cast to the autocast dtype and ``out``
       comes back in it, as with ``scaled_dot_product_attention``.
     - ``kernel``: ``"auto"`` (the resolver's choice, or ``RINGDILATED_KERNEL``), a backend name,
@@ -317,5 +390,6 @@ def dilated_attention(
         transfer_stats=transfer_stats,
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
+        layout=layout,
     )
     return (out, lse) if return_lse else out

@@ -16,6 +16,7 @@ from ringdilated.core.grid import Grid
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Plan
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.validation import check_options
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
@@ -28,8 +29,10 @@ class DilatedAttention(nn.Module):
 
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
     semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens`` (packed
-    documents), ``key_padding_mask`` and a ``q`` shorter than ``k`` (a query suffix).
-    ``dropout`` applies in training mode only.
+    documents), ``key_padding_mask``, ``layout`` (the batch's
+    :class:`~ringdilated.SequenceLayout`, made once for every layer; its process group must be
+    the module's) and a ``q`` shorter than ``k`` (a query suffix). ``dropout`` applies in
+    training mode only.
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
@@ -86,6 +89,7 @@ class DilatedAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        layout: SequenceLayout | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, lse, call = attend(
             self.pattern,
@@ -101,20 +105,29 @@ class DilatedAttention(nn.Module):
             return_lse=return_lse,
             cu_seqlens=cu_seqlens,
             key_padding_mask=key_padding_mask,
+            layout=layout,
         )
         if call is not None:  # None under torch.compile, where the op resolves in the graph
             self.plan, self.call = call.kernel, call
         return (out, lse) if return_lse else out
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def reject(self, error: Exception, device: object = None) -> NoReturn:
+    def reject(self, error: Exception, device: object = None, layout: object = None) -> NoReturn:
         """Raise ``error``, a check made before this module's call (a wrapping module's), such
         that on a process group every rank raises: the peers, which passed their checks, are
         waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
         ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
         agreement on it, as the peers do). An error that came out of an agreement already
-        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is."""
-        if self.process_group is not None and not agreed(error):
+        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is. On a ``layout`` that has
+        planned calls already (not checked every call), the peers are in no agreement: the
+        error is raised at once, on this rank only (its peers are released by the backend's
+        timeout)."""
+        steady = (
+            isinstance(layout, SequenceLayout)
+            and not layout.agree_every_call
+            and len(layout.plans) > 0
+        )
+        if self.process_group is not None and not agreed(error) and not steady:
             assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__
             agree(self.process_group, error, None, device=device)
         raise error

@@ -27,6 +27,7 @@ from ringdilated.core.kernel import Kernel
 from ringdilated.core.layout import read_layout
 from ringdilated.core.pattern import Mode
 from ringdilated.core.resolver import Plan
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.validation import check_bool
 from ringdilated.modules import DilatedAttention
 from ringdilated.rotary import Rotary
@@ -178,6 +179,7 @@ class MultiheadDilatedAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         cache: DilatedKVCache | None = None,
+        layout: SequenceLayout | None = None,
     ) -> tuple[torch.Tensor, None]:
         """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
 
@@ -190,6 +192,10 @@ class MultiheadDilatedAttention(nn.Module):
         ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
         the next tokens (the same ones, as in self-attention), which the cache adds before
         attending them over everything it has seen; no masks, no process group.
+
+        ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, the
+        process layout, made once per batch for every layer), instead of ``key_padding_mask``
+        and ``cu_seqlens``; rotary positions then come from it too.
         """
         try:
             self._check_call(
@@ -197,23 +203,27 @@ class MultiheadDilatedAttention(nn.Module):
             )
             if cache is not None:
                 self._check_cache(cache, key_padding_mask, cu_seqlens)
+                if layout is not None:
+                    raise ValueError("a cache decodes without a layout: pass layout=None")
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
             k = self.k_proj(key).view(*key.shape[:2], *kv_shape)
             v = self.v_proj(value).view(*value.shape[:2], *kv_shape)
             if self.rotary is not None:
-                q, k = self._rotate(q, k, key_padding_mask, cu_seqlens, cache)
+                q, k = self._rotate(q, k, key_padding_mask, cu_seqlens, cache, layout)
         except Exception as error:
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections: an input on another device than the weights, a hook) must reach every
             # rank: the peers are waiting in that agreement.
-            self.attention.reject(error, getattr(query, "device", None))
+            self.attention.reject(error, getattr(query, "device", None), layout)
         if cache is not None:
             out = cache.attend(q, k, v)
             assert isinstance(out, torch.Tensor)
         else:
-            out = self.attention(q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask)
+            out = self.attention(
+                q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask, layout=layout
+            )
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -273,6 +283,7 @@ class MultiheadDilatedAttention(nn.Module):
         key_padding_mask: object,
         cu_seqlens: object,
         cache: DilatedKVCache | None,
+        layout: SequenceLayout | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``q``, ``k`` rotated at their positions (see the class docstring)."""
         assert self.rotary is not None
@@ -280,6 +291,9 @@ class MultiheadDilatedAttention(nn.Module):
         if cache is not None:
             positions = cache.length + torch.arange(q_len, device=q.device).unsqueeze(0)
             return self.rotary(q, positions), self.rotary(k, positions)
+        if isinstance(layout, SequenceLayout):  # made once per layout and device
+            positions = layout.shard_positions(q.device, length)
+            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
         group = self.attention.process_group
         start, total = 0, length
         if group is not None:  # where this rank's shard starts: shards may differ in length

@@ -18,6 +18,7 @@ from ringdilated.cache import DilatedKVCache
 from ringdilated.core.communicator import Communicator
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import Mode
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
     positive_float,
@@ -111,11 +112,13 @@ class DilatedTransformerBlock(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         cache: DilatedKVCache | None = None,
+        layout: SequenceLayout | None = None,
     ) -> torch.Tensor:
         """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens`` and
         ``key_padding_mask`` are :func:`ringdilated.dilated_attention`'s (packed documents,
         padded rows: padded positions come out of the attention as 0 and pass through the
-        block's residual and feed-forward like any position; mask them in your loss).
+        block's residual and feed-forward like any position; mask them in your loss), or
+        ``layout``, the batch's :class:`~ringdilated.SequenceLayout` made once for every block.
         ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding the next tokens."""
         embed_dim = self.attn.embed_dim
         try:
@@ -127,8 +130,10 @@ class DilatedTransformerBlock(nn.Module):
             h = self.attn_norm(x)
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
-            self.attn.attention.reject(error, getattr(x, "device", None))
-        attended = self.attn(h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache)[0]
+            self.attn.attention.reject(error, getattr(x, "device", None), layout)
+        attended = self.attn(
+            h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache, layout=layout
+        )[0]
         x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out

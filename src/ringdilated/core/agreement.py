@@ -40,6 +40,7 @@ Layout = dist.ProcessGroup | Grid
 
 __all__ = [
     "CallSignature",
+    "LayoutSignature",
     "agree",
     "agreed",
     "compare_reports",
@@ -74,8 +75,29 @@ def _encodable(text: object) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+class _Fields:
+    """Comparison of an attrs class of string fields between ranks: a digest, and the names of
+    the fields that differ."""
+
+    def digest(self) -> int:
+        """A 63-bit digest of every field (ranks whose digests are equal agree)."""
+        names = [f.name for f in attrs.fields(type(self))]  # type: ignore[misc]
+        text = "\x1f".join([type(self).__name__, *(str(getattr(self, n)) for n in names)])
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
+
+    def differences(self, other: object, rank: int) -> list[str]:
+        if type(other) is not type(self):
+            return [f"what: rank 0 {type(self).__name__}, rank {rank} {type(other).__name__}"]
+        return [
+            f"{field.name}: rank 0 {getattr(self, field.name)}, rank {rank} "
+            f"{getattr(other, field.name)}"
+            for field in attrs.fields(type(self))  # type: ignore[misc]
+            if getattr(self, field.name) != getattr(other, field.name)
+        ]
+
+
 @attrs.frozen
-class CallSignature:
+class CallSignature(_Fields):
     """What every rank must pass identically, as strings (built from any object a caller passed,
     so it always pickles; see :func:`safe_repr`). ``backward``: whether this rank will run a
     backward (a rank that does while its peer does not would wait in the backward exchange)."""
@@ -92,19 +114,18 @@ class CallSignature:
     backward: bool
     kernel: str | None
     communicator: str | None
+    lse_used: bool = True
 
-    def digest(self) -> int:
-        """A 63-bit digest of every field (ranks whose digests are equal agree)."""
-        text = "\x1f".join(str(getattr(self, f.name)) for f in attrs.fields(CallSignature))
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
 
-    def differences(self, other: CallSignature, rank: int) -> list[str]:
-        return [
-            f"{field.name}: rank 0 {getattr(self, field.name)}, rank {rank} "
-            f"{getattr(other, field.name)}"
-            for field in attrs.fields(CallSignature)
-            if getattr(self, field.name) != getattr(other, field.name)
-        ]
+@attrs.frozen
+class LayoutSignature(_Fields):
+    """What every rank must pass identically to a :class:`~ringdilated.SequenceLayout`: its
+    documents or padding (a digest: they may be long), whether shard lengths were given, and
+    whether every call is checked."""
+
+    documents: str
+    shard_length: str
+    agree_every_call: str
 
 
 def _collective_device(group: Layout, device: object = None) -> torch.device:
@@ -176,7 +197,7 @@ def _check_grid(layout: Grid, device: object = None) -> None:
 def agree(
     group: Layout,
     error: Exception | None,
-    signature: CallSignature | None,
+    signature: _Fields | None,
     device: object = None,
     length: int = -1,
 ) -> tuple[int, ...] | None:
@@ -231,16 +252,14 @@ _LENGTHS_DIGEST = int.from_bytes(hashlib.blake2b(b"shard_lengths", digest_size=8
 their fields), so a rank in a call's agreement meeting it sees a difference."""
 
 
-def compare_reports(
-    group: Layout, error: Exception | None, signature: CallSignature | None
-) -> None:
+def compare_reports(group: Layout, error: Exception | None, signature: _Fields | None) -> None:
     """The full comparison (one ``all_gather_object`` of every rank's error and signature):
     raise on every rank naming the rank that failed or each field that differs. Returns only
     when every rank passed identical signatures. What it raises is marked as raised on every
     rank already (:func:`agreed`), so nothing agrees on it again."""
     mine = (None if error is None else safe_str(error), signature)
     gathered = grid.gather_objects(group, mine)
-    reports = cast(list[tuple[str | None, CallSignature]], gathered)
+    reports = cast(list[tuple[str | None, _Fields]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:
         if error is not None:

@@ -1,21 +1,20 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
-:func:`prepare_call` makes it once per call, on every rank, before any work: it validates every
-argument (the pattern included), resolves the kernel for the tensors actually passed, and, on a
-process group, plans every rank's shard and resolves the communicator; then the ranks agree
-(:mod:`ringdilated.core.agreement`), so bad input raises on every rank. The eager, compiled and
-sharded paths all consume the resulting frozen :class:`CallPlan`::
+:func:`prepare_call` makes it once per call signature on a
+:class:`~ringdilated.core.sequence_layout.SequenceLayout` (or once per call without one), on
+every rank, before any work: it validates every argument (the pattern included), resolves the
+kernel for the tensors actually passed, and, on a process group, plans every rank's shard and
+resolves the communicator; then the ranks agree (:mod:`ringdilated.core.agreement`), so bad
+input raises on every rank. The plan builds its executors once; every call of it then runs::
 
-    plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, group)
-    executor = plan.executor(q, k, stats)    # a Run on one process, a ShardedRun on a shard
-    out, lse = DilatedAttentionFunction.apply(q, k, v, executor)
+    plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, layout)
+    out, lse = plan.apply(q, k, v, CallState(seed, stats, lse_used))   # kernels and exchanges
 
 A one-process call resolves no communicator.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 
@@ -28,15 +27,15 @@ from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
 from ringdilated.core.cost import PieceSize, link_for
-from ringdilated.core.driver import Executor, Run, pattern_run
+from ringdilated.core.driver import CallState, DilatedAttentionFunction, Executor, Run, pattern_run
 from ringdilated.core.dtypes import warn_if_slow
-from ringdilated.core.grid import Grid
+from ringdilated.core.grid import Grid, as_process_group, group_size
 from ringdilated.core.head_parallel import HeadParallelRun
 from ringdilated.core.heads import deal_heads, share_blocks, share_plan
-from ringdilated.core.kernel import derive_seed
-from ringdilated.core.layout import Rows, SequenceLayout, read_layout
+from ringdilated.core.layout import DocumentLayout, Rows
 from ringdilated.core.pattern import Block, DilationPattern
 from ringdilated.core.resolver import Plan, ResolutionError, Resolver
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
 from ringdilated.core.sharded_run import ShardedRun
 from ringdilated.core.validation import check_bool, check_inputs, check_options
@@ -52,74 +51,6 @@ __all__ = [
 
 PatternArgs = tuple[object, object, object]
 """``(segment_lengths, dilation_rates, mode)``, not yet validated."""
-
-
-def as_process_group(group: object) -> object:
-    """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
-    group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
-    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.grid.Grid` (for ``communicator="hybrid"``)
-    from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
-    inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
-    alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
-    caller's to say. Anything else is returned unchanged, for :func:`group_size` to reject.
-    Reads the mesh's existing groups: nothing is created, nothing is sent.
-
-    Every rank must pass the same valid value: this runs before the ranks can agree (it says
-    which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
-    in the call's agreement until the backend's timeout."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
-        mesh, dim = group
-        if isinstance(dim, tuple) and len(dim) == 2:
-            return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
-        return _mesh_group(mesh, dim)
-    if (
-        isinstance(group, tuple)
-        and len(group) == 2
-        and all(isinstance(g, dist.ProcessGroup) for g in group)
-    ):
-        return Grid(group[0], group[1])
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(
-                f"process_group takes a 1-D DeviceMesh; for a {group.ndim}-D one (dimensions "
-                f"{group.mesh_dim_names}) name the sequence's dimension, (mesh, 'cp'), or two "
-                "for a 2-D layout (communicator='hybrid'), (mesh, ('ring', 'ulysses'))"
-            )
-        return group.get_group()
-    return group
-
-
-def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
-    """The existing group of one dimension of ``mesh``, by name or index."""
-    import operator
-
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    try:
-        if isinstance(dim, bool):
-            raise TypeError
-        key: str | int = dim if isinstance(dim, str) else operator.index(dim)  # type: ignore[arg-type]
-        return mesh.get_group(key)  # type: ignore[attr-defined,no-any-return]
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
-        raise ValueError(
-            f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
-            f"{getattr(mesh, 'ndim', '?')} (or a pair of them for a 2-D layout), got {dim!r}"
-        ) from None
-
-
-def group_size(group: object) -> int:
-    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.grid.Grid`: all
-    of its ranks)."""
-    if group is None:
-        return 1
-    if not isinstance(group, (dist.ProcessGroup, Grid)):
-        raise TypeError(
-            "process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, "
-            "(mesh, dimension), (mesh, (outer, inner)), (outer group, inner group) or None, got "
-            f"{group!r}"
-        )
-    return grid.size(group)
 
 
 @attrs.frozen
@@ -144,24 +75,27 @@ RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
 
 @attrs.frozen
 class CallPlan:
-    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``seed`` seeds the
-    call's dropout masks; ``layout`` places documents, padding and a query suffix; ``shards``
-    holds every rank's shard plan (empty on one process) and ``communicator`` moves their pieces
-    (``None`` on one process)."""
+    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``layout`` places
+    documents, padding and a query suffix; ``shards`` holds every rank's shard plan (empty on
+    one process) and ``communicator`` moves their pieces (``None`` on one process);
+    ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
+    ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
+    every call of the plan)."""
 
     pattern: DilationPattern
     kernel: Plan
     causal: bool
     scale: float
     dropout_p: float
-    seed: int
-    layout: SequenceLayout
+    layout: DocumentLayout
     rank: int = 0
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = attrs.field(default=None, eq=False)
     group: object = attrs.field(default=None, eq=False)
     row_plans: tuple[RowPlan, ...] = attrs.field(default=(), eq=False)
     size: PieceSize | None = None
+    lse_used: bool = True
+    parts: tuple[tuple[slice | None, Executor], ...] = attrs.field(default=(), eq=False)
 
     def explain_communicator(self, resolver: Resolver, name: str | Communicator) -> str:
         """The communicator choice for this call's shards (the first group of padded rows'),
@@ -172,7 +106,7 @@ class CallPlan:
             ranks, self.causal, name, self.shards, self.size, grid_shape
         )
 
-    def parts(self) -> list[tuple[slice | None, CallPlan]]:
+    def row_parts(self) -> list[tuple[slice | None, CallPlan]]:
         """The call as independent parts over batch rows: ``[(None, self)]``, unless a sharded
         call's rows differ in padding, whose rows then run one group at a time (each group with
         its own shard plans and communicator, and its own dropout seed)."""
@@ -183,19 +117,65 @@ class CallPlan:
                 rows.batches,
                 attrs.evolve(
                     self,
-                    layout=SequenceLayout(
+                    layout=DocumentLayout(
                         self.layout.length,
                         self.layout.query_length,
                         (attrs.evolve(rows, start=0, stop=rows.stop - rows.start),),
                     ),
                     shards=shards,
                     communicator=communicator,
-                    seed=derive_seed(self.seed, "rows", i),
                     row_plans=(),
                 ),
             )
-            for i, (rows, shards, communicator) in enumerate(self.row_plans)
+            for rows, shards, communicator in self.row_plans
         ]
+
+    def with_executors(self, q: torch.Tensor, k: torch.Tensor) -> CallPlan:
+        """This plan with its executors built for tensors shaped like ``q`` and ``k``, and every
+        communicator that runs prepared (once per plan)."""
+        parts = []
+        for rows, part in self.row_parts():
+            if part.communicator is not None:
+                part.communicator.prepare(part.group, part.shards, part.causal)
+            parts.append((rows, part.executor(q, k)))
+        return attrs.evolve(self, parts=tuple(parts))
+
+    def check_shard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``ValueError`` at once, on this rank, if a later call's shard contradicts the
+        planned one (its peers, which do not hear of it, are released by the backend's
+        timeout). One process: nothing to check (the sequence length is part of the plan's
+        key)."""
+        shard = self.shard
+        if shard is None:
+            return
+        n = shard.shard_len
+        if not q.shape[1] == k.shape[1] == v.shape[1] == n:
+            raise ValueError(
+                f"this call's shard is q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)}, but its SequenceLayout holds {n} positions on rank "
+                f"{self.rank}: build a new layout for each batch"
+            )
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of one call: ``q`` contiguous; ``k``, ``v`` any strides whose last
+        is 1 (see :class:`~ringdilated.core.driver.Run`)."""
+        if len(self.parts) == 1:
+            rows, executor = self.parts[0]
+            if rows is None:
+                result = DilatedAttentionFunction.apply(q, k, v, executor, call)  # type: ignore[no-untyped-call]
+                return result  # type: ignore[no-any-return]
+        results = []
+        for i, (rows, executor) in enumerate(self.parts):
+            x = [t if rows is None else t[rows] for t in (q, k, v)]
+            results.append(
+                DilatedAttentionFunction.apply(  # type: ignore[no-untyped-call]
+                    x[0].contiguous(), x[1], x[2], executor, call.derive("rows", i)
+                )
+            )
+        # a sharded call's groups of padded rows, in batch order
+        return torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
 
     @property
     def shard(self) -> ShardPlan | None:
@@ -206,29 +186,24 @@ class CallPlan:
         """The driver's :class:`Run` of a one-process call: the whole pattern."""
         return self._blocks_run(q, k, None, complete=True)
 
-    def executor(
-        self, q: torch.Tensor, k: torch.Tensor, stats: TransferStats | None = None
-    ) -> Executor:
-        """What runs the call: the :class:`Run`, or a :class:`ShardedRun` over it that adds the
-        bytes it moves to ``stats``."""
+    def executor(self, q: torch.Tensor, k: torch.Tensor) -> Executor:
+        """What runs the call: the :class:`Run`, a :class:`ShardedRun` over it, or a
+        :class:`HeadParallelRun`."""
         shard = self.shard
         if shard is None:
             return self.run(q, k)
         assert self.communicator is not None
         parallelism = parallelism_of(self.communicator)
         if parallelism == "heads":
-            return self._head_parallel(q, k, shard, stats)
+            return self._head_parallel(q, k, shard)
         if parallelism == "hybrid":
-            return self._hybrid(q, k, shard, stats)
-        # Each shard its own dropout seed: every rank's inner blocks count from 0.
-        seed = derive_seed(self.seed, "shard", self.rank)
+            return self._hybrid(q, k, shard)
         return ShardedRun(
-            inner=self._blocks_run(q, k, shard.inner, complete=False, seed=seed),
+            inner=self._blocks_run(q, k, shard.inner, complete=False),
             plans=self.shards,
             rank=self.rank,
             communicator=self.communicator,
             group=self.group,
-            stats=stats if stats is not None else TransferStats(),
         )
 
     def _documents(self) -> tuple[tuple[int, int], ...] | None:
@@ -241,10 +216,9 @@ class CallPlan:
         blocks: tuple[Block, ...] | None,
         *,
         complete: bool,
-        seed: int | None = None,
     ) -> Run:
         """A driver :class:`Run` of ``blocks`` (``None``: the layout's), with this call's
-        options; ``seed``: its dropout seed (default: the call's)."""
+        options."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -253,7 +227,6 @@ class CallPlan:
             causal=self.causal,
             scale=self.scale,
             dropout_p=self.dropout_p,
-            dropout_seed=self.seed if seed is None else seed,
             complete=complete,
             blocks=blocks,
             batch_limit=self.kernel.batch_limit,
@@ -261,9 +234,7 @@ class CallPlan:
             layout=self.layout,
         )
 
-    def _head_parallel(
-        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
-    ) -> HeadParallelRun:
+    def _head_parallel(self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan) -> HeadParallelRun:
         """The head-parallel run: this rank's share of the heads over the whole sequence."""
         length, heads, kv_heads = shard.starts[-1], q.shape[2], k.shape[2]
         shares = deal_heads(self.pattern, length, heads, kv_heads, len(self.shards))
@@ -275,21 +246,16 @@ class CallPlan:
         )
         local = share_blocks(blocks, shares[self.rank], heads, kv_heads)
         assert self.communicator is not None
-        # Each share its own dropout seed: local head 0 of every rank is another head.
-        seed = derive_seed(self.seed, "heads", self.rank)
         return HeadParallelRun(
-            inner=self._blocks_run(q, k, local, complete=True, seed=seed),
+            inner=self._blocks_run(q, k, local, complete=True),
             shares=shares,
             starts=shard.starts,
             rank=self.rank,
             communicator=self.communicator,
             group=self.group,
-            stats=stats if stats is not None else TransferStats(),
         )
 
-    def _hybrid(
-        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, stats: TransferStats | None
-    ) -> HeadParallelRun:
+    def _hybrid(self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan) -> HeadParallelRun:
         """The 2-D run: head parallelism within this rank's inner group, whose shards make one
         chunk of the sequence, and sequence pieces between chunks across its outer group."""
         assert isinstance(self.group, Grid) and self.communicator is not None
@@ -307,20 +273,12 @@ class CallPlan:
             )
             for c in range(outer)
         )
-        stats = stats if stats is not None else TransferStats()
         across = ShardedRun(
-            inner=self._blocks_run(
-                q,
-                k,
-                plans[o].inner,
-                complete=False,
-                seed=derive_seed(self.seed, "heads", self.rank),
-            ),
+            inner=self._blocks_run(q, k, plans[o].inner, complete=False),
             plans=plans,
             rank=o,
             communicator=sequence_comm,
             group=self.group.outer,
-            stats=stats,
         )
         first = starts[o * inner]
         return HeadParallelRun(
@@ -330,20 +288,20 @@ class CallPlan:
             rank=i,
             communicator=heads_comm,
             group=self.group.inner,
-            stats=stats,
         )
 
 
 @attrs.frozen
 class _Checked:
-    """What :func:`_check` found: the validated pattern, kernel plan, causal flag and layout;
-    on a process group every rank's shard plans, the communicator and, for padded rows, the
-    plans of each group of rows."""
+    """What :func:`_check` found: the validated pattern, kernel plan, causal flag, the call's
+    documents and its sequence layout; on a process group every rank's shard plans, the
+    communicator and, for padded rows, the plans of each group of rows."""
 
     pattern: DilationPattern
     plan: Plan
     causal: bool
-    layout: SequenceLayout
+    layout: DocumentLayout
+    sequence: SequenceLayout
     shards: tuple[ShardPlan, ...] = ()
     communicator: Communicator | None = None
     row_plans: tuple[RowPlan, ...] = ()
@@ -357,6 +315,8 @@ def _check(
     v: object,
     options: CallOptions,
     resolver: Resolver,
+    sequence: SequenceLayout | None,
+    group: object,
     ranks: int,
     wants_backward: Callable[[], bool],
     lengths: tuple[int, ...] | None = None,
@@ -374,10 +334,26 @@ def _check(
             f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
             f"{tuple(k.shape)}"
         )
-    # With a process group, cu_seqlens holds global positions: the length is every shard's
-    # (equal shards unless the agreement found ``lengths`` that differ).
-    total = k.shape[1] * ranks if lengths is None else sum(lengths)
-    layout = read_layout(q, k, options.cu_seqlens, options.key_padding_mask, length=total)
+    if sequence is None:  # a call without a layout: its own, read here, on this rank
+        sequence = SequenceLayout.for_call(
+            group,
+            options.cu_seqlens,
+            options.key_padding_mask,
+            lengths if lengths is not None else (k.shape[1],) * ranks,
+            k.shape[0],
+        )
+    else:
+        if lengths is not None and sequence.shard_lengths is None:
+            raise ValueError(
+                f"this SequenceLayout holds equal shards (it was given no shard_length), but the "
+                f"ranks' shards hold {list(lengths)} positions: pass shard_length= to "
+                "SequenceLayout on every rank"
+            )
+        sequence.check_shard(k.shape[1])
+        sequence.check_batch(k.shape[0])
+    # With a process group, cu_seqlens holds global positions: the length is every shard's.
+    total = sequence.length if sequence.length is not None else k.shape[1] * ranks
+    layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
     causal = check_bool("causal", options.causal)
     check_bool("return_lse", options.return_lse)
@@ -398,7 +374,7 @@ def _check(
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return _Checked(pattern, plan, causal, layout)
+        return _Checked(pattern, plan, causal, layout, sequence)
     heads = q.shape[2]
     if grid_shape is not None and heads < grid_shape[1]:
         raise ResolutionError(
@@ -406,10 +382,11 @@ def _check(
             f"groups of {grid_shape[1]} ranks and needs at least {grid_shape[1]} query heads, "
             f"got {heads}"
         )
+    shard_lengths = sequence.shard_lengths or lengths
 
     def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
         return tuple(
-            shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, lengths)
+            shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths)
             for rank in range(ranks)
         )
 
@@ -426,7 +403,7 @@ def _check(
             grid_shape,
         )
 
-    if options.key_padding_mask is not None:
+    if sequence.padding is not None:
         row_plans = []
         for rows in layout.rows:
             shards = plans(rows.documents)
@@ -438,6 +415,7 @@ def _check(
             plan,
             causal,
             layout,
+            sequence,
             first[1],
             first[2],
             tuple(row_plans),
@@ -445,7 +423,7 @@ def _check(
         )
     shards = plans(None if layout.is_whole else layout.rows[0].documents)
     chosen = communicator(shards, k.shape[0])
-    return _Checked(pattern, plan, causal, layout, shards, chosen, (), size(k.shape[0]))
+    return _Checked(pattern, plan, causal, layout, sequence, shards, chosen, (), size(k.shape[0]))
 
 
 def prepare_call(
@@ -457,25 +435,29 @@ def prepare_call(
     resolver: Resolver | Callable[[], Resolver],
     group: object = None,
     *,
+    layout: SequenceLayout | None = None,
     backward: bool | None = None,
-    seed: int | None = None,
     failure: Exception | None = None,
 ) -> CallPlan:
     """Validate the call (on every rank of ``group``, which must all agree) and plan it.
 
-    ``resolver`` may be a callable making one (such as
-    :func:`~ringdilated.registry.default_resolver`), so that a failure to load the plugins is
-    reported on every rank too. ``backward`` says whether gradients will be asked for (default:
-    whether any input requires them with grad mode on); ``seed`` seeds dropout (default: drawn
-    from torch's generator when ``dropout_p > 0``). The compiled op passes both, as it runs
-    without autograd. ``failure``: an error the caller already found (a module's own checks),
-    raised here as if validation had found it, so that on a process group it too reaches every
-    rank.
+    ``layout``: the batch's :class:`~ringdilated.core.sequence_layout.SequenceLayout` (its
+    group is the call's; its documents, padding and shard lengths were agreed when it was
+    built), or ``None``: the call reads ``options.cu_seqlens`` and ``options.key_padding_mask``
+    itself and the ranks agree on them with everything else. ``resolver`` may be a callable
+    making one (such as :func:`~ringdilated.registry.default_resolver`), so that a failure to
+    load the plugins is reported on every rank too. ``backward`` says whether gradients will be
+    asked for (default: whether any input requires them with grad mode on; the compiled op
+    passes it, as it runs without autograd). ``failure``: an error the caller already found (a
+    module's own checks), raised here as if validation had found it, so that on a process group
+    it too reaches every rank.
 
     Raises ``TypeError``/``ValueError`` (a :class:`~ringdilated.core.ResolutionError` for a kernel
     or communicator that cannot serve) naming the offending value, before any work; on a process
     group, on every rank (:func:`~ringdilated.core.agreement.agree`).
     """
+    if layout is not None:
+        group = layout.group
     ranks = group_size(group)
     grid_shape = group.shape if isinstance(group, Grid) else None
 
@@ -490,7 +472,18 @@ def prepare_call(
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
         return _check(
-            pattern_args, q, k, v, options, chosen, ranks, wants_backward, lengths, grid_shape
+            pattern_args,
+            q,
+            k,
+            v,
+            options,
+            chosen,
+            layout,
+            group,
+            ranks,
+            wants_backward,
+            lengths,
+            grid_shape,
         )
 
     if ranks == 1:
@@ -500,6 +493,7 @@ def prepare_call(
         # left waiting in the agreement's collective.
         assert isinstance(group, (dist.ProcessGroup, Grid))
         lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
+        known = layout is not None and layout.shard_lengths is not None
         while True:
             maybe: _Checked | None = None
             error: Exception | None = None
@@ -514,24 +508,23 @@ def prepare_call(
                 device = q.device if isinstance(q, torch.Tensor) else None
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
-            own = -1 if lengths is not None else _shard_length(k)
+            own = -1 if lengths is not None or known else _shard_length(k)
             lengths = agree(group, error, signature, device=device, length=own)
             if lengths is None:  # agreed (agree() raised otherwise)
                 break
             # Shards of different lengths: check again knowing them (a second agreement).
         assert maybe is not None
         checked = maybe
-    dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (), dtype=torch.int64).item()) if dropout_p > 0 else 0
+        if layout is not None and checked.shards:
+            starts = checked.shards[0].starts
+            layout.bind(tuple(b - a for a, b in zip(starts, starts[1:], strict=False)))
     scale = options.scale
-    return CallPlan(
+    plan = CallPlan(
         pattern=checked.pattern,
         kernel=checked.plan,
         causal=checked.causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
-        dropout_p=dropout_p,
-        seed=seed,
+        dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
         layout=checked.layout,
         rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
         shards=checked.shards,
@@ -539,7 +532,68 @@ def prepare_call(
         group=group,
         row_plans=checked.row_plans,
         size=checked.size,
+        lse_used=bool(options.return_lse),
     )
+    return plan.with_executors(q, k)
+
+
+def plan_key(
+    pattern_args: DilationPattern | PatternArgs,
+    q: object,
+    k: object,
+    v: object,
+    options: CallOptions,
+    resolver: Resolver,
+    layout: SequenceLayout,
+) -> tuple[object, ...] | None:
+    """What a plan on ``layout`` depends on, as a hashable key: every argument
+    :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options; the
+    resolver; whether a backward will run), so that a call with the key of a planned one is
+    valid and planned alike. On a process group the shards' lengths are left out: the layout
+    holds them, and :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything
+    not simply a dense tensor or not hashable (such a call is planned, and checked, anew)."""
+    if not (type(q) is type(k) is type(v) is torch.Tensor):
+        return None
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if q.is_nested or k.is_nested or v.is_nested or q.layout != torch.strided:
+        return None
+    if k.layout != torch.strided or v.layout != torch.strided:
+        return None
+    stats = options.transfer_stats
+    if stats is not None and not isinstance(stats, TransferStats):
+        return None
+    try:
+        pattern: object = pattern_args
+        if not isinstance(pattern_args, DilationPattern):
+            # Values and their types: (8, True) equals (8, 1), but only one of them is valid.
+            pattern = tuple(
+                (tuple(x), tuple(map(type, x))) if isinstance(x, (list, tuple)) else (type(x), x)
+                for x in pattern_args
+            )
+        shapes: tuple[object, ...] = (q.shape, k.shape, v.shape)
+        if layout.world_size > 1:
+            shapes = tuple((x[0], *x[2:]) for x in shapes)  # type: ignore[index]
+        key = (
+            pattern,
+            shapes,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+            *((type(x), x) for x in (options.causal, options.scale, options.dropout_p)),
+            (type(options.return_lse), options.return_lse),
+            options.kernel,
+            options.communicator,
+            resolver,
+        )
+        hash(key)
+    except TypeError:  # an unhashable argument: plan (and validate) this call anew
+        return None
+    return key
 
 
 def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:
@@ -582,17 +636,12 @@ def _shape_text(x: object) -> str:
 def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
     """The documents and padding every rank must pass identically: a digest of the checked
     layout (it may be long), or a description of what was passed where validation failed."""
+    if checked is not None:
+        return checked.sequence.description
     if options.cu_seqlens is None and options.key_padding_mask is None:
         return "none"
-    if checked is None:
-        kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
-        return f"<cu_seqlens {kinds[0]}, key_padding_mask {kinds[1]}>"
-    rows = checked.layout.rows
-    text = repr([(r.start, r.stop, r.documents) for r in rows]).encode()
-    digest = hashlib.blake2b(text, digest_size=8).hexdigest()
-    if options.key_padding_mask is not None:
-        return f"padding of {len(rows)} row groups, digest {digest}"
-    return f"{len(rows[0].documents)} documents, digest {digest}"
+    kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
+    return f"<cu_seqlens {kinds[0]}, key_padding_mask {kinds[1]}>"
 
 
 def _signature(
@@ -623,4 +672,5 @@ def _signature(
         backward=backward,
         kernel=None if checked is None else checked.plan.kernel_name,
         communicator=None if checked is None else _communicator_names(checked),
+        lse_used=options.return_lse is True,
     )

@@ -3,23 +3,29 @@
 Call flow::
 
     run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, run)
-        forward:  for each block chunk: strided views of q, k, v -> kernel.forward -> (out_b, lse_b)
+    out, lse = DilatedAttentionFunction.apply(q, k, v, run, CallState(seed, stats, lse_used))
+        forward:  for each step: strided views of q, k, v -> kernel.forward -> (out_b, lse_b)
                   head_groups: each (position, head) has one block, so out_b is copied in place;
                   longnet: partials are merged by the Accumulator (float32 log-sum-exp)
-        backward: for each block chunk: kernel.backward(dout, q, k, v, out, lse) with the FINAL
+        backward: for each step: kernel.backward(dout, q, k, v, out, lse) with the FINAL
                   merged out and lse, gradients added into dq, dk, dv (float32 or float64)
 
-Blocks are split into chunks of whole segments so that no kernel call's scratch exceeds
-``Run.chunk_elements`` elements: peak memory beyond the inputs and outputs stays bounded whatever
-the sequence length. Nothing here checks capabilities or catches exceptions: the resolver and the
-input validation ran before.
+A :class:`Run` is built once per planned call and reused by every call of that plan: its
+*steps* (one kernel call each: the ``as_strided`` views of every tensor it reads or writes, and
+its :class:`~ringdilated.core.kernel.BlockOptions`) are computed once per input geometry and
+cached in it, so a call issues kernels and copies only, with no host read and no Python work
+proportional to anything but the number of kernel calls.
+
+Steps are chunks of whole segments so that no kernel call's scratch exceeds ``Run.chunk_elements``
+elements: peak memory beyond the inputs and outputs stays bounded whatever the sequence length.
+Nothing here checks capabilities or catches exceptions: the resolver and the input validation
+ran before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import attrs
@@ -27,26 +33,59 @@ import torch
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.capabilities import UNLIMITED, BatchLimit
+from ringdilated.core.communicator import TransferStats
 from ringdilated.core.dtypes import autocast_off
-from ringdilated.core.kernel import BlockOptions, Kernel, all_finite, derive_seed
+from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.kernel_guard import CheckedKernel
-from ringdilated.core.layout import SequenceLayout
+from ringdilated.core.layout import DocumentLayout
 from ringdilated.core.pattern import Block, DilationPattern, Selection
 
 __all__ = [
     "HIGHER_ORDER_MESSAGE",
     "BatchLimitedKernel",
+    "CallState",
     "DilatedAttentionFunction",
+    "as_lse_layout",
+    "draw_seed",
     "Executor",
     "RowBlocks",
     "Run",
+    "StridedView",
+    "lse_buffer",
     "lse_gradient",
     "pattern_run",
-    "run_backward",
-    "run_forward",
 ]
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+
+@attrs.frozen
+class CallState:
+    """What differs between calls of one plan: ``seed`` seeds the call's dropout masks (``0``:
+    no dropout, seeds unused); ``stats`` collects the bytes a sharded call moves (``None``: not
+    counted); ``lse_used``: whether the caller may differentiate through ``lse`` (when
+    ``False``, ``lse`` comes back without a gradient, so every rank knows no ``dlse`` will
+    arrive: the same on every rank, from the agreed call signature)."""
+
+    seed: int = 0
+    stats: TransferStats | None = None
+    lse_used: bool = True
+
+    def derive(self, *path: int | str) -> CallState:
+        """This call with the seed of its part ``path`` (:func:`derive_seed`; unchanged without
+        dropout)."""
+        if self.seed == 0:
+            return self
+        return attrs.evolve(self, seed=derive_seed(self.seed, *path))
+
+
+def draw_seed(dropout_p: float) -> int:
+    """A call's dropout seed from torch's CPU generator (so ``torch.manual_seed`` and activation
+    checkpointing's RNG replay reproduce it), in ``[1, 2**62)``; ``0`` without dropout. Reads
+    one CPU scalar, never a device value."""
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(1, 2**62, (), dtype=torch.int64).item())
 
 
 @attrs.frozen
@@ -58,8 +97,107 @@ class RowBlocks:
 
 
 @attrs.frozen
+class StridedView:
+    """An ``as_strided`` view: ``size`` and ``stride``, ``offset`` elements past the tensor's own
+    storage offset. Computed once from a tensor's geometry; applied to any tensor of that
+    geometry with :meth:`of`."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided(self.size, self.stride, x.storage_offset() + self.offset)
+
+
+def selection_view(
+    selection: Selection,
+    strides: Sequence[int],
+    batches: slice,
+    heads: tuple[int, int],
+    head_dim: int,
+    origin: int = 0,
+) -> StridedView:
+    """The kernel-layout view ``(N = rows x segments, heads, count, D)`` of ``selection`` in a
+    ``(B, T, H, D)`` tensor of ``strides`` (``T`` counting from position ``origin``), rows
+    ``batches``, heads ``[heads[0], heads[1])``. The caller checked that rows and segments merge
+    (:func:`mergeable`). The arithmetic of :meth:`Selection.view`, done once instead of per call."""
+    sb, st, sh, sd = strides
+    rows, segments = batches.stop - batches.start, selection.num_segments
+    span = selection.segment_length - selection.offset
+    step = min(selection.rate, max(1, span))  # never a stride of rate * st (int64 overflow)
+    n_stride = sb if segments == 1 else selection.segment_length * st
+    offset = batches.start * sb + (selection.start - origin + selection.offset) * st + heads[0] * sh
+    return StridedView(
+        (rows * segments, heads[1] - heads[0], selection.count, head_dim),
+        (n_stride, sh, step * st, sd),
+        offset,
+    )
+
+
+def lse_view(
+    selection: Selection, strides: Sequence[int], batches: slice, heads: tuple[int, int], origin: int
+) -> StridedView:
+    """``(N, heads, count)`` of an lse ``(B, H, T)`` of ``strides`` (see :func:`selection_view`)."""
+    lb, lh, lt = strides
+    rows, segments = batches.stop - batches.start, selection.num_segments
+    span = selection.segment_length - selection.offset
+    step = min(selection.rate, max(1, span))
+    n_stride = lb if segments == 1 else selection.segment_length * lt
+    offset = batches.start * lb + (selection.start - origin + selection.offset) * lt + heads[0] * lh
+    return StridedView(
+        (rows * segments, heads[1] - heads[0], selection.count), (n_stride, lh, step * lt), offset
+    )
+
+
+def mergeable(selection: Selection, strides: Sequence[int]) -> bool:
+    """Whether batch rows and the selection's segments of a ``(B, T, ...)`` tensor of
+    ``strides`` form one problem dimension (one stride): one segment, or segments that tile the
+    rows (``stride_B == segments x segment_length x stride_T``). One row always does."""
+    return (
+        selection.num_segments == 1
+        or strides[0] == selection.num_segments * selection.segment_length * strides[1]
+    )
+
+
+def lse_buffer(
+    batch: int, heads: int, length: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """An lse ``(B, H, L)`` stored position-major (``(B, L, H)`` in memory, transposed), filled
+    with ``-inf``: in that layout the batch rows and the segments of a selection that tiles the
+    sequence form one problem dimension, as they do in ``q``, so the kernels read it as a view."""
+    empty = torch.empty((batch, length, heads), dtype=dtype, device=device)
+    return empty.fill_(float("-inf")).transpose(1, 2)
+
+
+@attrs.frozen
+class _Step:
+    """One kernel call: the views of the query side (``q``, ``out``, ``dout``, ``dq``, all of
+    ``q``'s strides), of ``k`` and of ``v`` (their own strides), of the key/value gradients
+    (contiguous), of the lse (:func:`lse_buffer`), and the call's options. ``index`` numbers the
+    call (its dropout seed derives from it); ``segments`` splits ``N`` into (rows, segments)."""
+
+    q: StridedView
+    k: StridedView
+    v: StridedView
+    kv_grad: StridedView
+    lse: StridedView
+    options: BlockOptions
+    index: int
+
+    def seeded(self, seed: int) -> BlockOptions:
+        """The options with this call's dropout seed (the same for forward and backward)."""
+        if self.options.dropout_p == 0.0:
+            return self.options
+        return attrs.evolve(self.options, dropout_seed=derive_seed(seed, self.index))
+
+
+_Geometry = tuple[object, ...]
+
+
+@attrs.frozen
 class Run:
-    """One dilated-attention call's fixed parts: the kernel, the blocks and the options.
+    """One dilated-attention plan's fixed parts: the kernel, the blocks and the options.
 
     ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
     so results are copied rather than merged. ``causal`` selects the diagonal mask in every block.
@@ -73,6 +211,8 @@ class Run:
     ``covers_queries``: every query position of every row lies in a document (no padding), so
     results need no zero fill where a rate-1 block writes; ``covers_keys``: the same for keys,
     which also needs every key to be a query's (no suffix).
+
+    The steps of each input geometry (shapes and strides) are computed on first use and kept.
     """
 
     kernel: Kernel = attrs.field(eq=False)
@@ -81,53 +221,145 @@ class Run:
     scale: float
     causal: bool = False
     dropout_p: float = 0.0
-    dropout_seed: int = 0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     complete: bool = True
     batch_limit: BatchLimit = UNLIMITED
     query_start: int = 0
     covers_queries: bool = True
     covers_keys: bool = True
+    _steps: dict[_Geometry, tuple[object, ...]] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
 
     @property
     def blocks(self) -> tuple[Block, ...]:
         """Every row's blocks."""
         return tuple(block for rows in self.rows for block in rows.blocks)
 
-    def chunks(
-        self, batch: int, seq_len: int, head_dim: int, finite: bool | None = None
-    ) -> Iterator[_Chunk]:
-        """Every kernel call of the pattern, in a fixed order (backward replays the same one).
-        ``seq_len`` is the key length; ``finite`` is what the caller knows of the inputs'
-        finiteness (``BlockOptions.finite``)."""
+    def steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[_Step, ...]:
+        """Every kernel call of the plan for these tensors, in a fixed order (backward replays
+        it). ``q`` must be contiguous; ``k`` and ``v`` may have any strides whose last is 1."""
+        geometry = (q.shape, k.shape, k.stride(), v.stride())
+        steps = self._steps.get(geometry)
+        if steps is None:
+            steps = self._steps[geometry] = tuple(self._make_steps(q, k, v))
+        return steps  # type: ignore[return-value]
+
+    def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
+        B, Lq, H, D = q.shape
+        L, Hkv = k.shape[1], k.shape[2]
+        q_strides = (Lq * H * D, H * D, D, 1)
+        kv_grad_strides = (L * Hkv * D, Hkv * D, D, 1)
+        lse_strides = (Lq * H, 1, H)
+        origin = self.query_start
         index = 0
         for rows in self.rows:
-            batches = rows.batches or slice(0, batch)
+            batches = rows.batches or slice(0, B)
             for block in rows.blocks:
-                per_segment = block.selection.count * block.heads.num_heads * head_dim
-                offset = block.selection.count - block.query_selection.count
-                for chunk_batches, selection in _split(
+                queries = block.query_selection
+                options = BlockOptions(
+                    scale=self.scale,
+                    causal_offset=block.selection.count - queries.count if self.causal else None,
+                    dropout_p=self.dropout_p,
+                )
+                # lse_buffer's layout merges exactly when q's does.
+                tiles = mergeable(queries, q_strides) and all(
+                    mergeable(block.selection, s) for s in (k.stride(), v.stride(), kv_grad_strides)
+                )
+                hq = (block.heads.q_start, block.heads.q_stop)
+                hkv = (block.heads.kv_start, block.heads.kv_stop)
+                for chunk_rows, selection in _split(
                     block.selection,
                     batches,
-                    seq_len if self.query_start == 0 else None,
-                    per_segment,
+                    tiles,
+                    block.selection.count * block.heads.num_heads * D,
                     self.chunk_elements,
                     self.batch_limit.per_call(block.heads.num_kv_heads),
                 ):
-                    options = BlockOptions(
-                        scale=self.scale,
-                        causal_offset=offset if self.causal else None,
-                        dropout_p=self.dropout_p,
-                        dropout_seed=derive_seed(self.dropout_seed, index),
-                        finite=finite,
+                    qs = selection if block.queries is None else block.queries
+                    yield _Step(
+                        q=selection_view(qs, q_strides, chunk_rows, hq, D, origin),
+                        k=selection_view(selection, k.stride(), chunk_rows, hkv, D),
+                        v=selection_view(selection, v.stride(), chunk_rows, hkv, D),
+                        kv_grad=selection_view(selection, kv_grad_strides, chunk_rows, hkv, D),
+                        lse=lse_view(qs, lse_strides, chunk_rows, hq, origin),
+                        options=options,
+                        index=index,
                     )
-                    yield _Chunk(block, chunk_batches, selection, options, self.query_start)
                     index += 1
 
+    def zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
+        """Head ranges of a result buffer written by no rate-1 block (so some position of them
+        is never written, and must start at zero); see :meth:`_result_buffer`. Cached."""
+        key = ("zero_heads", heads, kv)
+        ranges = self._steps.get(key)
+        if ranges is None:
+            ranges = self._steps[key] = self._zero_heads(heads, kv)
+        return ranges  # type: ignore[return-value]
+
+    def _zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
+        covered = [False] * heads
+        for block in self.blocks:
+            if block.selection.rate == 1:
+                first = block.heads.kv_start if kv else block.heads.q_start
+                stop = block.heads.kv_stop if kv else block.heads.q_stop
+                covered[first:stop] = [True] * (stop - first)
+        ranges: list[tuple[int, int]] = []
+        for h, done in enumerate(covered):
+            if done:
+                continue
+            if ranges and ranges[-1][1] == h:
+                ranges[-1] = (ranges[-1][0], h + 1)
+            else:
+                ranges.append((h, h + 1))
+        return tuple(ranges)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        call: CallState,
+        keep_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_forward(self, q, k, v, finite=finite)
+        """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
+        ``q`` is contiguous (see :meth:`steps`)."""
+        B, Lq, H, _ = q.shape
+        acc = accumulation_dtype(q.dtype)
+        lse = lse_buffer(B, H, Lq, acc, q.device)
+        steps = self.steps(q, k, v)
+        kernel, seed = self.kernel, call.seed
+        if self.exclusive:
+            out = self._result_buffer(q, q.dtype, exclusive=self.covers_queries)
+            for step in steps:
+                out_b, lse_b = kernel.forward(
+                    step.q.of(q), step.k.of(k), step.v.of(v), step.seeded(seed)
+                )
+                step.q.of(out).copy_(out_b)
+                step.lse.of(lse).copy_(lse_b)
+            return out, lse
+        state = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for step in steps:
+            out_b, lse_b = kernel.forward(
+                step.q.of(q), step.k.of(k), step.v.of(v), step.seeded(seed)
+            )
+            Accumulator.add(step.q.of(state), step.lse.of(lse), out_b, lse_b)
+        return (state if keep_state else state.to(q.dtype)), lse
+
+    def _result_buffer(
+        self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
+    ) -> torch.Tensor:
+        """A contiguous buffer shaped like ``like`` for results written by the blocks.
+
+        Written once per element, every position in a document (``exclusive``): uninitialised,
+        except heads some position of which no block writes (no rate-1 block covers them),
+        which are zeroed. Otherwise zeros (to add into, or left where no block writes)."""
+        if not exclusive:
+            return torch.zeros(like.shape, dtype=dtype, device=like.device)
+        buffer = torch.empty(like.shape, dtype=dtype, device=like.device)
+        for first, stop in self.zero_heads(like.shape[2], kv):
+            buffer[:, :, first:stop].zero_()
+        return buffer
 
     def backward(
         self,
@@ -138,15 +370,49 @@ class Run:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        finite: bool | None = None,
+        call: CallState,
+        cast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return run_backward(self, dout, dlse, q, k, v, out, lse, finite=finite)
+        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
+        ``dout`` and ``out`` are shaped and strided like ``q``; ``lse`` and ``dlse`` like
+        :func:`lse_buffer`."""
+        # A gradient written once per element is written in the input dtype (the kernel's result,
+        # no second rounding); one that sums several contributions accumulates in float32/64.
+        kv_once = self.exclusive and _kv_exclusive(self.blocks)
+        q_once = self.exclusive and self.complete and dlse is None
+        k_once = kv_once and self.complete and dlse is None
+        v_once = kv_once and self.complete
+
+        def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
+            dtype = like.dtype if once else accumulation_dtype(like.dtype)
+            covered = self.covers_keys if kv else self.covers_queries
+            return self._result_buffer(like, dtype, exclusive=once and covered, kv=kv)
+
+        dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
+        kernel, seed = self.kernel, call.seed
+        for step in self.steps(q, k, v):
+            options = step.seeded(seed)
+            qc, kc, vc = step.q.of(q), step.k.of(k), step.v.of(v)
+            lse_c = step.lse.of(lse)
+            dq_b, dk_b, dv_b = kernel.backward(
+                step.q.of(dout), qc, kc, vc, step.q.of(out), lse_c, options
+            )
+            _write(step.q.of(dq), dq_b, self.exclusive)
+            _write(step.kv_grad.of(dk), dk_b, kv_once)
+            _write(step.kv_grad.of(dv), dv_b, kv_once)
+            if dlse is not None:
+                dq_l, dk_l = lse_gradient(kernel, options, step.lse.of(dlse), qc, kc, vc, lse_c)
+                step.q.of(dq).add_(dq_l)
+                step.kv_grad.of(dk).add_(dk_l)
+        if not cast:
+            return dq, dk, dv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _split(
     selection: Selection,
     batches: slice,
-    seq_len: int | None,
+    tiles: bool,
     per_segment: int,
     budget: int,
     max_batch: int | None = None,
@@ -154,17 +420,12 @@ def _split(
     """Pieces of ``selection`` x batch whose kernel-layout views need no copy, within budget,
     each holding at most ``max_batch`` problems (batch rows times segments).
 
-    Batch and segment dimensions merge into one kernel batch dimension as a view only when the
-    segments tile the whole sequence of ``seq_len`` (or there is one segment); otherwise go one
-    batch row at a time. ``seq_len`` is ``None`` when the query-side tensors are shorter than the
-    keys (a query suffix), which no multi-segment selection tiles. ``batches``: the rows.
-    """
+    Batch and segment dimensions merge into one kernel batch dimension as a view only when every
+    tensor's segments tile its rows (``tiles``, see :func:`mergeable`); otherwise go one batch
+    row at a time."""
     segments = max(1, budget // max(1, per_segment))
     if max_batch is not None:
         segments = min(segments, max_batch)
-    tiles = selection.num_segments == 1 or (
-        seq_len is not None and selection.start == 0 and selection.stop == seq_len
-    )
     first, stop = batches.start, batches.stop
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)
@@ -176,88 +437,6 @@ def _split(
             yield slice(b, b + 1), selection.segments(s, min(segments, selection.num_segments - s))
 
 
-@attrs.frozen
-class _Chunk:
-    """One kernel call: ``selection`` (keys) of ``block`` for rows ``batches``; ``origin``: the
-    position of row 0 of the query-side tensors (``q``, ``out``, ``lse``, their gradients)."""
-
-    block: Block
-    batches: slice
-    selection: Selection
-    options: BlockOptions
-    origin: int = 0
-
-    @property
-    def queries(self) -> Selection:
-        """The query positions: the selection's, or the block's suffix of its one segment."""
-        return self.selection if self.block.queries is None else self.block.queries
-
-    def view(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """``(B', segments, heads, count, D)``: this chunk's part of ``(B, L, H, D)`` (keys and
-        values, ``kv``) or of ``(B, Lq, H, D)`` (the query side), no copy."""
-        run = self.block.heads
-        if kv:
-            view = self.selection.view(x)[self.batches, :, :, run.kv_start : run.kv_stop]
-        else:
-            view = self.queries.view(x, origin=self.origin)
-            view = view[self.batches, :, :, run.q_start : run.q_stop]
-        return view.permute(0, 1, 3, 2, 4)
-
-    def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
-        """``(B', segments, heads, count)``: this chunk's part of an ``lse`` of ``(B, H, Lq)``."""
-        heads = slice(self.block.heads.q_start, self.block.heads.q_stop)
-        view = self.queries.view(lse, dim=2, origin=self.origin)
-        return view[self.batches, heads].permute(0, 2, 1, 3)
-
-    def kernel_input(self, x: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """``(N, heads, count, D)`` for the kernel; a view (``_split`` made the merge legal)."""
-        return self.view(x, kv).flatten(0, 1)
-
-
-def run_forward(
-    run: Run,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    keep_state: bool = False,
-    finite: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
-
-    Whether the inputs are finite is checked once here (``finite``, if the caller has not) and
-    handed to every kernel call, rather than each call summing its own strided views."""
-    B, Lq, H, D = q.shape
-    L = k.shape[1]
-    if finite is None:
-        finite = all_finite(q, k, v)
-    lse = torch.full((B, H, Lq), float("-inf"), dtype=accumulation_dtype(q.dtype), device=q.device)
-    if run.exclusive:
-        out = _result_buffer(q.shape, q.dtype, q.device, run.blocks, exclusive=run.covers_queries)
-    else:
-        state = Accumulator(torch.empty(q.shape, dtype=lse.dtype, device=q.device), lse)
-    for chunk in run.chunks(B, L, D, finite):
-        out_b, lse_b = run.kernel.forward(
-            chunk.kernel_input(q),
-            chunk.kernel_input(k, True),
-            chunk.kernel_input(v, True),
-            chunk.options,
-        )
-        shape = (-1, chunk.selection.num_segments)
-        if run.exclusive:
-            chunk.view(out).copy_(torch.unflatten(out_b, 0, shape))
-            chunk.lse_view(lse).copy_(torch.unflatten(lse_b, 0, shape))
-        else:
-            Accumulator.add(
-                chunk.view(state.out),
-                chunk.lse_view(lse),
-                torch.unflatten(out_b, 0, shape),
-                torch.unflatten(lse_b, 0, shape),
-            )
-    if not run.exclusive:
-        out = state.out if keep_state else state.out.to(q.dtype)
-    return out, lse
-
-
 def _kv_exclusive(blocks: tuple[Block, ...]) -> bool:
     """Whether each key/value head is read by one pattern only (its gradient is written once)."""
     owner: dict[int, int] = {}
@@ -266,95 +445,6 @@ def _kv_exclusive(blocks: tuple[Block, ...]) -> bool:
         for block in blocks
         for h in range(block.heads.kv_start, block.heads.kv_stop)
     )
-
-
-def _result_buffer(
-    shape: torch.Size,
-    dtype: torch.dtype,
-    device: torch.device,
-    blocks: tuple[Block, ...],
-    *,
-    exclusive: bool,
-    kv: bool = False,
-) -> torch.Tensor:
-    """A ``(B, L, heads, D)`` buffer for results written by the blocks.
-
-    Written once per element, every position in a document (``exclusive``): uninitialised, except
-    heads that some position of is never written (no rate-1 block covers them), which are zeroed.
-    Otherwise zeros (to add into, or left where no block writes).
-    """
-    if not exclusive:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    covered = [False] * shape[2]
-    for block in blocks:
-        if block.selection.rate == 1:
-            first = block.heads.kv_start if kv else block.heads.q_start
-            stop = block.heads.kv_stop if kv else block.heads.q_stop
-            covered[first:stop] = [True] * (stop - first)
-    buffer = torch.empty(shape, dtype=dtype, device=device)
-    h = 0
-    while h < shape[2]:
-        if covered[h]:
-            h += 1
-            continue
-        stop = h
-        while stop < shape[2] and not covered[stop]:
-            stop += 1
-        buffer[:, :, h:stop].zero_()
-        h = stop
-    return buffer
-
-
-def run_backward(
-    run: Run,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cast: bool = True,
-    finite: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
-    ``finite``: as for :func:`run_forward`, of ``q``, ``k``, ``v``, ``dout`` and ``dlse``."""
-    B, L, D = k.shape[0], k.shape[1], k.shape[3]
-    if finite is None:
-        finite = all_finite(q, k, v, dout, *(() if dlse is None else (dlse,)))
-    # A gradient written once per element is written in the input dtype (the kernel's result,
-    # no second rounding); one that sums several contributions accumulates in float32/float64.
-    kv_once = run.exclusive and _kv_exclusive(run.blocks)
-    q_once = run.exclusive and run.complete and dlse is None
-    k_once = kv_once and run.complete and dlse is None
-    v_once = kv_once and run.complete
-
-    def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
-        dtype = like.dtype if once else accumulation_dtype(like.dtype)
-        covered = run.covers_keys if kv else run.covers_queries
-        return _result_buffer(
-            like.shape, dtype, like.device, run.blocks, exclusive=once and covered, kv=kv
-        )
-
-    dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
-    for chunk in run.chunks(B, L, D, finite):
-        qc, kc, vc = chunk.kernel_input(q), chunk.kernel_input(k, True), chunk.kernel_input(v, True)
-        lse_c = chunk.lse_view(lse).flatten(0, 1)
-        dq_b, dk_b, dv_b = run.kernel.backward(
-            chunk.kernel_input(dout), qc, kc, vc, chunk.kernel_input(out), lse_c, chunk.options
-        )
-        shape = (-1, chunk.selection.num_segments)
-        _write(chunk.view(dq), torch.unflatten(dq_b, 0, shape), run.exclusive)
-        _write(chunk.view(dk, True), torch.unflatten(dk_b, 0, shape), kv_once)
-        _write(chunk.view(dv, True), torch.unflatten(dv_b, 0, shape), kv_once)
-        if dlse is not None:
-            dlse_c = chunk.lse_view(dlse).flatten(0, 1)
-            dq_l, dk_l = lse_gradient(run.kernel, chunk.options, dlse_c, qc, kc, vc, lse_c)
-            chunk.view(dq).add_(torch.unflatten(dq_l, 0, shape))
-            chunk.view(dk, True).add_(torch.unflatten(dk_l, 0, shape))
-    if not cast:
-        return dq, dk, dv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _write(target: torch.Tensor, value: torch.Tensor, once: bool) -> None:
@@ -380,12 +470,12 @@ def lse_gradient(
     makes that ``P_ij * dlse_i``, so any kernel that meets the contract gives it exactly. The lse
     does not depend on dropout, so the call runs without it. ``dlse`` is ``(N, H, Lq)``.
     """
-    e0 = torch.zeros_like(v)
-    e0[..., 0] = 1
-    grad = torch.zeros_like(q)
-    grad[..., 0] = dlse.to(q.dtype)
+    e0 = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    e0.select(-1, 0).fill_(1)
+    grad = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    grad.select(-1, 0).copy_(dlse)
     dq, dk, _ = kernel.backward(
-        grad, q, k, e0, torch.zeros_like(q), lse, attrs.evolve(options, dropout_p=0.0)
+        grad, q, k, e0, torch.zeros_like(grad), lse, attrs.evolve(options, dropout_p=0.0)
     )
     return dq, dk
 
@@ -449,12 +539,14 @@ class BatchLimitedKernel:
 
 
 class Executor(Protocol):
-    """Runs one attention call's forward and backward: :class:`Run` on one process,
-    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard. ``finite``: whether the inputs
-    (and ``dout``, ``dlse`` in backward) hold no NaN or infinity, when the caller knows."""
+    """Runs one planned attention call's forward and backward: :class:`Run` on one process,
+    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard,
+    :class:`~ringdilated.core.head_parallel.HeadParallelRun` by heads. Built once per plan and
+    reused; what differs per call comes in ``call``. ``q`` (and ``dout``, ``out``) are
+    contiguous; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -466,7 +558,7 @@ class Executor(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        finite: bool | None = None,
+        call: CallState,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -504,13 +596,23 @@ def first_order_only(
     return _FirstOrderOnly.apply(*inputs, *grads)  # type: ignore[no-untyped-call,no-any-return]
 
 
-class DilatedAttentionFunction(torch.autograd.Function):
-    """``(q, k, v, executor) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+def as_lse_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, L)`` in the layout of :func:`lse_buffer` (a copy unless it already is)."""
+    if x.stride() == (x.shape[1] * x.shape[2], 1, x.shape[1]):
+        return x
+    return torch.empty(
+        (x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device
+    ).transpose(1, 2).copy_(x)
 
-    ``q``, ``k``, ``v`` are contiguous ``(B, L, H, D)``/``(B, L, Hkv, D)`` (a shard of them for a
-    sharded executor). ``lse`` is ``(B, H, L)`` in the accumulation dtype; gradients flow through
-    it too. No autograd runs through in-place state: backward recomputes from the saved inputs
-    and the final ``out`` and ``lse``.
+
+class DilatedAttentionFunction(torch.autograd.Function):
+    """``(q, k, v, executor, call) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+
+    ``q`` is contiguous ``(B, Lq, H, D)`` (a shard of it for a sharded executor); ``k``, ``v``
+    ``(B, L, Hkv, D)`` of any strides whose last is 1. ``lse`` is ``(B, H, Lq)`` in the
+    accumulation dtype (laid out by :func:`lse_buffer`); gradients flow through it too unless
+    ``call.lse_used`` is ``False``. No autograd runs through in-place state: backward recomputes
+    from the saved inputs and the final ``out`` and ``lse``.
     """
 
     @staticmethod
@@ -520,14 +622,16 @@ class DilatedAttentionFunction(torch.autograd.Function):
         k: torch.Tensor,
         v: torch.Tensor,
         executor: Executor,
+        call: CallState,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        finite = all_finite(q, k, v)  # once per call; backward then checks dout alone
         with autocast_off(q.device.type):
-            out, lse = executor.forward(q, k, v, finite=finite)
+            out, lse = executor.forward(q, k, v, call)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.finite = finite  # type: ignore[attr-defined]
         ctx.executor = executor  # type: ignore[attr-defined]
+        ctx.call = call  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
+        if not call.lse_used:
+            ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
@@ -537,23 +641,14 @@ class DilatedAttentionFunction(torch.autograd.Function):
         dlse: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dout = dout.contiguous()
-        dlse = None if dlse is None else dlse.to(lse.dtype).contiguous()
-        grads_finite = all_finite(dout, *(() if dlse is None else (dlse,)))
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        if dlse is not None:
+            dlse = as_lse_layout(dlse.to(lse.dtype))
         with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
-                dout,
-                dlse,
-                q,
-                k,
-                v,
-                out,
-                lse,
-                finite=ctx.finite and grads_finite,  # type: ignore[attr-defined]
+                dout, dlse, q, k, v, out, lse, ctx.call  # type: ignore[attr-defined]
             )
-        return (*first_order_only(grads, (q, k, v)), None)
+        return (*first_order_only(grads, (q, k, v)), None, None)
 
 
 def pattern_run(
@@ -565,21 +660,20 @@ def pattern_run(
     causal: bool,
     scale: float | None,
     dropout_p: float,
-    dropout_seed: int,
     complete: bool = True,
     blocks: tuple[Block, ...] | None = None,
     batch_limit: BatchLimit = UNLIMITED,
     kernel_name: str | None = None,
-    layout: SequenceLayout | None = None,
+    layout: DocumentLayout | None = None,
 ) -> Run:
-    """The :class:`Run` of one call: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
+    """The :class:`Run` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting to ``1/sqrt(D)``, no kernel call holding more problems
     than ``batch_limit`` allows, and every call's results and inputs checked
     (:class:`~ringdilated.core.kernel_guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
-    layout = layout or SequenceLayout.whole(batch, length, q.shape[1])
+    layout = layout or DocumentLayout.whole(batch, length, q.shape[1])
     rows: tuple[RowBlocks, ...]
     if blocks is not None:
         rows = (RowBlocks(None, blocks),)
@@ -604,7 +698,6 @@ def pattern_run(
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
         causal=causal,
         dropout_p=float(dropout_p),
-        dropout_seed=dropout_seed,
         complete=complete,
         batch_limit=batch_limit,
     )

@@ -4,7 +4,7 @@ their owners.
 
 Call flow on every rank (the same steps in the same order)::
 
-    exchange = PieceExchange(run, k, v)
+    exchange = PieceExchange(run, k, v, stats)
     exchange.start()                              # step 1 in flight before any local work
     for step, received in exchange:               # step t+1 already in flight while t computes
         ... compute with received pieces ...
@@ -15,7 +15,7 @@ At most two steps of pieces and one step of returned gradients are alive at a ti
 rank stays O(L / P) with a pairwise communicator. A broadcast one (``delivery = "broadcast"``,
 see :mod:`ringdilated.core.communicator`) receives every peer of a step at once: each rank's
 broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
-bytes of every exchange are added to the call's ``TransferStats``.
+bytes of every exchange are added to the call's ``TransferStats`` when it has one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from ringdilated.core import payload as wire
-from ringdilated.core.communicator import Pending, delivery_of
+from ringdilated.core.communicator import Pending, TransferStats, delivery_of
 from ringdilated.core.shard_plan import Crossing, Payload, broadcast_payload, payload
 
 if TYPE_CHECKING:
@@ -65,8 +65,10 @@ class PieceExchange:
     """Streams other ranks' pieces step by step, the next step always in flight (double buffer),
     and returns the gradients of received pieces, overlapped with the next step's compute."""
 
-    def __init__(self, run: ShardedRun, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.run, self.k, self.v = run, k, v
+    def __init__(
+        self, run: ShardedRun, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
+    ) -> None:
+        self.run, self.k, self.v, self.stats = run, k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
         plan = run.plan
         self.steps = run.communicator.schedule(plan.rank, plan.world_size)
@@ -81,7 +83,8 @@ class PieceExchange:
     def _exchange(
         self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], uniform: bool
     ) -> Pending:
-        self.run.stats.record(sends, recvs)
+        if self.stats is not None:
+            self.stats.record(sends, recvs)
         return self.run.communicator.exchange(self.run.group, sends, recvs, uniform=uniform)
 
     def _broadcast(self, src: int) -> Payload:

@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["Grid", "gather", "gather_objects", "rank", "size"]
+__all__ = ["Grid", "as_process_group", "gather", "gather_objects", "group_size", "rank", "size"]
 
 
 @attrs.frozen
@@ -86,3 +86,71 @@ def gather_objects(layout: dist.ProcessGroup | Grid, value: object) -> list[obje
     rows: list[object] = [None] * outer
     dist.all_gather_object(rows, row, group=layout.outer)
     return [v for r in rows for v in r]  # type: ignore[attr-defined]
+
+
+def as_process_group(group: object) -> object:
+    """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
+    group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
+    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.grid.Grid` (for ``communicator="hybrid"``)
+    from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
+    inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
+    alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
+    caller's to say. Anything else is returned unchanged, for :func:`group_size` to reject.
+    Reads the mesh's existing groups: nothing is created, nothing is sent.
+
+    Every rank must pass the same valid value: this runs before the ranks can agree (it says
+    which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
+    in the call's agreement until the backend's timeout."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+        mesh, dim = group
+        if isinstance(dim, tuple) and len(dim) == 2:
+            return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
+        return _mesh_group(mesh, dim)
+    if (
+        isinstance(group, tuple)
+        and len(group) == 2
+        and all(isinstance(g, dist.ProcessGroup) for g in group)
+    ):
+        return Grid(group[0], group[1])
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"process_group takes a 1-D DeviceMesh; for a {group.ndim}-D one (dimensions "
+                f"{group.mesh_dim_names}) name the sequence's dimension, (mesh, 'cp'), or two "
+                "for a 2-D layout (communicator='hybrid'), (mesh, ('ring', 'ulysses'))"
+            )
+        return group.get_group()
+    return group
+
+
+def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
+    """The existing group of one dimension of ``mesh``, by name or index."""
+    import operator
+
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    try:
+        if isinstance(dim, bool):
+            raise TypeError
+        key: str | int = dim if isinstance(dim, str) else operator.index(dim)  # type: ignore[arg-type]
+        return mesh.get_group(key)  # type: ignore[attr-defined,no-any-return]
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"process_group=(mesh, dim) needs a dimension name of {names} or an index below "
+            f"{getattr(mesh, 'ndim', '?')} (or a pair of them for a 2-D layout), got {dim!r}"
+        ) from None
+
+
+def group_size(group: object) -> int:
+    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.grid.Grid`: all
+    of its ranks)."""
+    if group is None:
+        return 1
+    if not isinstance(group, (dist.ProcessGroup, Grid)):
+        raise TypeError(
+            "process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, "
+            "(mesh, dimension), (mesh, (outer, inner)), (outer group, inner group) or None, got "
+            f"{group!r}"
+        )
+    return size(group)

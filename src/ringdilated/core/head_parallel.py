@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.driver import Run, run_backward
+from ringdilated.core.driver import CallState, Run
 from ringdilated.core.heads import HeadShare
 from ringdilated.core.sharded_run import ShardedRun
 
@@ -38,7 +38,9 @@ class HeadParallelRun:
     the whole sequence (a :class:`Run`), or over the chunk of the group's shards, with pieces
     from other chunks (a :class:`ShardedRun` across a grid's outer group: ``hybrid``);
     ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or
-    chunk) sequence, then its length."""
+    chunk) sequence, then its length. Built once per plan; the index tensors of the heads each
+    rank holds are made once per device and kept. A call's dropout seed is its part
+    ``("heads", rank)``: local head 0 of every rank is another head."""
 
     inner: Run | ShardedRun
     shares: tuple[HeadShare, ...]
@@ -46,18 +48,22 @@ class HeadParallelRun:
     rank: int
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
-    stats: TransferStats = attrs.field(factory=TransferStats, eq=False)
+    _indices: dict[tuple[int, str, torch.device], torch.Tensor] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
 
     @property
     def share(self) -> HeadShare:
         return self.shares[self.rank]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qh, kh, vh = self._to_heads([(q, "q"), (k, "kv"), (v, "kv")])
-        out_h, lse_h = self.inner.forward(qh, kh, vh)
-        out, lse = self._to_sequence([(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2])
+        qh, kh, vh = self._to_heads([(q, "q"), (k, "kv"), (v, "kv")], call.stats)
+        out_h, lse_h = self.inner.forward(qh, kh, vh, call.derive("heads", self.rank))
+        out, lse = self._to_sequence(
+            [(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2], call.stats
+        )
         return out, lse
 
     def backward(
@@ -69,37 +75,42 @@ class HeadParallelRun:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        finite: bool | None = None,
+        call: CallState,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # lse and dlse as (B, n, H): the sequence in dimension 1, as for q. A dlse of None (this
-        # rank's loss does not use lse) travels as zeros: a peer's may not be None, and every
-        # rank must send the same parts.
-        if dlse is None:
-            dlse = torch.zeros_like(lse)
+        # lse and dlse as (B, n, H): the sequence in dimension 1, as for q. Whether dlse travels
+        # is the agreed call's (call.lse_used), never this rank's: every rank must send the same
+        # parts. A dlse of None (this rank's loss does not use lse) then travels as zeros, and the
+        # lse term runs (exact for zeros too: reading the host to skip it would stall the GPU).
         parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
-        parts += [(dout, "q"), (dlse.transpose(1, 2), "q")]
-        qh, kh, vh, out_h, lse_h, dout_h, moved_dlse = self._to_heads(parts)
-        # Zeros everywhere (no rank's loss uses lse): no lse term, which would cost a second
-        # kernel backward per block. Exact either way.
-        dlse_h = moved_dlse.transpose(1, 2) if bool(moved_dlse.any()) else None
-        lse_h = lse_h.transpose(1, 2)
-        if isinstance(self.inner, Run):
-            dq_h, dk_h, dv_h = run_backward(
-                self.inner, dout_h, dlse_h, qh, kh, vh, out_h, lse_h, cast=False
-            )
-        else:
-            dq_h, dk_h, dv_h = self.inner.backward(
-                dout_h, dlse_h, qh, kh, vh, out_h, lse_h, cast=False
-            )
-        dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2])[0]
+        parts.append((dout, "q"))
+        if call.lse_used:
+            moved = torch.zeros_like(lse) if dlse is None else dlse
+            parts.append((moved.transpose(1, 2), "q"))
+        received = self._to_heads(parts, call.stats)
+        qh, kh, vh, out_h, lse_h, dout_h = received[:6]
+        dlse_h = received[6].transpose(1, 2) if call.lse_used else None
+        inner_call = call.derive("heads", self.rank)
+        dq_h, dk_h, dv_h = self.inner.backward(
+            dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2), inner_call, cast=False
+        )
+        dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2], call.stats)[0]
         if not self.shared_kv:
             dk_h, dv_h = dk_h.to(k.dtype), dv_h.to(v.dtype)
         # A key/value head held by several ranks gets the sum of their gradients, added in the
         # accumulation dtype and cast once.
         dk, dv = self._to_sequence(
-            [(dk_h, "kv", 1), (dv_h, "kv", 1)], k.shape[2], summed=self.shared_kv
+            [(dk_h, "kv", 1), (dv_h, "kv", 1)], k.shape[2], call.stats, summed=self.shared_kv
         )
         return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+    def _index(self, rank: int, kind: str, device: torch.device) -> torch.Tensor:
+        """The heads ``rank`` holds of ``kind`` (``"q"`` or ``"kv"``) as an index tensor on
+        ``device``: made once, reused by every call."""
+        key = (rank, kind, device)
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = torch.tensor(self._heads(rank, kind), device=device)
+        return index
 
     @property
     def shared_kv(self) -> bool:
@@ -116,6 +127,7 @@ class HeadParallelRun:
         sends: dict[int, list[torch.Tensor]],
         layouts: dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
         device: torch.device,
+        stats: TransferStats | None,
     ) -> dict[int, list[torch.Tensor]]:
         """Send each peer its tensors and receive from each peer tensors of the given shapes and
         dtypes: one exchange of bytes, every tensor in its own dtype. Within a buffer the
@@ -137,7 +149,8 @@ class HeadParallelRun:
         recvs = {
             src: torch.empty(sum(n), dtype=torch.uint8, device=device) for src, n in sizes.items()
         }
-        self.stats.record(flat, recvs)
+        if stats is not None:
+            stats.record(flat, recvs)
         self.communicator.exchange(self.group, flat, recvs, uniform=False).wait()
         received = {}
         for src, layout in layouts.items():
@@ -148,15 +161,16 @@ class HeadParallelRun:
             received[src] = [p for p in parts if p is not None]
         return received
 
-    def _to_heads(self, parts: Sequence[tuple[torch.Tensor, str]]) -> list[torch.Tensor]:
+    def _to_heads(
+        self, parts: Sequence[tuple[torch.Tensor, str]], stats: TransferStats | None
+    ) -> list[torch.Tensor]:
         """Sequence shards ``(B, n_r, heads, ...)`` to this rank's heads at every position
         ``(B, L, share, ...)``: one exchange for every part."""
         me, world = self.rank, len(self.shares)
         device = parts[0][0].device
 
         def piece(x: torch.Tensor, kind: str, rank: int) -> torch.Tensor:
-            index = torch.tensor(self._heads(rank, kind), device=device)
-            return x.index_select(2, index)
+            return x.index_select(2, self._index(rank, kind, device))
 
         def layout(src: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
             n = self.starts[src + 1] - self.starts[src]
@@ -170,6 +184,7 @@ class HeadParallelRun:
             {y: [piece(x, kind, y) for x, kind in parts] for y in peers},
             {src: layout(src) for src in peers},
             device,
+            stats,
         )
         received[me] = [piece(x, kind, me) for x, kind in parts]
         return [torch.cat([received[src][i] for src in range(world)], 1) for i in range(len(parts))]
@@ -178,6 +193,7 @@ class HeadParallelRun:
         self,
         parts: Sequence[tuple[torch.Tensor, str, int]],
         num_heads: int,
+        stats: TransferStats | None,
         summed: bool = False,
     ) -> list[torch.Tensor]:
         """This rank's heads at every position back to sequence shards of every head: each part
@@ -206,6 +222,7 @@ class HeadParallelRun:
                 for src in peers
             },
             device,
+            stats,
         )
         received[me] = [window(x, dim, me) for x, _, dim in parts]
         results = []
@@ -213,7 +230,7 @@ class HeadParallelRun:
             fill = torch.zeros if summed else torch.empty
             result = fill(shape(x, dim, num_heads), dtype=x.dtype, device=device)
             for src in range(world):
-                index = torch.tensor(self._heads(src, kind), device=device)
+                index = self._index(src, kind, device)
                 if summed:
                     result.index_add_(3 - dim, index, received[src][i])
                 else:

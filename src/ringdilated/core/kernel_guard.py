@@ -25,9 +25,9 @@ class KernelContractError(RuntimeError):
     """A kernel broke the kernel contract (:mod:`ringdilated.core.kernel`); the message names it."""
 
 
-def _versions(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    # Inference-mode tensors keep no version counter; they cannot be checked.
-    return {n: t._version for n, t in tensors.items() if not t.is_inference()}
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    # Inference-mode tensors keep no version counter; they cannot be checked (-1).
+    return tuple(-1 if t.is_inference() else t._version for t in tensors)
 
 
 class CheckedKernel:
@@ -39,9 +39,12 @@ class CheckedKernel:
     def _fail(self, message: str) -> KernelContractError:
         return KernelContractError(f"kernel {self.name!r} broke the kernel contract: {message}")
 
-    def _untouched(self, before: dict[str, int], tensors: dict[str, torch.Tensor]) -> None:
-        changed = [n for n, v in _versions(tensors).items() if v != before.get(n, v)]
-        if changed:
+    def _untouched(
+        self, before: tuple[int, ...], names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]
+    ) -> None:
+        after = _versions(tensors)
+        if after != before:
+            changed = [n for n, b, a in zip(names, before, after, strict=True) if a != b]
             raise self._fail(
                 f"it modified its input(s) {', '.join(changed)} in place (inputs are views of "
                 "the caller's tensors and must never be written)"
@@ -52,10 +55,10 @@ class CheckedKernel:
     ) -> None:
         if not isinstance(x, torch.Tensor):
             raise self._fail(f"{what} is {type(x).__name__}, not a torch.Tensor")
-        if tuple(x.shape) != shape or x.dtype != dtype:
+        if x.shape != shape or x.dtype != dtype:
             raise self._fail(
                 f"{what} is {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}, expected "
-                f"{shape} {str(dtype).removeprefix('torch.')}"
+                f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
             )
         if x.device != like.device:
             raise self._fail(f"{what} is on {x.device}, expected {like.device} (its input's)")
@@ -63,15 +66,16 @@ class CheckedKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = {"q": q, "k": k, "v": v}
+        inputs = (q, k, v)
         before = _versions(inputs)
         result = self.kernel.forward(q, k, v, options)
-        self._untouched(before, inputs)
-        if not isinstance(result, tuple) or len(result) != 2:
+        self._untouched(before, ("q", "k", "v"), inputs)
+        if type(result) is not tuple or len(result) != 2:
             raise self._fail(f"forward returned {type(result).__name__}, not (out, lse)")
         out, lse = result
-        self._result("forward's out", out, (*q.shape[:-1], v.shape[-1]), q.dtype, q)
-        self._result("forward's lse", lse, tuple(q.shape[:-1]), accumulation_dtype(q.dtype), q)
+        rows = q.shape[:-1]
+        self._result("forward's out", out, (*rows, v.shape[-1]), q.dtype, q)
+        self._result("forward's lse", lse, rows, accumulation_dtype(q.dtype), q)
         return out, lse
 
     def backward(
@@ -84,12 +88,12 @@ class CheckedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        inputs = (dout, q, k, v, out, lse)
         before = _versions(inputs)
         result = self.kernel.backward(dout, q, k, v, out, lse, options)
-        self._untouched(before, inputs)
-        if not isinstance(result, tuple) or len(result) != 3:
+        self._untouched(before, ("dout", "q", "k", "v", "out", "lse"), inputs)
+        if type(result) is not tuple or len(result) != 3:
             raise self._fail(f"backward returned {type(result).__name__}, not (dq, dk, dv)")
         for name, grad, like in zip(("dq", "dk", "dv"), result, (q, k, v), strict=True):
-            self._result(f"backward's {name}", grad, tuple(like.shape), like.dtype, like)
+            self._result(f"backward's {name}", grad, like.shape, like.dtype, like)
         return result

@@ -1,7 +1,8 @@
 """Where a call's documents lie and which positions are queries (docs/spec.md, sections 1-2).
 
-A :class:`SequenceLayout` is a frozen value read once per call from the caller's ``cu_seqlens``
-or ``key_padding_mask`` and the length of ``q``:
+A :class:`DocumentLayout` is a frozen value for one call, from the batch's documents or padding
+(read once per batch into a :class:`~ringdilated.core.sequence_layout.SequenceLayout`, or once per
+call from the caller's ``cu_seqlens`` or ``key_padding_mask``) and the length of ``q``:
 
 - **documents**: each ``[start, stop)`` is attended as its own sequence (positions counted from
   ``start``, segments restarting there, a partial last segment); no query sees another document.
@@ -9,8 +10,9 @@ or ``key_padding_mask`` and the length of ``q``:
   document, its valid run, and leaves its padded positions in none.
 - **query suffix**: ``q`` holds the last ``query_length`` of the ``length`` positions.
 
-:func:`read_layout` checks the tensors and reads them to the host (one device-to-host copy each:
-the pattern's blocks are planned on the host); every error names the value and the rule.
+:func:`read_documents` and :func:`read_padding` check the tensors and read them to the host (one
+device-to-host copy each: the pattern's blocks are planned on the host); every error names the
+value and the rule. :func:`read_layout` does both for one call.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import itertools
 import attrs
 import torch
 
-__all__ = ["Documents", "Rows", "SequenceLayout", "read_layout"]
+__all__ = ["DocumentLayout", "Documents", "Rows", "read_documents", "read_layout", "read_padding"]
 
 Documents = tuple[tuple[int, int], ...]
 """``[start, stop)`` spans, increasing, disjoint."""
@@ -40,7 +42,7 @@ class Rows:
 
 
 @attrs.frozen
-class SequenceLayout:
+class DocumentLayout:
     """The documents of every batch row of a call and its query suffix.
 
     ``rows`` partition the batch into runs of rows with the same documents. ``length`` is the
@@ -52,7 +54,7 @@ class SequenceLayout:
     rows: tuple[Rows, ...]
 
     @classmethod
-    def whole(cls, batch: int, length: int, query_length: int | None = None) -> SequenceLayout:
+    def whole(cls, batch: int, length: int, query_length: int | None = None) -> DocumentLayout:
         """Every row one document ``[0, length)``: no ``cu_seqlens`` and no padding."""
         q_len = length if query_length is None else query_length
         return cls(length, q_len, (Rows(0, batch, ((0, length),)),))
@@ -104,7 +106,7 @@ def read_layout(
     cu_seqlens: object = None,
     key_padding_mask: object = None,
     length: int | None = None,
-) -> SequenceLayout:
+) -> DocumentLayout:
     """The layout of a call whose ``q`` ``(B, Lq, H, D)`` and ``k`` ``(B, L, Hkv, D)`` have been
     checked; raise ``TypeError``/``ValueError`` naming the offending value otherwise.
     ``length``: the whole sequence's (a process group's, whose ranks hold shards of it; default
@@ -118,14 +120,16 @@ def read_layout(
             "row), not both"
         )
     if cu_seqlens is not None:
-        documents = _documents(cu_seqlens, length)
-        return SequenceLayout(length, query_length, (Rows(0, batch, documents),))
+        documents = read_documents(cu_seqlens, length)
+        return DocumentLayout(length, query_length, (Rows(0, batch, documents),))
     if key_padding_mask is not None:
-        return SequenceLayout(length, query_length, _padded_rows(key_padding_mask, batch, length))
-    return SequenceLayout.whole(batch, length, query_length)
+        return DocumentLayout(length, query_length, read_padding(key_padding_mask, batch, length))
+    return DocumentLayout.whole(batch, length, query_length)
 
 
-def _documents(cu_seqlens: object, length: int) -> Documents:
+def read_documents(cu_seqlens: object, length: int | None) -> Documents:
+    """The documents of ``cu_seqlens`` ``[0, e_1, ..., L]``, which must run to ``length`` (any
+    end when ``None``). One read of the tensor to the host."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(
             f"cu_seqlens must be a 1-D integer torch.Tensor [0, e_1, ..., L], got "
@@ -142,6 +146,8 @@ def _documents(cu_seqlens: object, length: int) -> Documents:
             f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
         )
     bounds = [int(x) for x in cu_seqlens.tolist()]
+    if length is None and len(bounds) >= 2:
+        length = bounds[-1]
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length:
         raise ValueError(
             f"cu_seqlens must run from 0 to the sequence length {length}, got {_brief(bounds)}"
@@ -155,7 +161,10 @@ def _documents(cu_seqlens: object, length: int) -> Documents:
     return tuple(itertools.pairwise(bounds))
 
 
-def _padded_rows(mask: object, batch: int, length: int) -> tuple[Rows, ...]:
+def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[Rows, ...]:
+    """The rows of a ``(B, L)`` padding mask (``True`` = padding), grouped by equal documents;
+    ``batch`` and ``length``: what ``B`` and ``L`` must be (any when ``None``). One read of the
+    mask to the host."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"key_padding_mask must be a (B, L) bool torch.Tensor, got {type(mask).__name__}"
@@ -164,6 +173,12 @@ def _padded_rows(mask: object, batch: int, length: int) -> tuple[Rows, ...]:
         raise TypeError(
             f"key_padding_mask must be a bool tensor (True = padding), got {mask.dtype}"
         )
+    if mask.dim() != 2:
+        raise ValueError(
+            f"key_padding_mask must be 2-D (batch, seq_len), got shape {tuple(mask.shape)}"
+        )
+    batch = mask.shape[0] if batch is None else batch
+    length = mask.shape[1] if length is None else length
     if tuple(mask.shape) != (batch, length):
         raise ValueError(
             f"key_padding_mask must be (batch, seq_len) = {(batch, length)}, got "

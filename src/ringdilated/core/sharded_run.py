@@ -33,16 +33,10 @@ import torch
 
 from ringdilated.core import payload as wire
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype
-from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.driver import (
-    BatchLimitedKernel,
-    Run,
-    lse_gradient,
-    run_backward,
-    run_forward,
-)
+from ringdilated.core.communicator import Communicator
+from ringdilated.core.driver import BatchLimitedKernel, CallState, Run, lse_gradient
 from ringdilated.core.exchange import PieceExchange
-from ringdilated.core.kernel import BlockOptions, Kernel, all_finite, derive_seed
+from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.shard_plan import Crossing, ShardPlan
 
 __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
@@ -50,15 +44,19 @@ __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 
 @attrs.frozen
 class ShardedRun:
-    """A sharded call's fixed parts. ``inner`` is the single-process run of the inner blocks;
-    ``plans`` every rank's shard plan, ``plan`` this rank's."""
+    """A sharded plan's fixed parts, built once and reused by every call of the plan.
+    ``inner`` is the single-process run of the inner blocks; ``plans`` every rank's shard plan,
+    ``plan`` this rank's. A call's dropout seed is its part ``("shard", rank)``: every rank's
+    inner blocks count from 0."""
 
     inner: Run
     plans: tuple[ShardPlan, ...]
     rank: int
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
-    stats: TransferStats = attrs.field(factory=TransferStats, eq=False)
+    _options: dict[tuple[int, bool], BlockOptions] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
 
     @property
     def plan(self) -> ShardPlan:
@@ -71,9 +69,9 @@ class ShardedRun:
         return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, finite: bool | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sharded_forward(self, q, k, v, finite)
+        return sharded_forward(self, q, k, v, call)
 
     def backward(
         self,
@@ -84,22 +82,30 @@ class ShardedRun:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        finite: bool | None = None,
+        call: CallState,
         cast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sharded_backward(self, dout, dlse, q, k, v, out, lse, finite, cast)
+        return sharded_backward(self, dout, dlse, q, k, v, out, lse, call, cast)
 
-    def options(self, seed_index: int, own: bool, finite: bool | None) -> BlockOptions:
+    def options(self, seed_index: int, own: bool, seed: int) -> BlockOptions:
         """A crossing partial's options: the diagonal for a rank's own piece under causal; no
         mask for another rank's (only earlier ranks send under causal, and all their keys are
-        visible). ``finite``: what this rank knows of its own tensors; a received piece's
-        finiteness is unknown here (``None``: the kernel checks it)."""
+        visible). ``seed``: the shard's dropout seed (``0``: none; the options are then made
+        once and kept)."""
+        if seed == 0:
+            key = (seed_index, own)
+            options = self._options.get(key)
+            if options is None:
+                options = self._options[key] = self._make_options(own, 0)
+            return options
+        return self._make_options(own, derive_seed(seed, "crossing", seed_index))
+
+    def _make_options(self, own: bool, seed: int) -> BlockOptions:
         return BlockOptions(
             scale=self.inner.scale,
             causal_offset=0 if (own and self.inner.causal) else None,
             dropout_p=self.inner.dropout_p,
-            dropout_seed=derive_seed(self.inner.dropout_seed, "crossing", seed_index),
-            finite=finite if own else None,
+            dropout_seed=seed,
         )
 
 
@@ -108,18 +114,13 @@ def _seed_index(run: ShardedRun, crossing_index: int, src: int) -> int:
 
 
 def sharded_forward(
-    run: ShardedRun,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    finite: bool | None = None,
+    run: ShardedRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
 ) -> tuple[torch.Tensor, torch.Tensor]:
     me = run.plan.rank
-    exchange = PieceExchange(run, k, v)
+    exchange = PieceExchange(run, k, v, call.stats)
     exchange.start()
-    if finite is None:
-        finite = all_finite(q, k, v)
-    out, lse = run_forward(run.inner, q, k, v, keep_state=True, finite=finite)
+    call = call.derive("shard", run.rank)
+    out, lse = run.inner.forward(q, k, v, call, keep_state=True)
     index = {c: i for i, c in enumerate(run.plan.crossings)}
     states: dict[Crossing, Accumulator] = {}
     for c in run.plan.crossings:
@@ -132,7 +133,7 @@ def sharded_forward(
             qc,
             wire.piece(k, c, me, wire.kv_heads(c)),
             wire.piece(v, c, me, wire.kv_heads(c)),
-            run.options(_seed_index(run, index[c], me), own=True, finite=finite),
+            run.options(_seed_index(run, index[c], me), own=True, seed=call.seed),
         )
         Accumulator.add(states[c].out, states[c].lse, o, s)
     for _, received in exchange:
@@ -141,7 +142,7 @@ def sharded_forward(
                 wire.piece(q, c, me, wire.q_heads(c)),
                 kr,
                 vr,
-                run.options(_seed_index(run, index[c], src), own=False, finite=None),
+                run.options(_seed_index(run, index[c], src), own=False, seed=call.seed),
             )
             Accumulator.add(states[c].out, states[c].lse, o, s)
     for c, state in states.items():
@@ -187,19 +188,18 @@ def sharded_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    finite: bool | None = None,
+    call: CallState,
     cast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
     accumulation dtype, for a caller that adds more to them)."""
     me, plan = run.plan.rank, run.plan
-    exchange = PieceExchange(run, k, v)
+    exchange = PieceExchange(run, k, v, call.stats)
     exchange.start()
     acc = accumulation_dtype(q.dtype)
+    call = call.derive("shard", run.rank)
     # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
-    if finite is None:
-        finite = all_finite(q, k, v, dout, *(() if dlse is None else (dlse,)))
-    dq, dk, dv = run_backward(run.inner, dout, dlse, q, k, v, out, lse, cast=False, finite=finite)
+    dq, dk, dv = run.inner.backward(dout, dlse, q, k, v, out, lse, call, cast=False)
     index = {c: i for i, c in enumerate(plan.crossings)}
 
     def views(
@@ -219,7 +219,7 @@ def sharded_backward(
         kh = wire.kv_heads(c)
         gq, gk, gv = _partial_backward(
             run,
-            run.options(_seed_index(run, index[c], me), own=True, finite=finite),
+            run.options(_seed_index(run, index[c], me), own=True, seed=call.seed),
             do,
             dl,
             qc,
@@ -239,7 +239,7 @@ def sharded_backward(
             do, dl, qc, oc, lc = views(c)
             gq, gk, gv = _partial_backward(
                 run,
-                run.options(_seed_index(run, index[c], src), own=False, finite=None),
+                run.options(_seed_index(run, index[c], src), own=False, seed=call.seed),
                 do,
                 dl,
                 qc,

@@ -1,0 +1,411 @@
+"""``SequenceLayout``: how the tokens of one batch sit, made once per batch, used by every layer.
+
+Everything about a call that depends only on the batch (its packed documents, its padding, the
+process layout and which positions each rank holds) is read, checked and agreed here once, on
+the host, instead of in every layer call::
+
+    layout = ringdilated.SequenceLayout(cu_seqlens=cu, process_group=group)   # once per batch
+    for block in model.blocks:
+        x = block(x, layout=layout)             # each layer: kernels and the data exchange only
+
+Construction on a process group is **collective**: every rank of the group builds its layout
+together (one ``all_gather`` of three integers; two when shard lengths differ). That is where the
+ranks agree on the documents, the padding and every rank's shard length, and where a bad value
+raises on every rank. A layout then plans each distinct call signature (pattern, mode, heads,
+dims, dtype, kernel, communicator) once, at its first call, which the ranks also agree on; later
+calls with that signature read nothing from the device and make no collective but the data
+exchange. A later call that contradicts its layout (another shard length) raises at once on its
+own rank; its peers are released by the backend's timeout.
+
+``agree_every_call=True`` (or the environment variable ``RINGDILATED_AGREE_EVERY_CALL=1``)
+checks and agrees every call instead, as calls without a layout do: for debugging.
+
+A layout is a value of the batch: build a new one for the next batch. Its plans are cached
+inside it (and dropped with it).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+from collections.abc import Hashable
+
+import attrs
+import torch
+
+from ringdilated.core import grid
+from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
+from ringdilated.core.layout import DocumentLayout, Documents, Rows, read_documents, read_padding
+
+__all__ = ["AGREE_EVERY_CALL_ENV", "SequenceLayout"]
+
+AGREE_EVERY_CALL_ENV = "RINGDILATED_AGREE_EVERY_CALL"
+"""``1`` (or ``true``, ``yes``, ``on``) makes every layout check and agree every call."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+#: Plans kept per layout (distinct call signatures: patterns, dtypes, devices...).
+PLANS_KEPT = 64
+
+
+def agree_every_call_default() -> bool:
+    """``RINGDILATED_AGREE_EVERY_CALL`` read strictly (raises ``ValueError`` naming it)."""
+    text = os.environ.get(AGREE_EVERY_CALL_ENV, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(
+        f"{AGREE_EVERY_CALL_ENV} must be one of {_TRUE + _FALSE[1:]} (or unset), got "
+        f"{os.environ[AGREE_EVERY_CALL_ENV]!r}"
+    )
+
+
+class _Plans:
+    """A bounded cache of a layout's planned calls, least recently used dropped first."""
+
+    def __init__(self) -> None:
+        self._plans: collections.OrderedDict[Hashable, object] = collections.OrderedDict()
+
+    def get(self, key: Hashable) -> object | None:
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key: Hashable, plan: object) -> None:
+        self._plans[key] = plan
+        if len(self._plans) > PLANS_KEPT:
+            self._plans.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+@attrs.define(eq=False)
+class _State:
+    """A layout's mutable inside: its planned calls, the shard lengths a layout of equal shards
+    learns at its first call, and its rotary positions per device."""
+
+    plans: _Plans = attrs.field(factory=_Plans)
+    lengths: tuple[int, ...] | None = None
+    positions: dict[tuple[torch.device, int], torch.Tensor] = attrs.field(factory=dict)
+
+
+@attrs.frozen(init=False, eq=False)
+class SequenceLayout:
+    """How the tokens of one batch sit (see the module docstring); made once per batch.
+
+    - ``cu_seqlens``: packed documents, a 1-D integer tensor ``[0, e_1, ..., L]`` of global
+      positions, shared by every batch row (flash-attn's convention).
+    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding; each row's valid positions one
+      contiguous run. Not with ``cu_seqlens``.
+    - ``process_group``: ``None`` (one process), a ``ProcessGroup``, a 1-D ``DeviceMesh``,
+      ``(mesh, "cp")``, or a 2-D layout for ``communicator="hybrid"`` (``(mesh, ("ring",
+      "ulysses"))`` or ``(outer group, inner group)``).
+    - ``shard_length``: the positions this rank holds (shards may differ); default: equal
+      shards.
+    - ``agree_every_call``: check and agree every call (debugging); default: the environment
+      variable ``RINGDILATED_AGREE_EVERY_CALL``.
+
+    Both tensors are read to the host here, once. On a process group the constructor is
+    collective (every rank must build its layout together) and every error raises on every
+    rank. Raises ``TypeError``/``ValueError`` naming the value and the rule.
+
+    Attributes: ``group`` (the process layout, ``None`` on one process), ``rank``,
+    ``world_size``, ``length`` (the whole sequence's, ``None`` until a call says it when
+    nothing else does), ``shard_lengths`` (every rank's, likewise), ``documents``,
+    ``padding`` (rows of equal padding), ``batch`` (the padding mask's rows, else ``None``).
+    """
+
+    group: object = attrs.field(repr=False)
+    rank: int
+    world_size: int
+    documents: Documents | None
+    padding: tuple[Rows, ...] | None
+    batch: int | None
+    agree_every_call: bool
+    _length: int | None = attrs.field(alias="_length")
+    _state: _State = attrs.field(alias="_state", repr=False)
+
+    def __init__(
+        self,
+        *,
+        cu_seqlens: object = None,
+        key_padding_mask: object = None,
+        process_group: object = None,
+        shard_length: int | None = None,
+        agree_every_call: bool | None = None,
+    ) -> None:
+        group = grid.as_process_group(process_group)
+        ranks = grid.group_size(group)  # a process layout or None: raises on this rank only
+        read: _Read | None = None
+        error: Exception | None = None
+        try:
+            read = _read(cu_seqlens, key_padding_mask, shard_length, agree_every_call)
+        except Exception as exc:  # on a group, every rank must hear of it
+            error = exc
+        lengths: tuple[int, ...] | None = None
+        if ranks > 1:
+            assert group is not None
+            own = shard_length if read is not None and read.shard_length is not None else -1
+            signature = None if read is None else read.signature()
+            device = _device_of(key_padding_mask, cu_seqlens)
+            differing = agree(group, error, signature, device=device, length=own)
+            if differing is not None:  # every rank gave its length and they differ
+                agree(group, error, signature, device=device)
+                lengths = differing
+            elif read is not None and read.shard_length is not None:
+                lengths = (read.shard_length,) * ranks
+        elif error is not None:
+            raise error
+        assert read is not None
+        if ranks == 1 and read.shard_length is not None:
+            lengths = (read.shard_length,)
+        # Every value below was agreed: each rank reaches the same verdict, no collective needed.
+        length, lengths = _place(read, lengths, ranks)
+        self.__attrs_init__(
+            group,
+            0 if group is None else grid.rank(group),  # type: ignore[arg-type]
+            ranks,
+            read.documents,
+            read.padding,
+            read.batch,
+            read.agree_every_call,
+            _length=length,
+            _state=_State(lengths=lengths),
+        )
+
+    @classmethod
+    def for_call(
+        cls,
+        group: object,
+        cu_seqlens: object,
+        key_padding_mask: object,
+        lengths: tuple[int, ...],
+        batch: int,
+    ) -> SequenceLayout:
+        """The layout of one call of ``batch`` rows made without a layout: read and checked on
+        this rank only (the call's own agreement covers it), for shards of ``lengths``. Raises
+        ``TypeError``/``ValueError`` naming the value."""
+        read = _read(cu_seqlens, key_padding_mask, None, False)
+        if read.batch is not None and read.batch != batch:
+            raise ValueError(
+                f"key_padding_mask must be (batch, seq_len) = ({batch}, {sum(lengths)}), got "
+                f"({read.batch}, {read.width})"
+            )
+        ranks = len(lengths)
+        length, lengths = _place(read, lengths, ranks)
+        layout = cls.__new__(cls)
+        layout.__attrs_init__(
+            group,
+            0 if group is None else grid.rank(group),  # type: ignore[arg-type]
+            ranks,
+            read.documents,
+            read.padding,
+            read.batch,
+            True,
+            _length=length,
+            _state=_State(lengths=lengths),
+        )
+        return layout
+
+    @property
+    def length(self) -> int | None:
+        """The whole sequence's length (``None``: not known until the first call)."""
+        if self._length is not None:
+            return self._length
+        lengths = self._state.lengths
+        return None if lengths is None else sum(lengths)
+
+    @property
+    def shard_lengths(self) -> tuple[int, ...] | None:
+        """Every rank's shard length (``None``: equal shards of a length the first call says)."""
+        return self._state.lengths
+
+    @property
+    def shard_start(self) -> int:
+        """Where this rank's shard begins in the sequence (``0`` on one process)."""
+        lengths = self._state.lengths
+        return 0 if lengths is None else sum(lengths[: self.rank])
+
+    @property
+    def plans(self) -> _Plans:
+        """The calls planned on this layout (see the module docstring)."""
+        return self._state.plans
+
+    def bind(self, lengths: tuple[int, ...]) -> None:
+        """Record the shard lengths a layout of equal shards learned at its first agreed call."""
+        if self._state.lengths is None:
+            self._state.lengths = lengths
+
+    def check_shard(self, length: int) -> None:
+        """Raise ``ValueError`` unless this rank's shard holds ``length`` positions (when the
+        layout knows how many)."""
+        lengths = self._state.lengths
+        if lengths is not None and lengths[self.rank] != length:
+            raise ValueError(
+                f"this call's shard holds {length} positions but its SequenceLayout holds "
+                f"{lengths[self.rank]} on rank {self.rank} (shard lengths {_brief(lengths)}): "
+                "build a new layout for each batch"
+            )
+
+    def check_batch(self, batch: int) -> None:
+        """Raise ``ValueError`` unless ``batch`` rows match the layout's padding mask."""
+        if self.batch is not None and self.batch != batch:
+            raise ValueError(
+                f"this call has batch {batch} but its SequenceLayout's key_padding_mask has "
+                f"{self.batch} rows"
+            )
+
+    def documents_for(self, batch: int, key_length: int, query_length: int) -> DocumentLayout:
+        """The documents of a call of ``batch`` rows whose keys are the whole sequence of
+        ``key_length`` and whose queries its last ``query_length`` positions."""
+        if self.padding is not None:
+            return DocumentLayout(key_length, query_length, self.padding)
+        if self.documents is not None:
+            return DocumentLayout(key_length, query_length, (Rows(0, batch, self.documents),))
+        return DocumentLayout.whole(batch, key_length, query_length)
+
+    @property
+    def description(self) -> str:
+        """The documents and padding, as every rank must hold them: a digest (they may be
+        long), or ``"none"``."""
+        if self.padding is not None:
+            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
+            return f"padding of {len(self.padding)} row groups, digest {_digest(text)}"
+        if self.documents is not None:
+            return f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
+        return "none"
+
+    def shard_positions(self, device: torch.device, shard_length: int) -> torch.Tensor:
+        """``(B', n)`` int64 on ``device``: each position of this rank's shard of
+        ``shard_length`` counted from its document's start, 0 in padding (``B' = 1`` unless rows
+        differ), for rotary embeddings; made once per device and shard length. A layout of
+        equal shards that no call has sized yet takes ``shard_length`` as every rank's (a call
+        then checks that they are)."""
+        key = (device, shard_length)
+        cached = self._state.positions.get(key)
+        if cached is None:
+            lengths = self._state.lengths or (shard_length,) * self.world_size
+            length, start = sum(lengths), sum(lengths[: self.rank])
+            rows = self.documents_for(self.batch or 1, length, length)
+            whole = rows.positions(device)
+            cached = self._state.positions[key] = whole[:, start : start + shard_length]
+        return cached
+
+
+@attrs.frozen
+class _Read:
+    """What one rank passed, checked on its own."""
+
+    documents: Documents | None
+    padding: tuple[Rows, ...] | None
+    batch: int | None
+    width: int | None  # the length the documents or the padding mask say
+    shard_length: int | None
+    agree_every_call: bool
+
+    def signature(self) -> LayoutSignature:
+        if self.padding is not None:
+            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
+            documents = f"padding of {self.batch} rows, digest {_digest(text)}"
+        elif self.documents is not None:
+            documents = f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
+        else:
+            documents = "none"
+        return LayoutSignature(
+            documents=documents,
+            shard_length="given" if self.shard_length is not None else "equal shards",
+            agree_every_call=str(self.agree_every_call),
+        )
+
+
+def _read(
+    cu_seqlens: object, key_padding_mask: object, shard_length: object, every_call: object
+) -> _Read:
+    if cu_seqlens is not None and key_padding_mask is not None:
+        raise ValueError(
+            "pass cu_seqlens (packed documents) or key_padding_mask (one padded document per "
+            "row), not both"
+        )
+    if shard_length is not None and (
+        isinstance(shard_length, bool) or not isinstance(shard_length, int) or shard_length < 1
+    ):
+        raise ValueError(
+            f"shard_length must be a positive int (this rank's positions) or None, got "
+            f"{safe_repr(shard_length)}"
+        )
+    if every_call is None:
+        every_call = agree_every_call_default()
+    elif not isinstance(every_call, bool):
+        raise TypeError(f"agree_every_call must be a bool or None, got {safe_repr(every_call)}")
+    documents = padding = batch = width = None
+    if cu_seqlens is not None:
+        documents = read_documents(cu_seqlens, None)
+        width = documents[-1][1]
+    if key_padding_mask is not None:
+        padding = read_padding(key_padding_mask, None, None)
+        assert isinstance(key_padding_mask, torch.Tensor)
+        batch, width = key_padding_mask.shape
+    return _Read(documents, padding, batch, width, shard_length, every_call)  # type: ignore[arg-type]
+
+
+def _place(
+    read: _Read, lengths: tuple[int, ...] | None, ranks: int
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(length, shard lengths)`` from what the documents, the padding and the shard lengths
+    say, which must agree; equal shards of a known length; ``(None, None)`` when nothing says."""
+    width = read.width
+    if lengths is not None:
+        empty = next((r for r, n in enumerate(lengths) if n < 1), None)
+        if empty is not None:
+            raise ValueError(
+                f"every rank's shard must hold at least one position, got shard lengths "
+                f"{_brief(lengths)} (rank {empty} holds {lengths[empty]})"
+            )
+        total = sum(lengths)
+        shards = "" if ranks == 1 else f" (every rank's shard: {_brief(lengths)})"
+        if read.documents is not None and width != total:
+            raise ValueError(
+                f"cu_seqlens must run from 0 to the sequence length {total}{shards}, got "
+                f"{list(_bounds(read.documents))}"
+            )
+        if read.padding is not None and width != total:
+            raise ValueError(
+                f"key_padding_mask must be (batch, seq_len) = ({read.batch}, {total}){shards}, "
+                f"got ({read.batch}, {width})"
+            )
+        return total, lengths
+    if width is None:
+        return None, None
+    if width % ranks:
+        raise ValueError(
+            f"the sequence length {width} must be a multiple of the {ranks} ranks for equal "
+            "shards (or pass every rank's shard_length)"
+        )
+    return width, (width // ranks,) * ranks
+
+
+def _bounds(documents: Documents) -> tuple[int, ...]:
+    """``cu_seqlens`` of ``documents`` (they tile ``[0, L)``)."""
+    return (0, *(stop for _, stop in documents))
+
+
+def _device_of(*tensors: object) -> object:
+    for x in tensors:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return None
+
+
+def _digest(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _brief(values: tuple[int, ...]) -> str:
+    if len(values) <= 8:
+        return str(tuple(values))
+    return f"({', '.join(map(str, values[:4]))}, ..., {', '.join(map(str, values[-2:]))})"

@@ -1,0 +1,177 @@
+"""A planned layer call issues kernels and the data exchange only (issue 20, docs/distributed.md).
+
+Counted by :class:`ringdilated.testing.hot_path.HotPathCounter` (a ``TorchDispatchMode`` for
+device reads and tensors made from Python data, wrappers for ``tolist``/``cpu``/``numpy`` and
+every ``torch.distributed`` collective): with a ``SequenceLayout``, and in every one-process call
+without documents or padding, a layer call in steady state makes no host read, no copy from
+Python data and no collective but the data exchange, forward and backward. The results of the
+counted calls are checked against the float64 oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import ringdilated
+from ringdilated.testing import oracle
+from ringdilated.testing.hot_path import HotPathCounter
+from tests.distributed_harness import Workers
+
+TASKS = "tests.hot_path_tasks"
+SEGMENTS, RATES = [8, 16, 32], [1, 2, 4]
+
+
+def _zero(counts: HotPathCounter) -> None:
+    assert counts.host_traffic == 0, counts
+
+
+def _grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int) -> tuple[Any, ...]:
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def _inputs(batch: int = 2, length: int = 32, dtype: torch.dtype = torch.float64) -> list[Any]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        torch.randn(batch, length, h, 8, generator=g, dtype=dtype).requires_grad_()
+        for h in (4, 2, 2)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_every_module_in_steady_state_makes_no_host_traffic(mode: str) -> None:
+    torch.manual_seed(0)
+    from ringdilated.rotary import rotary_embedding
+
+    kw = {"segment_lengths": SEGMENTS, "dilation_rates": RATES, "mode": mode, "causal": True}
+    modules = [
+        (ringdilated.DilatedAttention(SEGMENTS, RATES, mode=mode, causal=True), "qkv"),
+        (ringdilated.MultiheadDilatedAttention(32, 4, num_kv_heads=2, dtype=torch.float64, **kw),
+         "mha"),
+        (ringdilated.MultiheadDilatedAttention(32, 4, dtype=torch.float64,
+                                               rotary=rotary_embedding, **kw), "mha"),
+        (ringdilated.DilatedTransformerBlock(32, 4, dtype=torch.float64, **kw), "block"),
+    ]  # fmt: skip
+    for module, kind in modules:
+        if kind == "qkv":
+            args = _inputs()
+        else:
+            x = torch.randn(2, 32, 32, dtype=torch.float64, requires_grad=True)
+            args = [x, x, x] if kind == "mha" else [x]
+
+        def step() -> None:
+            result = module(*args)
+            out = result[0] if isinstance(result, tuple) else result
+            out.sum().backward()
+
+        step()  # the first call plans
+        with HotPathCounter() as counts:
+            step()
+        _zero(counts)
+
+
+def test_a_layout_with_documents_or_padding_makes_no_host_traffic() -> None:
+    q, k, v = _inputs()
+    documents = ringdilated.SequenceLayout(cu_seqlens=torch.tensor([0, 5, 21, 32]))
+    padding = ringdilated.SequenceLayout(
+        key_padding_mask=torch.tensor([[False] * 27 + [True] * 5, [True] * 3 + [False] * 29])
+    )
+    for layout, extra in (
+        (documents, {"cu_seqlens": torch.tensor([0, 5, 21, 32])}),
+        (padding, {"key_padding_mask": padding_mask()}),
+    ):
+        for mode in ("head_groups", "longnet"):
+            kw = {"mode": mode, "causal": True}
+            ringdilated.dilated_attention(q, k, v, SEGMENTS, RATES, layout=layout, **kw)
+            with HotPathCounter() as counts:
+                out = ringdilated.dilated_attention(q, k, v, SEGMENTS, RATES, layout=layout, **kw)
+                grads = _grads(out, (q, k, v), 1)
+            _zero(counts)
+            expected = oracle(q, k, v, SEGMENTS, RATES, **kw, **extra)
+            assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+            for a, e in zip(grads, _grads(expected, (q, k, v), 1), strict=True):
+                assert torch.allclose(a, e, atol=1e-12, rtol=0)
+
+
+def padding_mask() -> torch.Tensor:
+    return torch.tensor([[False] * 27 + [True] * 5, [True] * 3 + [False] * 29])
+
+
+def test_without_a_layout_documents_are_read_every_call() -> None:
+    """The per-call form keeps working as before: it reads its documents every call."""
+    q, k, v = _inputs()
+    with HotPathCounter() as counts:
+        ringdilated.dilated_attention(q, k, v, SEGMENTS, RATES, cu_seqlens=torch.tensor([0, 32]))
+    assert counts.host_reads >= 1, counts
+
+
+def _case(world: int, layout: str, communicator: str, **overrides: Any) -> dict[str, Any]:
+    lengths = {
+        ("equal", 2): [16, 16], ("equal", 4): [8, 8, 8, 8],
+        ("uneven", 2): [11, 21], ("uneven", 4): [5, 11, 9, 7],
+    }[("equal" if layout != "uneven" else "uneven", world)]  # fmt: skip
+    case = {
+        "lengths": lengths,
+        "layout": layout,
+        "communicator": communicator,
+        "process": "grid" if communicator == "hybrid" else "group",
+        "mode": "head_groups",
+        "causal": True,
+        "return_lse": False,
+        "segments": SEGMENTS,
+        "rates": RATES,
+        "cu_seqlens": [0, 3, 13, 32],
+        "padding": [[False] * 29 + [True] * 3, [True] * 2 + [False] * 30, [False] * 32],
+    }
+    case.update(overrides)
+    return case
+
+
+def _check(case: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(results):
+        assert r["second"][:3] == (0, 0, 0), (rank, r["second"][:3], r["second"][3][:20])
+        assert r["third"] == (0, 0, 0), (rank, r["third"], r["events"])
+        assert r["exchanges"] > 0, "the calls moved data"
+    full, dout, dlse = results[0]["full"], results[0]["dout"], results[0]["dlse"]
+    q, k, v = (x.clone().requires_grad_() for x in full)
+    extra: dict[str, Any] = {}
+    if case["layout"] == "documents":
+        extra["cu_seqlens"] = torch.tensor(case["cu_seqlens"])
+    if case["layout"] == "padding":
+        extra["key_padding_mask"] = torch.tensor(case["padding"])
+    out, lse = oracle(
+        q, k, v, SEGMENTS, RATES, mode=case["mode"], causal=case["causal"], return_lse=True,
+        **extra,
+    )  # fmt: skip
+    loss = (out * dout).sum()
+    if case["return_lse"]:
+        loss = loss + (lse.masked_fill(lse.isneginf(), 0) * dlse).sum()
+    expected_grads = torch.autograd.grad(loss, (q, k, v))
+    # lse comes back in float32 (docs/spec.md, section 1), so its gradient arrives rounded to it.
+    atol = 1e-6 if case["return_lse"] else 1e-10
+    for r in results:
+        shard = slice(*r["shard"])
+        assert torch.allclose(r["out"], out[:, shard].detach(), atol=1e-10, rtol=0)
+        for a, e in zip(r["grads"], expected_grads, strict=True):
+            assert torch.allclose(a, e[:, shard], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses"])
+@pytest.mark.parametrize("layout", ["equal", "uneven", "documents", "padding"])
+def test_two_ranks_make_no_host_traffic_in_steady_state(
+    workers2: Workers, communicator: str, layout: str
+) -> None:
+    case = _case(2, layout, communicator, mode="longnet", return_lse=layout == "equal")
+    _check(case, workers2.results(f"{TASKS}:counted_layer_calls", case))
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses", "hybrid"])
+@pytest.mark.parametrize("layout", ["equal", "uneven", "documents"])
+def test_four_ranks_make_no_host_traffic_in_steady_state(
+    workers4: Workers, communicator: str, layout: str
+) -> None:
+    case = _case(4, layout, communicator, return_lse=communicator == "ulysses")
+    _check(case, workers4.results(f"{TASKS}:counted_layer_calls", case))
