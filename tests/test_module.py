@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ringdilated
-from ringdilated.core.driver import DilatedAttentionFunction, RowBlocks, Run
+from ringdilated.core.driver import CallState, DilatedAttentionFunction, RowBlocks, Run
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
@@ -85,11 +85,10 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
         scale=0.5,
         causal=True,
         dropout_p=0.4,
-        dropout_seed=7,
     )
 
     def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = DilatedAttentionFunction.apply(a, b, c, run)
+        out, lse = DilatedAttentionFunction.apply(a, b, c, run, CallState(seed=7))
         return out, lse.masked_fill(torch.isneginf(lse), 0.0)  # unselected rows: constant -inf
 
     torch.autograd.gradcheck(fn, (q, k, v))  # raises on a mismatch
@@ -128,6 +127,7 @@ def test_chunked_execution_equals_unchunked() -> None:
                     causal=True,
                     chunk_elements=n,
                 ),
+                CallState(),
             )[0]
             for n in (1, 40, 1 << 23)
         ]

@@ -71,11 +71,14 @@ def attend(
     key_padding_mask: object = None,
     layout: object = None,
     full_precision_lse: bool = False,
+    lse_needed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
     the call's :class:`~ringdilated.core.call.CallPlan` (``full_precision_lse``: the lse in the
     accumulation dtype, float64 for float64 inputs, for callers that merge results further).
     ``lse`` carries a gradient only with ``return_lse=True`` (every rank then exchanges it).
+    ``lse_needed=False``: the caller discards ``lse`` (it may then come back ``None`` from a
+    call that runs no backward).
 
     ``layout``: the batch's :class:`~ringdilated.SequenceLayout`; a call with the signature of
     an earlier call on it is not checked or agreed again (see
@@ -112,8 +115,10 @@ def attend(
     ):
         out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
         return out, lse if full_precision_lse else lse.float(), None
-    out, lse, plan = _attend_eager(pattern, q, k, v, options, resolver, process_group, layout)
-    return out, lse if full_precision_lse else lse.float(), plan
+    out, lse, plan = _attend_eager(
+        pattern, q, k, v, options, resolver, process_group, layout, lse_needed
+    )
+    return out, lse if full_precision_lse or lse is None else lse.float(), plan
 
 
 _WHOLE_SEQUENCES = SequenceLayout(agree_every_call=False)
@@ -160,8 +165,7 @@ def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
-def _attend_eager(
+def _attend_planned(
     pattern: DilationPattern | PatternArgs,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,20 +174,21 @@ def _attend_eager(
     resolver: Resolver | None,
     process_group: object,
     layout: object,
+    lse_needed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
-    """The eager path: never traced by dynamo (the resolver, the plan and the process group are
-    Python state), so from inside ``torch.compile`` it is a graph break."""
-    options = CallOptions(**arguments)
-    on = call_layout(layout, process_group, options.cu_seqlens, options.key_padding_mask)
+    """The eager path: the call's plan (found on its layout, or made), then its kernels and
+    exchanges."""
+    on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
     chosen = resolver or default_resolver()
     key = None
     plan = None
     if on is not None and not on.agree_every_call:
-        key = plan_key(pattern, q, k, v, options, chosen, on)
+        key = plan_key(pattern, q, k, v, arguments, chosen, on)
         if key is not None:
             plan = on.plans.get(key)  # type: ignore[assignment]
     if plan is None:
         group = on.group if on is not None else as_process_group(process_group)
+        options = CallOptions(**arguments)
         plan = prepare_call(pattern, q, k, v, options, chosen, group, layout=on)
         if key is not None:
             on.plans.put(key, plan)  # type: ignore[union-attr]
@@ -191,10 +196,34 @@ def _attend_eager(
         plan.check_shard(q, k, v)
     suffix = q.shape[1] != k.shape[1]
     q, k, v = q.contiguous(), _kv_operand(k, suffix), _kv_operand(v, suffix)
-    stats = options.transfer_stats
-    call = CallState(draw_seed(plan.dropout_p), stats, plan.lse_used)  # type: ignore[arg-type]
+    stats = arguments["transfer_stats"]
+    needed = lse_needed or plan.lse_used
+    if plan.dropout_p == 0.0 and stats is None:
+        call = _NO_DROPOUT[plan.lse_used, needed]
+    else:
+        call = CallState(
+            draw_seed(plan.dropout_p),
+            stats,  # type: ignore[arg-type]
+            plan.lse_used,
+            needed,
+        )
     out, lse = plan.apply(q, k, v, call)
     return out, lse, plan
+
+
+_NO_DROPOUT = {
+    (used, needed): CallState(0, None, used, needed)
+    for used in (False, True)
+    for needed in (False, True)
+}
+"""The calls without dropout or byte counting differ in nothing else: one state each."""
+
+
+_attend_eager = torch.compiler.disable(_attend_planned)
+"""The eager path as every caller reaches it: never traced by dynamo (the resolver, the plan and
+the process group are Python state), so from inside a compiled region it is a graph break; and
+never entered by dynamo's frame callback either, which a compiled region's eager fallback
+would otherwise run on every function it calls."""
 
 
 def _attend_compiled(
@@ -391,5 +420,6 @@ def dilated_attention(
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
         layout=layout,
+        lse_needed=return_lse is True,
     )
     return (out, lse) if return_lse else out

@@ -106,8 +106,11 @@ class DilatedAttention(nn.Module):
             cu_seqlens=cu_seqlens,
             key_padding_mask=key_padding_mask,
             layout=layout,
+            lse_needed=return_lse is True,
         )
-        if call is not None:  # None under torch.compile, where the op resolves in the graph
+        # None under torch.compile, where the op resolves in the graph; the same plan object in
+        # steady state (nn.Module's __setattr__ costs microseconds: skip it then).
+        if call is not None and call is not self.call:
             self.plan, self.call = call.kernel, call
         return (out, lse) if return_lse else out
 

@@ -28,7 +28,7 @@ from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
 from ringdilated.core.cost import PieceSize, link_for
 from ringdilated.core.driver import CallState, DilatedAttentionFunction, Executor, Run, pattern_run
-from ringdilated.core.dtypes import warn_if_slow
+from ringdilated.core.dtypes import autocast_off, warn_if_slow
 from ringdilated.core.grid import Grid, as_process_group, group_size
 from ringdilated.core.head_parallel import HeadParallelRun
 from ringdilated.core.heads import deal_heads, share_blocks, share_plan
@@ -161,6 +161,16 @@ class CallPlan:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of one call: ``q`` contiguous; ``k``, ``v`` any strides whose last
         is 1 (see :class:`~ringdilated.core.driver.Run`)."""
+        if len(self.parts) == 1:
+            rows, executor = self.parts[0]
+            if rows is None:
+                if not torch.is_grad_enabled() or not (
+                    q.requires_grad or k.requires_grad or v.requires_grad
+                ):  # no autograd node to build (it costs microseconds)
+                    with autocast_off(q.device.type):
+                        return executor.forward(q, k, v, call)
+        if not call.lse_needed:  # a backward runs: it needs the lse
+            call = attrs.evolve(call, lse_needed=True)
         if len(self.parts) == 1:
             rows, executor = self.parts[0]
             if rows is None:
@@ -542,54 +552,64 @@ def plan_key(
     q: object,
     k: object,
     v: object,
-    options: CallOptions,
+    options: dict[str, object],
     resolver: Resolver,
     layout: SequenceLayout,
 ) -> tuple[object, ...] | None:
     """What a plan on ``layout`` depends on, as a hashable key: every argument
-    :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options; the
-    resolver; whether a backward will run), so that a call with the key of a planned one is
-    valid and planned alike. On a process group the shards' lengths are left out: the layout
-    holds them, and :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything
-    not simply a dense tensor or not hashable (such a call is planned, and checked, anew)."""
+    :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
+    as :class:`CallOptions`' fields, with their types: ``1`` is no valid ``causal`` though it
+    equals ``True``; the resolver; whether a backward will run), so that a call with the key of
+    a planned one is valid and planned alike. On a process group the shards' lengths are left
+    out: the layout holds them, and :meth:`CallPlan.check_shard` compares them at once.
+    ``None`` for anything not simply a dense tensor or not hashable (such a call is planned,
+    and checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
     assert isinstance(v, torch.Tensor)
-    if q.is_nested or k.is_nested or v.is_nested or q.layout != torch.strided:
+    if q.is_nested or k.is_nested or v.is_nested:
         return None
-    if k.layout != torch.strided or v.layout != torch.strided:
+    if not (q.layout == k.layout == v.layout == torch.strided):
         return None
-    stats = options.transfer_stats
+    stats = options["transfer_stats"]
     if stats is not None and not isinstance(stats, TransferStats):
         return None
-    try:
-        pattern: object = pattern_args
-        if not isinstance(pattern_args, DilationPattern):
-            # Values and their types: (8, True) equals (8, 1), but only one of them is valid.
-            pattern = tuple(
-                (tuple(x), tuple(map(type, x))) if isinstance(x, (list, tuple)) else (type(x), x)
-                for x in pattern_args
-            )
-        shapes: tuple[object, ...] = (q.shape, k.shape, v.shape)
-        if layout.world_size > 1:
-            shapes = tuple((x[0], *x[2:]) for x in shapes)  # type: ignore[index]
-        key = (
-            pattern,
-            shapes,
-            q.dtype,
-            k.dtype,
-            v.dtype,
-            q.device,
-            k.device,
-            v.device,
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-            *((type(x), x) for x in (options.causal, options.scale, options.dropout_p)),
-            (type(options.return_lse), options.return_lse),
-            options.kernel,
-            options.communicator,
-            resolver,
+    shapes: tuple[object, ...] = (q.shape, k.shape, v.shape)
+    if layout.world_size > 1:
+        shapes = tuple((x[0], *x[2:]) for x in shapes)  # type: ignore[index]
+    pattern: object = pattern_args
+    if not isinstance(pattern_args, DilationPattern):
+        # Values and their types: (8, True) equals (8, 1), but only one of them is valid.
+        pattern = tuple(
+            (tuple(x), tuple(map(type, x))) if isinstance(x, (list, tuple)) else (type(x), x)
+            for x in pattern_args
         )
+    causal, scale, dropout_p = options["causal"], options["scale"], options["dropout_p"]
+    return_lse = options["return_lse"]
+    key = (
+        pattern,
+        shapes,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        type(causal),
+        causal,
+        type(scale),
+        scale,
+        type(dropout_p),
+        dropout_p,
+        type(return_lse),
+        return_lse,
+        options["kernel"],
+        options["communicator"],
+        resolver,
+    )
+    try:
         hash(key)
     except TypeError:  # an unhashable argument: plan (and validate) this call anew
         return None

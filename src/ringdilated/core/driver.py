@@ -65,11 +65,18 @@ class CallState:
     no dropout, seeds unused); ``stats`` collects the bytes a sharded call moves (``None``: not
     counted); ``lse_used``: whether the caller may differentiate through ``lse`` (when
     ``False``, ``lse`` comes back without a gradient, so every rank knows no ``dlse`` will
-    arrive: the same on every rank, from the agreed call signature)."""
+    arrive: the same on every rank, from the agreed call signature); ``lse_needed``: whether
+    anyone reads ``lse`` at all (``False``: no backward and the caller discards it, so a run
+    that need not merge may return ``None`` for it and save writing it)."""
 
     seed: int = 0
     stats: TransferStats | None = None
     lse_used: bool = True
+    lse_needed: bool = True
+
+    def with_lse(self) -> CallState:
+        """This call with ``lse_needed``: for a run whose lse another merges or sends."""
+        return self if self.lse_needed else attrs.evolve(self, lse_needed=True)
 
     def derive(self, *path: int | str) -> CallState:
         """This call with the seed of its part ``path`` (:func:`derive_seed`; unchanged without
@@ -326,18 +333,27 @@ class Run:
         ``q`` is contiguous (see :meth:`steps`)."""
         B, Lq, H, _ = q.shape
         acc = accumulation_dtype(q.dtype)
-        lse = lse_buffer(B, H, Lq, acc, q.device)
         steps = self.steps(q, k, v)
         kernel, seed = self.kernel, call.seed
+        dropout = self.dropout_p > 0.0
+        qo, ko, vo = q.storage_offset(), k.storage_offset(), v.storage_offset()
         if self.exclusive:
+            # Each (position, head) is one block's: results are copied, the lse only if read.
+            lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed else None
             out = self._result_buffer(q, q.dtype, exclusive=self.covers_queries)
             for step in steps:
+                sq, sk, sv, sl = step.q, step.k, step.v, step.lse
                 out_b, lse_b = kernel.forward(
-                    step.q.of(q), step.k.of(k), step.v.of(v), step.seeded(seed)
+                    q.as_strided(sq.size, sq.stride, qo + sq.offset),
+                    k.as_strided(sk.size, sk.stride, ko + sk.offset),
+                    v.as_strided(sv.size, sv.stride, vo + sv.offset),
+                    step.seeded(seed) if dropout else step.options,
                 )
-                step.q.of(out).copy_(out_b)
-                step.lse.of(lse).copy_(lse_b)
-            return out, lse
+                out.as_strided(sq.size, sq.stride, sq.offset).copy_(out_b)
+                if lse is not None:
+                    lse.as_strided(sl.size, sl.stride, sl.offset).copy_(lse_b)
+            return out, lse  # type: ignore[return-value]
+        lse = lse_buffer(B, H, Lq, acc, q.device)
         state = torch.zeros(q.shape, dtype=acc, device=q.device)
         for step in steps:
             out_b, lse_b = kernel.forward(
@@ -358,7 +374,7 @@ class Run:
             return torch.zeros(like.shape, dtype=dtype, device=like.device)
         buffer = torch.empty(like.shape, dtype=dtype, device=like.device)
         for first, stop in self.zero_heads(like.shape[2], kv):
-            buffer[:, :, first:stop].zero_()
+            buffer.narrow(2, first, stop - first).zero_()
         return buffer
 
     def backward(

@@ -67,6 +67,11 @@ def autocast_inputs(*tensors: object) -> tuple[object, ...]:
     """``tensors`` cast to the autocast dtype of their device type where autocast is on there
     (SDPA's policy: attention computes in the lower precision); anything else unchanged. Like
     autocast itself, float64 is left alone (only float32 and lower precisions are eligible)."""
+    first = tensors[0] if tensors else None
+    if isinstance(first, torch.Tensor) and not autocast_enabled(first.device.type):
+        # The common case, decided by the first tensor alone: tensors on devices that differ
+        # from it are rejected by the call's validation whatever autocast does to them.
+        return tensors
     out: list[object] = []
     for x in tensors:
         if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:

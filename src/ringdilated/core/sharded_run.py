@@ -119,7 +119,7 @@ def sharded_forward(
     me = run.plan.rank
     exchange = PieceExchange(run, k, v, call.stats)
     exchange.start()
-    call = call.derive("shard", run.rank)
+    call = call.derive("shard", run.rank).with_lse()
     out, lse = run.inner.forward(q, k, v, call, keep_state=True)
     index = {c: i for i, c in enumerate(run.plan.crossings)}
     states: dict[Crossing, Accumulator] = {}
