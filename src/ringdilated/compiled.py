@@ -1,33 +1,285 @@
-"""The single-process call as a ``torch.library`` custom op, so ``torch.compile`` sees one opaque
-node with a fake (shape-only) implementation and registered gradients, never a graph break.
+"""Dilated attention as ``torch.library`` custom ops: one opaque node for ``torch.compile``, for
+selective activation checkpointing and for CUDA graphs.
 
-:func:`ringdilated.functional.attend` routes here while ``torch.compiler.is_compiling()`` and
-the call is single-process; eager calls keep the ``autograd.Function`` path. Both run the same
-driver, so results are identical. The op re-resolves its kernel from its arguments (a cached
-lookup), so the compiled graph holds no Python objects; the dropout seed is a tensor drawn in
-the graph, so each compiled call draws new masks without recompiling.
+- ``ringdilated::attention`` (backward: ``ringdilated::attention_backward``): a call on a
+  :class:`~ringdilated.SequenceLayout`, which the op takes as an opaque argument
+  (:mod:`ringdilated.core.opaque`): a new layout per batch reuses the compiled graph. The op finds
+  the call's plan on the layout (made, and agreed on a process group, at the layout's first call
+  with that signature) and runs it: on a layout in steady state it reads nothing on the host, so
+  CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a selective
+  activation-checkpointing policy can keep its output by name (``torch.ops.ringdilated.
+  attention.default``) instead of running its exchanges again. A sharded call without a layout
+  passes the names of its process groups instead, and the op plans (and agrees on) each call.
+- ``ringdilated::dilated_attention`` (backward: ``ringdilated::dilated_attention_backward``): a
+  one-process call given ``cu_seqlens`` or ``key_padding_mask`` tensors under ``torch.compile``;
+  it reads their values on the host every call (tagged ``torch.Tag.cudagraph_unsafe``): pass a
+  layout instead.
+
+Both re-find their plan from their arguments (a cached lookup), so a graph holds no Python state
+but the layout; the dropout seed is a tensor drawn in the graph, so each call draws new masks
+without recompiling (reading it is one read of a CPU scalar, never of the device).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ringdilated.core import opaque
 from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.call import CallOptions, prepare_call
-from ringdilated.core.driver import CallState, Run, as_lse_layout, first_order_only, lse_buffer
+from ringdilated.core.call import WHOLE_SEQUENCES, CallOptions, operands, plan_for, prepare_call
+from ringdilated.core.communicator import TransferStats
+from ringdilated.core.driver import (
+    CallState,
+    Run,
+    as_lse_layout,
+    first_order_only,
+    lse_buffer,
+)
 from ringdilated.core.dtypes import autocast_off
+from ringdilated.core.grid import Grid
+from ringdilated.core.sequence_layout import SequenceLayout
 
-__all__ = ["dilated_attention_backward_op", "dilated_attention_op"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "NO_STATS",
+    "OP_SUPPORTED",
+    "attention_op",
+    "dilated_attention_backward_op",
+    "dilated_attention_op",
+    "group_names",
+    "last_plan",
+]
+
+OP_SUPPORTED = opaque.SUPPORTED
+"""Whether ``ringdilated::attention`` exists (torch has opaque types)."""
+
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
+"""Each op's Python implementation by op name: what a ``TorchDispatchMode`` that must see the
+ops inside an op (:class:`~ringdilated.testing.hot_path.HotPathCounter`) runs in its place."""
+
+NO_STATS = TransferStats()
+"""What ``ringdilated::attention`` takes for "count no bytes" (an op argument cannot be None)."""
+
+
+def group_names(group: object) -> tuple[str, str]:
+    """The names of a process layout's groups, which the op resolves again: ``("", "")`` on one
+    process, ``(name, "")`` for a ``ProcessGroup``, ``(outer, inner)`` for a
+    :class:`~ringdilated.core.grid.Grid`."""
+    if group is None:
+        return "", ""
+    if isinstance(group, Grid):
+        return group.outer.group_name, group.inner.group_name
+    return group.group_name, ""  # type: ignore[attr-defined]
+
+
+def _process_layout(names: Sequence[str]) -> object:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    groups = [_resolve_process_group(name) for name in names if name]
+    if not groups:
+        return None
+    return groups[0] if len(groups) == 1 else Grid(groups[0], groups[1])
+
+
+def _planned(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: SequenceLayout,
+    stats: TransferStats,
+    groups: Sequence[str],
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    mode: str,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    kernel: str,
+    communicator: str,
+    return_lse: bool,
+    backward: bool,
+) -> Any:
+    """The plan of an ``attention`` op's call (see :func:`~ringdilated.core.call.plan_for`):
+    on ``layout``, or, for the process-wide layout of whole sequences given process groups, a
+    call that plans (and agrees) by itself."""
+    from ringdilated.registry import default_resolver
+
+    arguments: dict[str, object] = {
+        "causal": causal,
+        "scale": scale,
+        "dropout_p": dropout_p,
+        "return_lse": return_lse,
+        "kernel": kernel,
+        "communicator": communicator,
+        "transfer_stats": None if stats is NO_STATS else stats,
+        "cu_seqlens": None,
+        "key_padding_mask": None,
+    }
+    per_call = layout is WHOLE_SEQUENCES and any(groups)
+    return plan_for(
+        (list(segment_lengths), list(dilation_rates), mode),
+        q,
+        k,
+        v,
+        arguments,
+        default_resolver(),
+        _process_layout(groups) if per_call else None,
+        None if per_call else layout,
+        backward=backward,
+    )
+
+
+_last = threading.local()
+
+
+def last_plan() -> Any:
+    """The plan of the last ``ringdilated::attention`` call on this thread (eager callers show
+    it in ``explain()``; a graph has no use for it)."""
+    return getattr(_last, "plan", None)
+
+
+def _state(plan: Any, seed: torch.Tensor, stats: TransferStats) -> CallState:
+    drawn = int(seed.item()) if plan.dropout_p > 0.0 else 0
+    return CallState(drawn, None if stats is NO_STATS else stats, plan.lse_used, True)
+
+
+def _define_attention_ops() -> tuple[Any, Any]:
+    """``ringdilated::attention`` and its backward (torch with opaque types only)."""
+
+    def attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seed: torch.Tensor,
+        layout: SequenceLayout,
+        stats: TransferStats,
+        group: str,
+        inner_group: str,
+        segment_lengths: list[int],
+        dilation_rates: list[int],
+        mode: str,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        kernel: str,
+        communicator: str,
+        return_lse: bool,
+        backward: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one call on ``layout`` (see the module
+        docstring); everything is checked as an eager call checks it, on every rank."""
+        plan = _planned(
+            q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+            causal, scale, dropout_p, kernel, communicator, return_lse, backward,
+        )  # fmt: skip
+        _last.plan = plan
+        q, k, v = operands(q, k, v)
+        with autocast_off(q.device.type):
+            out, lse = plan.forward(q, k, v, _state(plan, seed, stats))
+        return out, as_lse_layout(lse)
+
+    IMPLEMENTATIONS["ringdilated::attention"] = attention
+    attention = torch.library.custom_op("ringdilated::attention", mutates_args=())(attention)
+
+    @attention.register_fake
+    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> Any:
+        b, length, heads, _ = q.shape
+        out = q.new_empty(b, length, heads, v.shape[-1])
+        return out, lse_buffer(b, heads, length, accumulation_dtype(q.dtype), q.device)
+
+    def attention_backward(
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        seed: torch.Tensor,
+        layout: SequenceLayout,
+        stats: TransferStats,
+        group: str,
+        inner_group: str,
+        segment_lengths: list[int],
+        dilation_rates: list[int],
+        mode: str,
+        causal: bool,
+        scale: float | None,
+        dropout_p: float,
+        kernel: str,
+        communicator: str,
+        return_lse: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of :func:`attention` (the same plan, the same masks)."""
+        plan = _planned(
+            q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+            causal, scale, dropout_p, kernel, communicator, return_lse, True,
+        )  # fmt: skip
+        q, k, v = operands(q, k, v)
+        with autocast_off(q.device.type):
+            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = plan.backward(
+                dout.contiguous(),
+                None if dlse is None or not return_lse else as_lse_layout(dlse.to(lse.dtype)),
+                q,
+                k,
+                v,
+                out.contiguous(),
+                as_lse_layout(lse),
+                _state(plan, seed, stats),
+            )
+        return grads
+
+    IMPLEMENTATIONS["ringdilated::attention_backward"] = attention_backward
+    attention_backward = torch.library.custom_op(
+        "ringdilated::attention_backward", mutates_args=()
+    )(attention_backward)
+
+    @attention_backward.register_fake
+    def _(
+        dout: torch.Tensor, dlse: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any
+    ) -> Any:
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        q, k, v, seed, layout, stats, group, inner_group, *params = inputs
+        ctx.save_for_backward(q, k, v, seed, *output)
+        ctx.objects = (layout, stats, group, inner_group)
+        ctx.params = params[:-1]  # all but ``backward``
+
+    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
+        q, k, v, seed, out, lse = ctx.saved_tensors
+        grads = attention_backward(
+            torch.zeros_like(out) if dout is None else dout,
+            dlse,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seed,
+            *ctx.objects,
+            *ctx.params,
+        )
+        return (*first_order_only(grads, (q, k, v)), *(None,) * 15)
+
+    attention.register_autograd(backward, setup_context=setup)
+    return attention, attention_backward
+
+
+attention_op, attention_backward_op = _define_attention_ops() if OP_SUPPORTED else (None, None)
+
+
+# The one-process op of calls given cu_seqlens / key_padding_mask tensors under torch.compile.
 
 
 def _run(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seed: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     segment_lengths: Sequence[int],
@@ -63,8 +315,7 @@ def _run(
     return plan.run(q, k)
 
 
-@torch.library.custom_op("ringdilated::dilated_attention", mutates_args=())
-def dilated_attention_op(
+def _dilated_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -80,29 +331,22 @@ def dilated_attention_op(
     kernel: str,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one single-process call. The arguments the
-    caller's traced code could check are checked; the documents and padding, which need their
-    values, are checked here (before any work), as in an eager call."""
+    """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one single-process call. The documents and
+    padding, which need their values, are read and checked here (before any work), every call,
+    as in an eager call without a layout."""
     run = _run(
-        q,
-        k,
-        v,
-        seed,
-        cu_seqlens,
-        key_padding_mask,
-        segment_lengths,
-        dilation_rates,
-        mode,
-        causal,
-        scale,
-        dropout_p,
-        kernel,
-        backward,
-    )
+        q, k, v, cu_seqlens, key_padding_mask, segment_lengths, dilation_rates, mode, causal,
+        scale, dropout_p, kernel, backward,
+    )  # fmt: skip
     with autocast_off(q.device.type):
-        return run.forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), CallState(int(seed.item()))
-        )
+        seed_value = int(seed.item()) if dropout_p > 0.0 else 0
+        return run.forward(*operands(q, k, v), CallState(seed_value))
+
+
+IMPLEMENTATIONS["ringdilated::dilated_attention"] = _dilated_attention
+dilated_attention_op = torch.library.custom_op(
+    "ringdilated::dilated_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)(_dilated_attention)
 
 
 @dilated_attention_op.register_fake
@@ -121,8 +365,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     ctx.params = params
 
 
-@torch.library.custom_op("ringdilated::dilated_attention_backward", mutates_args=())
-def dilated_attention_backward_op(
+def _dilated_attention_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     q: torch.Tensor,
@@ -145,36 +388,33 @@ def dilated_attention_backward_op(
 
     The op always returns the lse, so autograd hands this backward a ``dlse`` of zeros whenever
     the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
-    only when ``dlse`` has a nonzero entry. Skipping it for zeros is exact."""
+    only when ``dlse`` has a nonzero entry (read on the host: this op reads it anyway)."""
     run = _run(
-        q,
-        k,
-        v,
-        seed,
-        cu_seqlens,
-        key_padding_mask,
-        segment_lengths,
-        dilation_rates,
-        mode,
-        causal,
-        scale,
-        dropout_p,
-        kernel,
-        True,
-    )
+        q, k, v, cu_seqlens, key_padding_mask, segment_lengths, dilation_rates, mode, causal,
+        scale, dropout_p, kernel, True,
+    )  # fmt: skip
     if dlse is not None and not bool(dlse.any()):
         dlse = None
+    q, k, v = operands(q, k, v)
     with autocast_off(q.device.type):
         return run.backward(
             dout.contiguous(),
             None if dlse is None else as_lse_layout(dlse.to(lse.dtype)),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
+            q,
+            k,
+            v,
             out,
             as_lse_layout(lse),
-            CallState(int(seed.item())),
+            CallState(int(seed.item()) if dropout_p > 0.0 else 0),
         )
+
+
+IMPLEMENTATIONS["ringdilated::dilated_attention_backward"] = _dilated_attention_backward
+dilated_attention_backward_op = torch.library.custom_op(
+    "ringdilated::dilated_attention_backward",
+    mutates_args=(),
+    tags=(torch.Tag.cudagraph_unsafe,),
+)(_dilated_attention_backward)
 
 
 @dilated_attention_backward_op.register_fake

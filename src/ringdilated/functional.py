@@ -23,20 +23,28 @@ from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
+import torch.distributed as dist
 
-from ringdilated.compiled import dilated_attention_op
+from ringdilated.compiled import (
+    NO_STATS,
+    attention_op,
+    dilated_attention_op,
+    group_names,
+    last_plan,
+)
 from ringdilated.core.call import (
-    CallOptions,
+    WHOLE_SEQUENCES,
     CallPlan,
     PatternArgs,
     as_process_group,
+    call_state,
     group_size,
-    plan_key,
-    prepare_call,
+    operands,
+    plan_for,
 )
 from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.driver import CallState, draw_seed
 from ringdilated.core.dtypes import autocast_inputs
+from ringdilated.core.grid import Grid
 from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Resolver
@@ -47,6 +55,7 @@ from ringdilated.registry import default_resolver
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
 _INT64_MAX = 2**63 - 1
+_INT64_MIN = -(2**63)
 
 world_size = group_size
 """Ranks in a process group (``None``: one process); :func:`ringdilated.core.call.group_size`."""
@@ -106,63 +115,141 @@ def attend(
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
     )
-    if (
-        isinstance(kernel, str)
-        and process_group is None
-        and layout is None
-        and resolver is None
-        and torch.compiler.is_compiling()
-    ):
-        out, lse, _ = _attend_compiled(pattern, q, k, v, options, kernel)
-        return out, lse if full_precision_lse else lse.float(), None
+    compiling = torch.compiler.is_compiling()
+    if compiling or process_group is not None or getattr(layout, "world_size", 1) > 1:
+        # Under torch.compile, and for a sharded call in eager mode too: one registered op.
+        routed = _attend_op(pattern, q, k, v, options, resolver, process_group, layout, compiling)
+        if routed is not None:
+            out, lse, plan = routed
+            return out, lse if full_precision_lse else lse.float(), plan
     out, lse, plan = _attend_eager(
         pattern, q, k, v, options, resolver, process_group, layout, lse_needed
     )
     return out, lse if full_precision_lse or lse is None else lse.float(), plan
 
 
-_WHOLE_SEQUENCES = SequenceLayout(agree_every_call=False)
-"""The layout of one-process calls made without documents, padding or a layout: every call's
-plan is kept in it, keyed by the call's signature (shapes included)."""
-
-
-def call_layout(
-    layout: object, process_group: object, cu_seqlens: object, key_padding_mask: object
-) -> SequenceLayout | None:
-    """The layout a call runs on: ``layout`` (which nothing else the call passes may
-    contradict), the process-wide one of whole sequences for a plain one-process call, or
-    ``None``: the call builds its own (and agrees on it with its signature). Raises
-    ``TypeError``/``ValueError`` naming what contradicts the layout."""
-    if layout is None:
-        if process_group is None and cu_seqlens is None and key_padding_mask is None:
-            return _WHOLE_SEQUENCES
+def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list[int], str] | None:
+    """The pattern as the ops take it (``int[]``, ``int[]``, ``str``), or ``None`` where it does
+    not fit their schema (the eager path then rejects it with its own message)."""
+    if isinstance(pattern, DilationPattern):
+        segments, rates, mode = pattern.segment_lengths, pattern.dilation_rates, pattern.mode
+    else:
+        segments, rates, mode = pattern
+    if not (isinstance(segments, (list, tuple)) and isinstance(rates, (list, tuple))):
         return None
+    if not isinstance(mode, str):
+        return None
+    for x in (*segments, *rates):
+        if type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX:
+            return None
+    return list(segments), list(rates), mode
+
+
+def _plain(x: object) -> bool:
+    """Whether ``x`` is a dense tensor with data: what reaches the op's own implementation on
+    every rank (a nested, sparse or meta tensor would be dispatched elsewhere on its rank alone,
+    stranding its peers: the eager path rejects it on every rank)."""
+    return (
+        type(x) is torch.Tensor
+        and not x.is_nested
+        and x.layout == torch.strided
+        and x.device.type != "meta"
+    )
+
+
+def _attend_op(
+    pattern: DilationPattern | PatternArgs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    options: dict[str, object],
+    resolver: Resolver | None,
+    process_group: object,
+    layout: object,
+    compiling: bool,
+) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None] | None:
+    """The call as one registered op (:mod:`ringdilated.compiled`), or ``None`` where it cannot
+    be one (a kernel or communicator instance, a resolver, an argument the op's schema cannot
+    take, or a torch without opaque types): the caller then runs it eagerly (under
+    ``torch.compile``, behind a graph break). The op validates everything as the eager path
+    does, on every rank. Returns the plan too in eager mode (for ``explain()``)."""
+    kernel, communicator = options["kernel"], options["communicator"]
+    scale, dropout_p = options["scale"], options["dropout_p"]
+    causal, return_lse = options["causal"], options["return_lse"]
+    documents = options["cu_seqlens"] is not None or options["key_padding_mask"] is not None
+    if not (isinstance(kernel, str) and isinstance(communicator, str) and resolver is None):
+        return None
+    if type(causal) is not bool or type(return_lse) is not bool:
+        return None
+    if scale is not None and type(scale) not in (int, float):
+        return None
+    if type(dropout_p) not in (int, float):
+        return None
+    fields = _op_pattern(pattern)
+    if fields is None or not (compiling or all(_plain(x) for x in (q, k, v))):
+        return None
+    stats = options["transfer_stats"]
+    if stats is not None and not isinstance(stats, TransferStats):
+        return None
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    seed = (
+        torch.randint(1, 2**62, (), dtype=torch.int64)
+        if dropout_p > 0
+        else torch.zeros((), dtype=torch.int64)
+    )
+    if layout is None and process_group is None and documents:
+        if not compiling:
+            return None
+        for name in ("cu_seqlens", "key_padding_mask"):
+            if options[name] is not None and not isinstance(options[name], torch.Tensor):
+                return None
+        out, lse = dilated_attention_op(
+            q,
+            k,
+            v,
+            seed,
+            options["cu_seqlens"],  # type: ignore[arg-type]
+            options["key_padding_mask"],  # type: ignore[arg-type]
+            *fields,
+            causal,
+            float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+            float(dropout_p),
+            kernel,
+            backward,
+        )
+        return out, lse, None
+    if attention_op is None or documents and layout is not None:
+        return None
+    if layout is None:
+        if documents:  # a sharded call's documents: its own layout, read per call (eager)
+            return None
+        layout = WHOLE_SEQUENCES
     if not isinstance(layout, SequenceLayout):
-        raise TypeError(
-            f"layout must be a ringdilated.SequenceLayout or None, got {type(layout).__name__}"
-        )
-    for name, value in (("cu_seqlens", cu_seqlens), ("key_padding_mask", key_padding_mask)):
-        if value is not None:
-            raise ValueError(
-                f"pass {name} to the SequenceLayout, not with layout= (the layout holds the "
-                "batch's documents and padding)"
-            )
-    if process_group is not None and as_process_group(process_group) != layout.group:
-        raise ValueError(
-            f"process_group {process_group!r} contradicts the layout's process group "
-            f"{layout.group!r}: build the SequenceLayout on the call's process group"
-        )
-    return layout
-
-
-def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
-    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix
-    reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
-    or when it has one batch row; else contiguous (so batch rows and segments merge into one
-    kernel call)."""
-    if query_suffix or x.shape[0] == 1 or x.is_contiguous():
-        return x if x.stride(-1) == 1 else x.contiguous()
-    return x.contiguous()
+        return None
+    groups = ("", "")
+    if layout is WHOLE_SEQUENCES:
+        group = as_process_group(process_group)
+        if group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
+            return None  # the eager path names what it is instead
+        groups = group_names(group)
+    out, lse = attention_op(
+        q,
+        k,
+        v,
+        seed,
+        layout,
+        stats if stats is not None else NO_STATS,
+        *groups,
+        *fields,
+        causal,
+        None if scale is None else float(scale),
+        float(dropout_p),
+        kernel,
+        communicator,
+        return_lse,
+        backward,
+    )
+    return out, lse, None if compiling else last_plan()
 
 
 def _attend_planned(
@@ -177,46 +264,14 @@ def _attend_planned(
     lse_needed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
     """The eager path: the call's plan (found on its layout, or made), then its kernels and
-    exchanges."""
-    on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
-    chosen = resolver or default_resolver()
-    key = None
-    plan = None
-    if on is not None and not on.agree_every_call:
-        key = plan_key(pattern, q, k, v, arguments, chosen, on)
-        if key is not None:
-            plan = on.plans.get(key)  # type: ignore[assignment]
-    if plan is None:
-        group = on.group if on is not None else as_process_group(process_group)
-        options = CallOptions(**arguments)
-        plan = prepare_call(pattern, q, k, v, options, chosen, group, layout=on)
-        if key is not None:
-            on.plans.put(key, plan)  # type: ignore[union-attr]
-    else:
-        plan.check_shard(q, k, v)
-    suffix = q.shape[1] != k.shape[1]
-    q, k, v = q.contiguous(), _kv_operand(k, suffix), _kv_operand(v, suffix)
-    stats = arguments["transfer_stats"]
-    needed = lse_needed or plan.lse_used
-    if plan.dropout_p == 0.0 and stats is None:
-        call = _NO_DROPOUT[plan.lse_used, needed]
-    else:
-        call = CallState(
-            draw_seed(plan.dropout_p),
-            stats,  # type: ignore[arg-type]
-            plan.lse_used,
-            needed,
-        )
+    exchanges, under one autograd node."""
+    plan = plan_for(
+        pattern, q, k, v, arguments, resolver or default_resolver(), process_group, layout
+    )
+    q, k, v = operands(q, k, v)
+    call = call_state(plan, arguments["transfer_stats"], lse_needed)
     out, lse = plan.apply(q, k, v, call)
     return out, lse, plan
-
-
-_NO_DROPOUT = {
-    (used, needed): CallState(0, None, used, needed)
-    for used in (False, True)
-    for needed in (False, True)
-}
-"""The calls without dropout or byte counting differ in nothing else: one state each."""
 
 
 _attend_eager = torch.compiler.disable(_attend_planned)
@@ -224,68 +279,6 @@ _attend_eager = torch.compiler.disable(_attend_planned)
 the process group are Python state), so from inside a compiled region it is a graph break; and
 never entered by dynamo's frame callback either, which a compiled region's eager fallback
 would otherwise run on every function it calls."""
-
-
-def _attend_compiled(
-    pattern: DilationPattern | PatternArgs,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    options: dict[str, object],
-    kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """The traced path: the checks dynamo can trace (no resolver here, and not the values of
-    ``cu_seqlens`` or the padding mask, which the op checks), then the custom op."""
-    if not isinstance(pattern, DilationPattern):
-        pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
-    q, k, v = check_inputs(q, k, v, pattern)
-    scale, dropout = options["scale"], options["dropout_p"]
-    check_options(scale, dropout)
-    causal = check_bool("causal", options["causal"])
-    check_bool("return_lse", options["return_lse"])
-    stats = options["transfer_stats"]
-    if stats is not None and not isinstance(stats, TransferStats):
-        raise TypeError(
-            f"transfer_stats must be a ringdilated.TransferStats or None, got {stats!r}"
-        )
-    for name, values in (
-        ("segment_lengths", pattern.segment_lengths),
-        ("dilation_rates", pattern.dilation_rates),
-    ):
-        if max(values) > _INT64_MAX:
-            raise ValueError(
-                f"under torch.compile, {name} must fit in int64 (the custom op takes int[]), "
-                f"got {max(values)}; make this call outside the compiled region"
-            )
-    layout: list[torch.Tensor | None] = []
-    for name in ("cu_seqlens", "key_padding_mask"):
-        value = options[name]
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
-        layout.append(value)
-    dropout_p = float(dropout)  # type: ignore[arg-type]
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    seed = (
-        torch.randint(1, 2**62, (), dtype=torch.int64)
-        if dropout_p > 0
-        else torch.zeros((), dtype=torch.int64)
-    )
-    out, lse = dilated_attention_op(
-        q,
-        k,
-        v,
-        seed,
-        *layout,
-        list(pattern.segment_lengths),
-        list(pattern.dilation_rates),
-        pattern.mode,
-        causal,
-        float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
-        dropout_p,
-        kernel,
-        backward,
-    )
-    return out, lse, None
 
 
 @overload

@@ -27,7 +27,15 @@ from ringdilated.core.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.capabilities import Request
 from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
 from ringdilated.core.cost import PieceSize, link_for
-from ringdilated.core.driver import CallState, DilatedAttentionFunction, Executor, Run, pattern_run
+from ringdilated.core.driver import (
+    CallState,
+    DilatedAttentionFunction,
+    Executor,
+    Run,
+    as_lse_layout,
+    draw_seed,
+    pattern_run,
+)
 from ringdilated.core.dtypes import autocast_off, warn_if_slow
 from ringdilated.core.grid import Grid, as_process_group, group_size
 from ringdilated.core.head_parallel import HeadParallelRun
@@ -41,11 +49,17 @@ from ringdilated.core.sharded_run import ShardedRun
 from ringdilated.core.validation import check_bool, check_inputs, check_options
 
 __all__ = [
+    "WHOLE_SEQUENCES",
     "CallOptions",
     "CallPlan",
     "PatternArgs",
     "as_process_group",
+    "call_layout",
+    "call_state",
     "group_size",
+    "operands",
+    "plan_for",
+    "plan_key",
     "prepare_call",
 ]
 
@@ -80,7 +94,8 @@ class CallPlan:
     one process) and ``communicator`` moves their pieces (``None`` on one process);
     ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
     ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
-    every call of the plan)."""
+    every call of the plan). The plan is itself an
+    :class:`~ringdilated.core.driver.Executor` over them (:meth:`forward`, :meth:`backward`)."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -159,33 +174,59 @@ class CallPlan:
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of one call: ``q`` contiguous; ``k``, ``v`` any strides whose last
-        is 1 (see :class:`~ringdilated.core.driver.Run`)."""
-        if len(self.parts) == 1:
-            rows, executor = self.parts[0]
-            if rows is None:
-                if not torch.is_grad_enabled() or not (
-                    q.requires_grad or k.requires_grad or v.requires_grad
-                ):  # no autograd node to build (it costs microseconds)
-                    with autocast_off(q.device.type):
-                        return executor.forward(q, k, v, call)
-        if not call.lse_needed:  # a backward runs: it needs the lse
-            call = attrs.evolve(call, lse_needed=True)
-        if len(self.parts) == 1:
-            rows, executor = self.parts[0]
-            if rows is None:
-                result = DilatedAttentionFunction.apply(q, k, v, executor, call)  # type: ignore[no-untyped-call]
-                return result  # type: ignore[no-any-return]
-        results = []
-        for i, (rows, executor) in enumerate(self.parts):
-            x = [t if rows is None else t[rows] for t in (q, k, v)]
-            results.append(
-                DilatedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-                    x[0].contiguous(), x[1], x[2], executor, call.derive("rows", i)
-                )
-            )
-        # a sharded call's groups of padded rows, in batch order
+        """``(out, lse)`` of one call under one autograd node (none when no gradient can flow):
+        ``q`` contiguous; ``k``, ``v`` any strides whose last is 1 (see :func:`operands`)."""
+        if not torch.is_grad_enabled() or not (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        ):  # no autograd node to build (it costs microseconds)
+            with autocast_off(q.device.type):
+                return self.forward(q, k, v, call)
+        result = DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call]
+        return result  # type: ignore[no-any-return]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` without autograd: this plan as an
+        :class:`~ringdilated.core.driver.Executor` (its parts, one group of batch rows each, in
+        batch order; each part its own dropout seed)."""
+        if len(self.parts) == 1 and self.parts[0][0] is None:
+            return self.parts[0][1].forward(q, k, v, call)
+        results = [
+            executor.forward(q[rows].contiguous(), k[rows], v[rows], call.derive("rows", i))
+            for i, (rows, executor) in enumerate(self.parts)
+        ]
         return torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        call: CallState,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` without autograd (see :meth:`forward`)."""
+        if len(self.parts) == 1 and self.parts[0][0] is None:
+            return self.parts[0][1].backward(dout, dlse, q, k, v, out, lse, call)
+        grads = [
+            executor.backward(
+                dout[rows].contiguous(),
+                None if dlse is None else as_lse_layout(dlse[rows]),
+                q[rows].contiguous(),
+                k[rows],
+                v[rows],
+                out[rows].contiguous(),
+                as_lse_layout(lse[rows]),
+                call.derive("rows", i),
+            )
+            for i, (rows, executor) in enumerate(self.parts)
+        ]
+        dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))
+        return dq, dk, dv
 
     @property
     def shard(self) -> ShardPlan | None:
@@ -555,6 +596,7 @@ def plan_key(
     options: dict[str, object],
     resolver: Resolver,
     layout: SequenceLayout,
+    backward: bool | None = None,
 ) -> tuple[object, ...] | None:
     """What a plan on ``layout`` depends on, as a hashable key: every argument
     :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
@@ -562,8 +604,9 @@ def plan_key(
     equals ``True``; the resolver; whether a backward will run), so that a call with the key of
     a planned one is valid and planned alike. On a process group the shards' lengths are left
     out: the layout holds them, and :meth:`CallPlan.check_shard` compares them at once.
-    ``None`` for anything not simply a dense tensor or not hashable (such a call is planned,
-    and checked, anew)."""
+    ``backward``: whether a backward will run (default: grad mode and the inputs say). ``None``
+    for anything not simply a dense tensor or not hashable (such a call is planned, and
+    checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -587,6 +630,10 @@ def plan_key(
         )
     causal, scale, dropout_p = options["causal"], options["scale"], options["dropout_p"]
     return_lse = options["return_lse"]
+    if backward is None:
+        backward = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        )
     key = (
         pattern,
         shapes,
@@ -596,7 +643,7 @@ def plan_key(
         q.device,
         k.device,
         v.device,
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        backward,
         type(causal),
         causal,
         type(scale),
@@ -614,6 +661,109 @@ def plan_key(
     except TypeError:  # an unhashable argument: plan (and validate) this call anew
         return None
     return key
+
+
+WHOLE_SEQUENCES = SequenceLayout(agree_every_call=False)
+"""The layout of one-process calls made without documents, padding or a layout: every call's
+plan is kept in it, keyed by the call's signature (shapes included)."""
+
+
+def call_layout(
+    layout: object, process_group: object, cu_seqlens: object, key_padding_mask: object
+) -> SequenceLayout | None:
+    """The layout a call runs on: ``layout`` (which nothing else the call passes may
+    contradict), the process-wide one of whole sequences for a plain one-process call, or
+    ``None``: the call builds its own (and agrees on it with its signature). Raises
+    ``TypeError``/``ValueError`` naming what contradicts the layout."""
+    if layout is None:
+        if process_group is None and cu_seqlens is None and key_padding_mask is None:
+            return WHOLE_SEQUENCES
+        return None
+    if not isinstance(layout, SequenceLayout):
+        raise TypeError(
+            f"layout must be a ringdilated.SequenceLayout or None, got {type(layout).__name__}"
+        )
+    for name, value in (("cu_seqlens", cu_seqlens), ("key_padding_mask", key_padding_mask)):
+        if value is not None:
+            raise ValueError(
+                f"pass {name} to the SequenceLayout, not with layout= (the layout holds the "
+                "batch's documents and padding)"
+            )
+    if process_group is not None and as_process_group(process_group) != layout.group:
+        raise ValueError(
+            f"process_group {process_group!r} contradicts the layout's process group "
+            f"{layout.group!r}: build the SequenceLayout on the call's process group"
+        )
+    return layout
+
+
+def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
+    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix
+    reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
+    or when it has one batch row; else contiguous (so batch rows and segments merge into one
+    kernel call)."""
+    if query_suffix or x.shape[0] == 1 or x.is_contiguous():
+        return x if x.stride(-1) == 1 else x.contiguous()
+    return x.contiguous()
+
+
+def operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k``, ``v`` as the executors read them: ``q`` contiguous; ``k``, ``v`` see
+    :func:`_kv_operand`."""
+    suffix = q.shape[1] != k.shape[1]
+    return q.contiguous(), _kv_operand(k, suffix), _kv_operand(v, suffix)
+
+
+def plan_for(
+    pattern: DilationPattern | PatternArgs,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    arguments: dict[str, object],
+    resolver: Resolver,
+    process_group: object,
+    layout: object,
+    backward: bool | None = None,
+) -> CallPlan:
+    """The plan of a call: found on its layout by :func:`plan_key` (then only the shard is
+    checked, on this rank), or made by :func:`prepare_call` (validated, and agreed on a process
+    group) and kept there. ``arguments``: :class:`CallOptions`' fields as the caller passed
+    them; ``backward``: whether a backward will run (default: grad mode and the inputs say)."""
+    on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
+    key = None
+    if on is not None and not on.agree_every_call:
+        key = plan_key(pattern, q, k, v, arguments, resolver, on, backward)
+        if key is not None:
+            plan = on.plans.get(key)
+            if plan is not None:
+                assert isinstance(plan, CallPlan)
+                plan.check_shard(q, k, v)
+                return plan
+    group = on.group if on is not None else as_process_group(process_group)
+    options = CallOptions(**arguments)
+    plan = prepare_call(pattern, q, k, v, options, resolver, group, layout=on, backward=backward)
+    if key is not None:
+        on.plans.put(key, plan)  # type: ignore[union-attr]
+    return plan
+
+
+_NO_DROPOUT = {
+    (used, needed): CallState(0, None, used, needed)
+    for used in (False, True)
+    for needed in (False, True)
+}
+"""The calls without dropout or byte counting differ in nothing else: one state each."""
+
+
+def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallState:
+    """What one call of ``plan`` adds to it: a dropout seed drawn now, where its bytes are
+    counted, and whether its lse is read (``lse_needed``, or a gradient flows through it)."""
+    needed = lse_needed or plan.lse_used
+    if plan.dropout_p == 0.0 and stats is None:
+        return _NO_DROPOUT[plan.lse_used, needed]
+    return CallState(draw_seed(plan.dropout_p), stats, plan.lse_used, needed)  # type: ignore[arg-type]
 
 
 def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:

@@ -42,6 +42,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ringdilated.core.opaque import OpaqueBase, register
+
 if TYPE_CHECKING:
     from ringdilated.core.shard_plan import ShardPlan
 
@@ -64,8 +66,9 @@ PARALLELISMS = ("sequence", "heads", "hybrid")
 """How a communicator splits a call's work between ranks (see the module docstring)."""
 
 
+@register
 @attrs.define
-class TransferStats:
+class TransferStats(OpaqueBase):
     """Bytes this rank sent and received, and exchanges that moved anything to or from it: one
     call's (pass an instance as ``dilated_attention(..., transfer_stats=)``), forward and
     backward, or several calls' sums."""

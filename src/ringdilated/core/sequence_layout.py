@@ -37,6 +37,7 @@ import torch
 from ringdilated.core import grid
 from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
 from ringdilated.core.layout import DocumentLayout, Documents, Rows, read_documents, read_padding
+from ringdilated.core.opaque import OpaqueBase, register
 
 __all__ = ["AGREE_EVERY_CALL_ENV", "SequenceLayout"]
 
@@ -94,8 +95,9 @@ class _State:
     positions: dict[tuple[torch.device, int], torch.Tensor] = attrs.field(factory=dict)
 
 
+@register
 @attrs.frozen(init=False, eq=False)
-class SequenceLayout:
+class SequenceLayout(OpaqueBase):
     """How the tokens of one batch sit (see the module docstring); made once per batch.
 
     - ``cu_seqlens``: packed documents, a 1-D integer tensor ``[0, e_1, ..., L]`` of global

@@ -22,6 +22,9 @@ How each is seen:
 - ``host_copies``: tensors made from Python data (``aten.lift_fresh``: ``torch.tensor``,
   ``torch.as_tensor`` of a list, indexing with a list), each a synchronous copy when the target
   is a GPU, and copies between devices (``aten._to_copy`` and ``copy_`` across devices).
+- ringdilated's own registered ops (:mod:`ringdilated.compiled`) are counted through: the
+  counter runs their implementations with itself active (a dispatch mode is off inside its own
+  dispatch, which would otherwise hide every op they run).
 - ``control_collectives`` and ``exchanges``: every ``torch.distributed`` collective or
   point-to-point call, by wrapper (``batch_isend_irecv`` for the point-to-point ops it batches:
   ``isend`` and ``irecv`` themselves are left unwrapped, as ``P2POp`` checks their identity);
@@ -55,6 +58,7 @@ _aten = torch.ops.aten
 _READS = frozenset(
     {
         _aten._local_scalar_dense.default,
+        _aten.item.default,
         _aten.nonzero.default,
         _aten.nonzero_static.default,
         _aten.argwhere.default,
@@ -147,6 +151,7 @@ class HotPathCounter:
 
     def __enter__(self) -> HotPathCounter:
         counter = self
+        from ringdilated.compiled import IMPLEMENTATIONS
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(
@@ -157,6 +162,12 @@ class HotPathCounter:
                 kwargs: dict[str, Any] | None = None,
             ) -> Any:
                 kwargs = kwargs or {}
+                implementation = IMPLEMENTATIONS.get(func.name())
+                if implementation is not None:
+                    # A mode is off inside its own dispatch: ringdilated's ops would hide every
+                    # op they run. Run their implementation with the mode on again instead.
+                    with self:
+                        return implementation(*args, **kwargs)
                 if func in _READS:
                     counter._record("read", str(func))
                 elif func in _FRESH:
