@@ -144,3 +144,80 @@ def test_compiled_checks_what_eager_checks() -> None:
     huge = compiled(segment_lengths=[2**64], dilation_rates=[1])
     eager = ringdilated.dilated_attention(q, q, q, [2**64], [1], kernel="reference")
     assert torch.equal(huge, eager)
+
+
+def _no_graph_break() -> None:
+    breaks = dict(torch._dynamo.utils.counters["graph_break"])
+    assert not breaks, breaks
+
+
+def test_the_functional_api_compiles_without_a_graph_break() -> None:
+    import ringdilated
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ringdilated.dilated_attention(q, k, v, [8, 16], [1, 2], causal=True)  # type: ignore[no-any-return]
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 32, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out = compiled(q, k, v)
+    assert max_error(out, oracle(q, k, v, [8, 16], [1, 2], causal=True)) < 1e-12
+    _no_graph_break()
+
+
+def test_a_module_with_rotary_compiles_without_a_graph_break() -> None:
+    from ringdilated.rotary import rotary_embedding
+
+    torch.manual_seed(0)
+    m = MultiheadDilatedAttention(
+        32, 4, segment_lengths=[8, 16], dilation_rates=[1, 2], causal=True,
+        rotary=rotary_embedding, dtype=torch.float64,
+    )  # fmt: skip
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 32, 32, dtype=torch.float64, requires_grad=True)
+    out, eager = compiled(x, x, x)[0], m(x, x, x)[0]
+    assert max_error(out, eager) < 1e-12
+    grads = torch.autograd.grad(out.sum(), (x, *m.parameters()))
+    eager_grads = torch.autograd.grad(eager.sum(), (x, *m.parameters()))
+    assert max(max_error(a, b) for a, b in zip(grads, eager_grads, strict=True)) < 1e-10
+    _no_graph_break()
+
+
+def test_a_new_layout_per_batch_reuses_the_compiled_graph() -> None:
+    """The layout is an opaque graph input: three batches of other documents, one graph, each
+    equal to the oracle (forward and gradients)."""
+    import ringdilated
+    from ringdilated.compiled import OP_SUPPORTED
+
+    if not OP_SUPPORTED:
+        pytest.skip("this torch has no opaque types for custom ops")
+    attn = DilatedAttention([8, 16], [1, 2], causal=True)
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(6)
+    for bounds in ([0, 32], [0, 5, 32], [0, 11, 20, 32]):
+        layout = ringdilated.SequenceLayout(cu_seqlens=torch.tensor(bounds))
+        q, k, v = (
+            torch.randn(1, 32, 4, 8, generator=g, dtype=torch.float64).requires_grad_()
+            for _ in range(3)
+        )
+        out = compiled(q, k, v, layout=layout)
+        expected = oracle(
+            q, k, v, [8, 16], [1, 2], causal=True, cu_seqlens=torch.tensor(bounds)
+        )
+        assert max_error(out, expected) < 1e-12, bounds
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+        assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-10
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _no_graph_break()
+
+
+def test_only_the_op_that_reads_the_host_is_cudagraph_unsafe() -> None:
+    ops = torch.ops.ringdilated
+    assert torch.Tag.cudagraph_unsafe in ops.dilated_attention.default.tags
+    assert torch.Tag.cudagraph_unsafe in ops.dilated_attention_backward.default.tags
+    from ringdilated.compiled import OP_SUPPORTED
+
+    if OP_SUPPORTED:
+        assert torch.Tag.cudagraph_unsafe not in ops.attention.default.tags
+        assert torch.Tag.cudagraph_unsafe not in ops.attention_backward.default.tags

@@ -195,3 +195,60 @@ def test_an_overlay_on_packed_sequences_is_refused() -> None:
     assert ringdilated.hf.padding_mask(
         mask_function=and_masks(causal_mask_function, bidirectional_mask_function), **common
     ).overlay
+
+
+def test_a_tiny_llama_compiles_without_a_graph_break() -> None:
+    """fullgraph=True: unpadded rows run on the layout op; a padded batch, whose mask the op
+    reads per call under compile, too; both equal eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    ids = _ids(2, 16, seed=9)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask, "position_ids": positions}):
+            eager = model(input_ids=ids, **kwargs).logits
+            out = compiled(input_ids=ids, **kwargs).logits
+            assert float((out - eager).abs().max()) < 1e-12, kwargs
+    assert not dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_decoding_reads_the_cache_without_copying_it() -> None:
+    """A decode step over transformers' cache of 300 positions: no op allocates a tensor a
+    quarter as large as a layer's cached keys (the adapter reads them through strided views).
+    transformers' own cache grows by ``torch.cat`` (its copy, whichever attention runs): not
+    counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _model([16, 32], [1, 2], "ringdilated").eval()
+    cached = 300
+    prompt = _ids(1, cached, seed=10)
+    with torch.no_grad():
+        first = model(input_ids=prompt, use_cache=True)
+        past = first.past_key_values
+        keys = past.layers[0].keys
+        limit = keys.numel() // 4  # a copy of a layer's keys would be 4x this
+
+        class Largest(TorchDispatchMode):
+            largest = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                inputs = {
+                    x.untyped_storage().data_ptr() for x in args if isinstance(x, torch.Tensor)
+                }
+                for x in out if isinstance(out, (tuple, list)) else (out,):
+                    fresh = isinstance(x, torch.Tensor) and (
+                        x.untyped_storage().data_ptr() not in inputs  # not a view
+                    )
+                    if fresh and func is not torch.ops.aten.cat.default:
+                        type(self).largest = max(type(self).largest, x.numel())
+                return out
+
+        step = _ids(1, 1, seed=11)
+        with Largest():
+            model(input_ids=step, past_key_values=past, use_cache=True)
+    assert Largest.largest < limit, (Largest.largest, limit)

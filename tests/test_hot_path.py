@@ -175,3 +175,54 @@ def test_four_ranks_make_no_host_traffic_in_steady_state(
 ) -> None:
     case = _case(4, layout, communicator, return_lse=communicator == "ulysses")
     _check(case, workers4.results(f"{TASKS}:counted_layer_calls", case))
+
+
+COMPILE_TASKS = "tests.compile_tasks"
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses"])
+def test_a_module_on_a_process_group_compiles_without_a_graph_break(
+    workers2: Workers, communicator: str
+) -> None:
+    """fullgraph=True on 2 ranks: one call without a layout, three with a new layout each,
+    every one equal to the oracle, and one graph for the layouts (the layout is an opaque
+    graph input; the call without one is another signature)."""
+    from ringdilated.compiled import OP_SUPPORTED
+
+    if not OP_SUPPORTED:
+        pytest.skip("this torch has no opaque types for custom ops")
+    results = workers2.results(
+        f"{COMPILE_TASKS}:compiled_module_on_a_group", {"communicator": communicator}
+    )
+    for rank, result in enumerate(results):
+        assert not result["breaks"], result["breaks"]
+        assert result["graphs"] <= 2, result["graphs"]
+        for call in result["calls"]:
+            q, k, v = (x.clone().requires_grad_() for x in call["full"])
+            bounds = call["bounds"]
+            extra = {} if bounds is None else {"cu_seqlens": torch.tensor(bounds)}
+            expected = oracle(q, k, v, [8, 16], [1, 2], causal=True, **extra)
+            grads = torch.autograd.grad(expected.sum(), (q, k, v))
+            shard = slice(8 * rank, 8 * (rank + 1))
+            assert torch.allclose(call["out"], expected[:, shard], atol=1e-10, rtol=0), bounds
+            for a, e in zip(call["grads"], grads, strict=True):
+                assert torch.allclose(a, e[:, shard], atol=1e-10, rtol=0), bounds
+
+
+def test_a_selective_checkpointing_policy_saves_the_op_and_its_exchanges(
+    workers2: Workers,
+) -> None:
+    """Checkpointed, the backward runs the forward's exchanges again; with a policy that saves
+    ``ringdilated::attention`` by name, it makes only the backward's own, as without
+    checkpointing. The gradients are the same all three ways."""
+    from ringdilated.compiled import OP_SUPPORTED
+
+    if not OP_SUPPORTED:
+        pytest.skip("this torch has no opaque types for custom ops")
+    for result in workers2.results(f"{COMPILE_TASKS}:selective_checkpointing", {}):
+        plain, again, saved = (result[n] for n in ("plain", "checkpointed", "selective"))
+        assert again["exchanges"] > plain["exchanges"] > 0, (again, plain)
+        assert saved["exchanges"] == plain["exchanges"], (saved, plain)
+        for way in (again, saved):
+            for a, e in zip(way["grads"], plain["grads"], strict=True):
+                assert torch.allclose(a, e, atol=1e-12, rtol=0)

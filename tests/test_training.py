@@ -25,3 +25,20 @@ def test_sharded_training_matches_one_process(workers2: Workers) -> None:
         expected = whole[:, rank * shard : (rank + 1) * shard]
         assert result["positions"].shape == expected.shape, rank
         assert torch.allclose(result["positions"], expected, rtol=1e-10, atol=0), rank
+
+
+def test_fsdp2_on_a_dp_x_cp_mesh_with_checkpointing_and_compile_matches_one_process(
+    workers4: Workers,
+) -> None:
+    """FSDP2 over 4 gloo ranks, the sequence sharded on the "cp" dimension of a 2 x 2 (dp, cp)
+    mesh, non-reentrant activation checkpointing and torch.compile of each block: the losses
+    and the parameters after two steps are the one-process run's."""
+    from tests.compile_tasks import one_process_training
+
+    single = one_process_training()
+    for result in workers4.results("tests.compile_tasks:fsdp_dp_cp", {}):
+        for a, b in zip(result["losses"], single["losses"], strict=True):
+            assert abs(a - b) <= 1e-10 * abs(b), (result["losses"], single["losses"])
+        assert result["params"].keys() == single["params"].keys()
+        for name, value in result["params"].items():
+            assert torch.allclose(value, single["params"][name], atol=1e-10, rtol=0), name

@@ -52,6 +52,7 @@ __all__ = [
     "dilated_attention_op",
     "group_names",
     "last_plan",
+    "shard_positions",
 ]
 
 OP_SUPPORTED = opaque.SUPPORTED
@@ -271,6 +272,42 @@ def _define_attention_ops() -> tuple[Any, Any]:
 
 
 attention_op, attention_backward_op = _define_attention_ops() if OP_SUPPORTED else (None, None)
+
+
+def _shard_positions(
+    layout: SequenceLayout, batch: int, shard_length: int, device: torch.device
+) -> torch.Tensor:
+    """``(batch, shard_length)`` int64: this rank's positions, each counted from its
+    document's start (:meth:`~ringdilated.SequenceLayout.shard_positions`, a fresh copy)."""
+    positions = layout.shard_positions(device, shard_length)
+    return positions.expand(batch, shard_length).clone()
+
+
+def _define_positions_op() -> Any:
+    IMPLEMENTATIONS["ringdilated::shard_positions"] = _shard_positions
+    op = torch.library.custom_op("ringdilated::shard_positions", mutates_args=())(
+        _shard_positions
+    )
+
+    @op.register_fake
+    def _(layout: Any, batch: int, shard_length: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((batch, shard_length), dtype=torch.int64, device=device)
+
+    return op
+
+
+_positions_op = _define_positions_op() if OP_SUPPORTED else None
+
+
+def shard_positions(
+    layout: SequenceLayout, batch: int, shard_length: int, device: torch.device
+) -> torch.Tensor:
+    """This rank's rotary positions on ``layout``, ``(batch or 1, shard_length)``: the layout's
+    own (made once per device) in eager mode; under ``torch.compile``, an op that reads them
+    from the layout (an opaque graph input)."""
+    if torch.compiler.is_compiling() and _positions_op is not None:
+        return _positions_op(layout, batch, shard_length, device)  # type: ignore[no-any-return]
+    return layout.shard_positions(device, shard_length)
 
 
 # The one-process op of calls given cu_seqlens / key_padding_mask tensors under torch.compile.

@@ -229,7 +229,9 @@ def _attend_op(
     groups = ("", "")
     if layout is WHOLE_SEQUENCES:
         group = as_process_group(process_group)
-        if group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
+        # (dynamo answers isinstance(group, ProcessGroup) wrongly: checked in eager mode only;
+        # a traced module's group was checked when the module was built)
+        if not compiling and group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
             return None  # the eager path names what it is instead
         groups = group_names(group)
     out, lse = attention_op(

@@ -48,11 +48,11 @@ attention sinks (``s_aux``).
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 
+from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.functional import dilated_attention
 
 __all__ = ["NAME", "KeyMask", "attention_forward", "padding_mask", "register"]
@@ -71,16 +71,20 @@ def _setting(config: object, name: str, default: object = None) -> Any:
     return value
 
 
-@attrs.frozen
-class KeyMask:
-    """What the mask function hands every layer: the 2-D padding mask over the keys (``True`` =
-    token; ``None`` when nothing is padded); the packed-sequence ids transformers found in
-    ``position_ids`` (``(B, L)``, one id per document; ``None`` when not packed); and whether it
-    asked for anything else (``overlay``: windows, chunks, prefix or bidirectional overlays)."""
+class KeyMask(NamedTuple):
+    """What the mask function hands every layer, made once per model forward: the 2-D padding
+    mask over the keys (``True`` = token; ``None`` when nothing is padded); the packed-sequence
+    ids transformers found in ``position_ids`` (``(B, L)``, one id per document; ``None`` when
+    not packed); whether it asked for anything else (``overlay``: windows, chunks, prefix or
+    bidirectional overlays); and, in eager mode, the batch's
+    :class:`~ringdilated.SequenceLayout` made from them (read once here, for every layer; under
+    ``torch.compile`` each layer's op reads the tensors instead). A named tuple, which
+    ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
     overlay: bool
+    layout: SequenceLayout | None = None
 
 
 def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, bool]:
@@ -145,15 +149,25 @@ def padding_mask(
             "sliding-window cache)"
         )
     documents, overlay = _mask_kind(mask_function)
-    if attention_mask is None:
-        return KeyMask(None, documents, overlay)
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attn_implementation={NAME!r} takes a 2-D attention_mask (1 = token, 0 = padding), "
-            f"got shape {tuple(attention_mask.shape)}"
-        )
-    mask = attention_mask[:, -kv_length:].bool()
-    return KeyMask(None if bool(mask.all()) else mask, documents, overlay)
+    mask = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                f"attn_implementation={NAME!r} takes a 2-D attention_mask (1 = token, 0 = "
+                f"padding), got shape {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask[:, -kv_length:].bool()
+    if torch.compiler.is_compiling() or overlay:
+        return KeyMask(mask, documents, overlay)
+    # Eager: the batch's layout, read here once for every layer.
+    if mask is not None and bool(mask.all()):
+        mask = None
+    layout = None
+    if mask is not None:
+        layout = SequenceLayout(key_padding_mask=mask.logical_not())
+    elif documents is not None:
+        layout = SequenceLayout(cu_seqlens=_bounds(documents))
+    return KeyMask(mask, documents, overlay, layout)
 
 
 def attention_forward(
@@ -178,9 +192,14 @@ def attention_forward(
             f"attn_implementation={NAME!r} does not combine with config.sliding_window "
             f"({window}); the dilation pattern bounds what a query sees"
         )
-    layout: dict[str, torch.Tensor] = {}
+    layout: dict[str, Any] = {}
     packed = kwargs.get("cu_seq_lens_k")
-    if attention_mask is not None:
+    if isinstance(attention_mask, KeyMask) and attention_mask.layout is not None:
+        if packed is not None:  # transformers' own packed form takes precedence, as below
+            attention_mask = attention_mask._replace(layout=None, padding=None)
+        else:
+            layout["layout"] = attention_mask.layout
+    if attention_mask is not None and "layout" not in layout:
         if not isinstance(attention_mask, KeyMask):
             raise ValueError(
                 f"attn_implementation={NAME!r} expects the mask its own mask function makes, got "
@@ -214,6 +233,7 @@ def attention_forward(
         kernel=_setting(config, "kernel", "auto"),
         cu_seqlens=layout.get("cu_seqlens"),
         key_padding_mask=layout.get("key_padding_mask"),
+        layout=layout.get("layout"),
     )
     return out, None
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
+from ringdilated.compiled import shard_positions
 from ringdilated.core import grid
 from ringdilated.core.agreement import shard_lengths
 from ringdilated.core.communicator import Communicator
@@ -82,7 +83,8 @@ class MultiheadDilatedAttention(nn.Module):
     ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
     applied to ``q`` and ``k`` after the projections, with positions counted from each
     document's start (padding and packed documents restart at 0; on a process group, global
-    positions; with a cache, from the cache's length). See :mod:`ringdilated.rotary`.
+    positions; with a cache, from each row's position in it, on the device). See
+    :mod:`ringdilated.rotary`.
     """
 
     def __init__(
@@ -190,8 +192,10 @@ class MultiheadDilatedAttention(nn.Module):
         (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
 
         ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
-        the next tokens (the same ones, as in self-attention), which the cache adds before
-        attending them over everything it has seen; no masks, no process group.
+        each row's next tokens (the same ones, as in self-attention), which the cache adds before
+        attending them over everything it has seen in that row; no ``cu_seqlens``, no process
+        group. ``key_padding_mask`` with a cache: on its first call only (a padded prompt batch;
+        each row then decodes at its own position). A one-token step reads nothing on the host.
 
         ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, the
         process layout, made once per batch for every layer), instead of ``key_padding_mask``
@@ -218,7 +222,7 @@ class MultiheadDilatedAttention(nn.Module):
             # rank: the peers are waiting in that agreement.
             self.attention.reject(error, getattr(query, "device", None), layout)
         if cache is not None:
-            out = cache.attend(q, k, v)
+            out = cache.attend(q, k, v, key_padding_mask=key_padding_mask)
             assert isinstance(out, torch.Tensor)
         else:
             out = self.attention(
@@ -288,13 +292,17 @@ class MultiheadDilatedAttention(nn.Module):
         """``q``, ``k`` rotated at their positions (see the class docstring)."""
         assert self.rotary is not None
         length, q_len = k.shape[1], q.shape[1]
-        if cache is not None:
-            positions = cache.length + torch.arange(q_len, device=q.device).unsqueeze(0)
+        if cache is not None:  # each row's own positions, computed on the device
+            mask = key_padding_mask if isinstance(key_padding_mask, torch.Tensor) else None
+            positions = cache.rotary_positions(q_len, q.device, mask)
             return self.rotary(q, positions), self.rotary(k, positions)
-        if isinstance(layout, SequenceLayout):  # made once per layout and device
-            positions = layout.shard_positions(q.device, length)
+        if layout is not None:  # made once per layout, device and shard length
+            positions = shard_positions(layout, q.shape[0], length, q.device)
             return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
         group = self.attention.process_group
+        if group is None and cu_seqlens is None and key_padding_mask is None:
+            positions = torch.arange(length, device=q.device).unsqueeze(0)  # traceable
+            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
         start, total = 0, length
         if group is not None:  # where this rank's shard starts: shards may differ in length
             assert isinstance(group, (dist.ProcessGroup, Grid))
@@ -323,10 +331,15 @@ class MultiheadDilatedAttention(nn.Module):
     def _check_cache(self, cache: object, key_padding_mask: object, cu_seqlens: object) -> None:
         if not isinstance(cache, DilatedKVCache):
             raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
-        if key_padding_mask is not None or cu_seqlens is not None:
+        if cu_seqlens is not None:
             raise ValueError(
-                "a cache holds one unpadded sequence per row: pass key_padding_mask=None and "
-                "cu_seqlens=None with cache="
+                "a cache holds one sequence per row, not packed documents: pass cu_seqlens=None "
+                "with cache= (rows of different lengths: key_padding_mask on the first call)"
+            )
+        if key_padding_mask is not None and not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(
+                "key_padding_mask must be a (B, L) bool torch.Tensor, got "
+                f"{type(key_padding_mask).__name__}"
             )
         if self.attention.process_group is not None:
             raise ValueError("cache= is for decoding on one process; this module is sharded")
