@@ -238,9 +238,11 @@ def slow_peer(payload: dict[str, Any]) -> dict[str, Any]:
 
 def nan_on_a_shard(payload: dict[str, Any]) -> dict[str, Any]:
     """Position ``payload['position']`` of ``payload['tensor']`` is NaN; returns whether this
-    rank's ``out`` and ``lse`` are NaN exactly where the single-process oracle's slice is."""
+    rank's ``out`` and ``lse`` meet the non-finite rule (docs/spec.md section 4) against the
+    single-process oracle's slice: non-finite wherever it is, NaN elsewhere only where
+    :func:`ringdilated.testing.nan_allowed` says (a NaN input in the row's own block)."""
     import ringdilated
-    from ringdilated.testing import oracle
+    from ringdilated.testing import dense_attention, nan_allowed, non_finite_violation, oracle
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = [_inputs(r, world) for r in range(world)]
@@ -253,10 +255,23 @@ def nan_on_a_shard(payload: dict[str, Any]) -> dict[str, Any]:
         *mine, [16], [2], **kwargs, return_lse=True, process_group=dist.group.WORLD
     )
     expected, expected_lse = oracle(*full, [16], [2], **kwargs, return_lse=True)
+    baseline, baseline_lse = dense_attention(*full, [16], [2], **kwargs)
+    may = nan_allowed(*full, [16], [2], mode=payload["mode"])
     rows = slice(8 * rank, 8 * (rank + 1))
+    out_problem = non_finite_violation(
+        out, expected[:, rows], baseline[:, rows], may[:, rows].unsqueeze(-1), out.dtype
+    )
+    lse_problem = non_finite_violation(
+        lse,
+        expected_lse[..., rows],
+        baseline_lse[..., rows],
+        may[:, rows].transpose(1, 2),
+        lse.dtype,
+    )
     return {
-        "out": torch.equal(out.isnan(), expected[:, rows].isnan()),
-        "lse": torch.equal(lse.isnan(), expected_lse[..., rows].isnan()),
+        "out": out_problem is None,
+        "lse": lse_problem is None,
+        "problems": [out_problem, lse_problem],
         "nan_rows": int(out.isnan().any(-1).sum()),
     }
 
@@ -447,3 +462,70 @@ def rotary_on_one_rank(payload: dict[str, Any]) -> dict[str, Any]:
             "seconds": time.monotonic() - start,
         }
     return {"raised": None, "message": "", "seconds": time.monotonic() - start}
+
+
+def layout_faults(payload: dict[str, Any]) -> dict[str, Any]:
+    """Faults around a ``SequenceLayout`` on the world group (``payload['fault']``), reported
+    per rank: what raised, its message, how long it took, and the control collectives (the
+    agreement's) of each call made."""
+    import os
+
+    import ringdilated
+    from ringdilated.testing.hot_path import HotPathCounter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fault, culprit = payload["fault"], payload.get("rank", 1)
+    q, k, v = _inputs(rank, world)
+    group = dist.group.WORLD
+    every_call = payload.get("every_call")
+    controls: list[int] = []
+
+    def layout(**kwargs: Any) -> Any:
+        return ringdilated.SequenceLayout(process_group=group, agree_every_call=every_call, **kwargs)
+
+    def call(on: Any, **kwargs: Any) -> Any:
+        with HotPathCounter() as counts:
+            out = ringdilated.dilated_attention(q, k, v, [16], [1], layout=on, **kwargs)
+        controls.append(counts.control_collectives)
+        return out
+
+    start = time.monotonic()
+    result: dict[str, Any] = {"raised": None, "message": ""}
+    try:
+        if fault == "different documents":
+            bounds = [0, 5, 8 * world] if rank == culprit else [0, 8 * world]
+            layout(cu_seqlens=torch.tensor(bounds))
+        elif fault == "bad documents":
+            bounds = [0, 9, 5, 8 * world] if rank == culprit else [0, 8 * world]
+            layout(cu_seqlens=torch.tensor(bounds))
+        elif fault == "documents past the shards":
+            layout(cu_seqlens=torch.tensor([0, 8 * world + 1]), shard_length=8)
+        elif fault == "first call differs":
+            call(layout(), causal=rank == culprit)
+        elif fault == "later call":  # every rank's later call contradicts the layout
+            on = layout()
+            call(on)
+            call(on)
+            q, k, v = (x[:, :4] for x in (q, k, v))
+            call(on)
+        elif fault == "later call differs":  # with agree_every_call: raised on every rank
+            on = layout()
+            call(on)
+            call(on, causal=rank == culprit)
+        elif fault == "environment":
+            os.environ["RINGDILATED_AGREE_EVERY_CALL"] = payload["value"]
+            try:
+                result["agree_every_call"] = ringdilated.SequenceLayout(
+                    process_group=group
+                ).agree_every_call
+            finally:
+                del os.environ["RINGDILATED_AGREE_EVERY_CALL"]
+        elif fault == "none":
+            on = layout()
+            for _ in range(3):
+                call(on)
+    except Exception as exc:
+        result["raised"], result["message"] = type(exc).__name__, str(exc)
+    result["seconds"] = time.monotonic() - start
+    result["controls"] = controls
+    return result

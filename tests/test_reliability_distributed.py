@@ -5,6 +5,7 @@ break a group (a dead or too-slow peer), on fresh pools with a short timeout."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -143,10 +144,12 @@ def test_a_peer_slower_than_the_timeout_makes_every_rank_raise() -> None:
 
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
 @pytest.mark.parametrize(("mode", "causal"), [("head_groups", True), ("longnet", False)])
-def test_nan_on_one_shard_reaches_exactly_the_queries_that_see_it(
+def test_nan_on_one_shard_is_never_lost_and_stays_in_its_blocks(
     workers2: Workers, tensor: str, mode: str, causal: bool
 ) -> None:
-    """A NaN at position 10 (rank 1's shard, a segment crossing the shard boundary)."""
+    """A NaN at position 10 (rank 1's shard, a segment crossing the shard boundary): every
+    output the exact math makes NaN is NaN on its rank, and NaN reaches no output outside the
+    blocks that hold it (docs/spec.md section 4)."""
     payload = {"tensor": tensor, "position": 10, "mode": mode, "causal": causal}
     results = workers2.results(f"{TASKS}:nan_on_a_shard", payload)
     assert all(r["out"] and r["lse"] for r in results), results
@@ -271,3 +274,59 @@ def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # typ
         assert as_process_group(mesh["cp"]) is mesh.get_group("cp")
     finally:
         dist.destroy_process_group()
+
+
+# A SequenceLayout: agreed when built and at each signature's first call ------------------------
+
+
+def _layout_results(pool: Workers, **payload: Any) -> list[dict[str, Any]]:
+    return pool.results(f"{TASKS}:layout_faults", payload)
+
+
+@pytest.mark.parametrize(
+    ("fault", "named"),
+    [
+        ("different documents", "documents: rank 0 1 documents"),
+        ("bad documents", "cu_seqlens must be strictly increasing"),
+        ("documents past the shards", "cu_seqlens must run from 0 to the sequence length 16"),
+        ("first call differs", "causal: rank 0 False, rank 1 True"),
+    ],
+)
+def test_a_layout_fault_raises_on_every_rank(workers2: Workers, fault: str, named: str) -> None:
+    for rank, result in enumerate(_layout_results(workers2, fault=fault)):
+        assert result["raised"] == "ValueError", (rank, result)
+        assert named in result["message"], (rank, result["message"])
+        assert result["seconds"] < BOUND_S, result
+
+
+def test_a_call_that_contradicts_its_layout_raises_at_once_on_its_rank(
+    workers2: Workers,
+) -> None:
+    """The later calls on a layout make no collective; one whose shard is not the layout's
+    raises on its own rank before any (here every rank's does)."""
+    for result in _layout_results(workers2, fault="later call"):
+        assert result["raised"] == "ValueError", result
+        assert "its SequenceLayout holds 8 positions on rank" in result["message"], result
+        assert result["controls"] == [1, 0], result  # the first call agreed; the second did not
+
+
+def test_agree_every_call_checks_every_call_on_every_rank(workers2: Workers) -> None:
+    for result in _layout_results(workers2, fault="later call differs", every_call=True):
+        assert result["raised"] == "ValueError", result
+        assert "causal: rank 0 False, rank 1 True" in result["message"], result
+    counts = _layout_results(workers2, fault="none", every_call=True)[0]["controls"]
+    assert counts == [1, 1, 1], counts
+    counts = _layout_results(workers2, fault="none", every_call=False)[0]["controls"]
+    assert counts == [1, 0, 0], counts
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("off", False), ("maybe", None)])
+def test_the_agree_every_call_variable_is_read_strictly(
+    workers2: Workers, value: str, expected: bool | None
+) -> None:
+    for result in _layout_results(workers2, fault="environment", value=value):
+        if expected is None:
+            assert result["raised"] == "ValueError", result
+            assert "RINGDILATED_AGREE_EVERY_CALL must be one of" in result["message"], result
+        else:
+            assert result["agree_every_call"] is expected, result
