@@ -1,15 +1,25 @@
 """DilatedKVCache: appending tokens and attending them equals the full recomputation (the
-float64 oracle over the whole sequence so far), and memory stays bounded by the pattern."""
+float64 oracle over each row's whole sequence so far, padded prompt batches included), memory
+stays bounded by the pattern, and a one-token step makes no host traffic and keeps the shapes,
+strides and storage of everything it reads and writes (issue 20)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import attrs
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from ringdilated import DilatedKVCache, MultiheadDilatedAttention
+from ringdilated import DilatedKVCache, DilatedTransformerBlock, MultiheadDilatedAttention
+from ringdilated.rotary import rotary_embedding
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
+from ringdilated.testing.hot_path import HotPathCounter
 from tests.strategies import Case, cases
 
 
@@ -67,7 +77,10 @@ def test_memory_is_bounded_by_the_pattern_not_the_tokens() -> None:
     # starts); pattern 1 (w=16, r=4, offset 1): positions 1, 5, 9, 13 of a segment, up to 4.
     assert max(held) == 7 + 4
     assert held[-1] == 100 % 8 + len([p for p in range(96, 100) if (p % 16) % 4 == 1])
-    assert cache.nbytes == held[-1] * 2 * 4 * 4  # keys and values, 1 head each, float32
+    # The buffers are fixed at the first call (issue 20: no allocation while decoding): per key
+    # and value, 1 head each, the longest run's 8 slots plus one scratch slot, float32.
+    assert cache.capacity == 8 + 4
+    assert cache.nbytes == 2 * 2 * (8 + 1) * 4 * 4
 
 
 def test_the_multihead_module_decodes_with_a_cache() -> None:
@@ -145,14 +158,16 @@ def test_a_step_that_raises_leaves_the_cache_as_it_was(monkeypatch: pytest.Monke
 
 
 def test_after_a_long_prefill_the_cache_keeps_only_its_segments() -> None:
-    """The kept keys are copies: a 4096-token prompt's storage is not held alive."""
+    """The kept keys are copies in the cache's own fixed buffers: a 4096-token prompt's storage
+    is not held alive."""
     cache = DilatedKVCache([8, 16], [1, 4], num_heads=2, causal=True)
     x = torch.randn(1, 4099, 2, 4)
     cache.attend(x, x, x)
     assert cache.cached_positions == 3 + 1  # positions 4096-4098 of pattern 0; 4097 of pattern 1
-    assert cache.nbytes == cache.cached_positions * 2 * 4 * 4  # keys and values, 1 head each
-    held = [t for t in (*cache._keys, *cache._values) if t is not None]  # the storage itself
-    assert sum(t.untyped_storage().nbytes() for t in held) == cache.nbytes
+    assert cache.nbytes == 2 * 2 * (8 + 1) * 4 * 4  # the buffers, whatever the prompt
+    held = [cache._keys, cache._values]  # the storage itself
+    assert all(t is not None and t.untyped_storage().nbytes() * 2 == cache.nbytes for t in held)
+    assert all(t is not None and t.untyped_storage().data_ptr() != x.data_ptr() for t in held)
 
 
 def test_a_longnet_step_whose_merge_raises_leaves_the_cache_as_it_was(
@@ -166,11 +181,358 @@ def test_a_longnet_step_whose_merge_raises_leaves_the_cache_as_it_was(
     def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("out of memory (simulated)")
 
+    # A step of several tokens merges the runs on the host (one token runs on the device, below).
     with monkeypatch.context() as patch:
         patch.setattr(DilatedKVCache, "_merge", staticmethod(failing))
         with pytest.raises(RuntimeError, match="simulated"):
-            cache.attend(q[:, 5:6], k[:, 5:6], v[:, 5:6])
+            cache.attend(q[:, 5:7], k[:, 5:7], v[:, 5:7])
     assert cache.length == 5
     out = cache.attend(q[:, 5:8], k[:, 5:8], v[:, 5:8])
     expected = oracle(q[:, 5:8], k, v, [4, 8], [1, 2], mode="longnet", causal=True)
     assert float((out - expected).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_a_one_token_step_that_raises_leaves_the_cache_as_it_was(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device step writes its token's slot before attending; if it raises after that, the
+    slot is one no query sees before the same position is written again."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 12, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=4, mode=mode, kernel="reference")
+    cache.attend(q[:, :5], k[:, :5], v[:, :5])
+    cache.attend(q[:, 5:6], k[:, 5:6], v[:, 5:6])
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "softmax", failing)
+        with pytest.raises(RuntimeError, match="simulated"):
+            cache.attend(q[:, 6:7] + 100, k[:, 6:7] + 100, v[:, 6:7] + 100)  # other tokens
+    assert cache.length == 6 and cache.positions is not None
+    assert cache.positions.tolist() == [6, 6]
+    for t in range(6, 12):
+        out = cache.attend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        expected = oracle(q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], [4, 8], [1, 2],
+                          mode=mode, causal=True)  # fmt: skip
+        assert float((out - expected).abs().max()) < 1e-12
+
+
+# -- issue 20: decoding on the device, padded prompt batches ------------------------------------
+
+_LSE = {"rtol": 1e-6, "atol": 1e-6}
+
+
+def _assert_step(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    expected: torch.Tensor,
+    expected_lse: torch.Tensor,
+    what: str,
+) -> None:
+    """float64 ``out`` to 1e-12; float32 ``lse`` to float32 precision, ``-inf`` exactly where
+    the oracle has it."""
+    assert float((out - expected).abs().max()) < 1e-12, what
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse)), what
+    torch.testing.assert_close(
+        lse.double().masked_fill(torch.isneginf(lse), 0),
+        expected_lse.masked_fill(torch.isneginf(expected_lse), 0),
+        **_LSE,
+        msg=what,
+    )
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("segments", "rates", "heads", "kv_heads"),
+    [
+        ([4, 6, 8], [1, 2, 4], 6, 3),  # rates > 1 with offsets, GQA
+        ([5, 10], [2, 3], 4, 1),  # one key/value head, segments not multiples of the rates
+        ([3], [1], 2, 2),  # dense segments
+        ([8, 16], [1, 4], 5, 5),  # head groups of unequal sizes
+    ],
+)
+def test_one_token_steps_equal_the_oracle_across_segment_boundaries(
+    mode: str, causal: bool, segments: list[int], rates: list[int], heads: int, kv_heads: int
+) -> None:
+    """Prefill (7 tokens), chunks of 2 and 3, then one token at a time across several segment
+    boundaries of every pattern: out and lse equal the last rows of the oracle over the whole
+    sequence so far."""
+    g = torch.Generator().manual_seed(11)
+    length = 40
+    q = torch.randn(2, length, heads, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, length, kv_heads, 4, generator=g, dtype=torch.float64) for _ in "kv")
+    cache = DilatedKVCache(segments, rates, num_heads=heads, num_kv_heads=kv_heads, mode=mode,
+                           causal=causal, kernel="reference")  # fmt: skip
+    steps = [7, 2, 3] + [1] * (length - 12)
+    t = 0
+    for m in steps:
+        out, lse = cache.attend(q[:, t : t + m], k[:, t : t + m], v[:, t : t + m], True)
+        step = (q[:, t : t + m], k[:, : t + m], v[:, : t + m], segments, rates)
+        expected, expected_lse = oracle(*step, mode=mode, causal=causal, return_lse=True)
+        _assert_step(out, lse, expected, expected_lse, f"tokens [{t}, {t + m})")
+        t += m
+        assert cache.lengths == (t, t)
+
+
+def _padded_batch(
+    runs: list[tuple[int, int]], prompt: int, decoded: int, heads: int, kv_heads: int, seed: int
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """A padded prompt batch (row ``b`` valid on ``runs[b]``), its mask, and ``decoded`` more
+    tokens per row: ``(mask, rows, (q, k, v) of the prompt)``, ``rows[b]`` the row's own
+    unpadded ``(q, k, v)`` over the prompt and the decoded tokens (the prompt's padded columns
+    are filled with NaN: nothing may read them)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(runs)
+    shapes = [(batch, prompt + decoded, h, 4) for h in (heads, kv_heads, kv_heads)]
+    full = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    p = torch.arange(prompt)
+    mask = torch.stack([(p < s) | (p >= e) for s, e in runs])
+    prompt_qkv = tuple(x[:, :prompt].masked_fill(mask[:, :, None, None], float("nan"))
+                       for x in full)  # fmt: skip
+    rows = [
+        tuple(torch.cat([x[b : b + 1, s:e], x[b : b + 1, prompt:]], 1) for x in full)
+        for b, (s, e) in enumerate(runs)
+    ]
+    return mask, rows, prompt_qkv
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_padded_prompt_batch_decodes_each_row_at_its_own_position(
+    mode: str, causal: bool
+) -> None:
+    """Right padding, left padding, both, a full row, an empty row and a one-token row: after a
+    prefill with ``key_padding_mask`` each row decodes at its own position (one token at a time
+    and in chunks), each equal to the oracle over that row's own unpadded sequence."""
+    segments, rates, heads, kv_heads = [4, 6, 8], [1, 2, 4], 6, 3
+    runs = [(0, 9), (3, 12), (2, 7), (0, 12), (0, 0), (11, 12)]
+    prompt, steps = 12, [1] * 9 + [3] + [1] * 5 + [2]
+    mask, rows, (q, k, v) = _padded_batch(runs, prompt, sum(steps), heads, kv_heads, seed=2)
+    cache = DilatedKVCache(segments, rates, num_heads=heads, num_kv_heads=kv_heads, mode=mode,
+                           causal=causal, kernel="reference")  # fmt: skip
+    kw: dict[str, Any] = {"mode": mode, "causal": causal, "return_lse": True}
+    out, lse = cache.attend(q, k, v, True, key_padding_mask=mask)
+    for b, (s, e) in enumerate(runs):
+        assert not out[b][mask[b]].any() and torch.isneginf(lse[b][:, mask[b]]).all()
+        if e > s:
+            rq, rk, rv = (x[:, : e - s] for x in rows[b])
+            expected, expected_lse = oracle(rq, rk, rv, segments, rates, **kw)
+            _assert_step(out[b : b + 1, s:e], lse[b : b + 1, :, s:e], expected, expected_lse,
+                         f"prompt of row {b}")  # fmt: skip
+    lengths = [e - s for s, e in runs]
+    assert cache.lengths == tuple(lengths) and cache.length == max(lengths)
+    done = 0
+    for m in steps:
+        new = [torch.cat([r[i][:, n + done : n + done + m] for r, n in zip(rows, lengths,
+               strict=True)]) for i in range(3)]  # fmt: skip
+        out, lse = cache.attend(*new, True)
+        done += m
+        for b, n in enumerate(lengths):
+            rq, rk, rv = (x[:, : n + done] for x in rows[b])
+            expected, expected_lse = oracle(rq[:, -m:], rk, rv, segments, rates, **kw)
+            _assert_step(out[b : b + 1], lse[b : b + 1], expected, expected_lse,
+                         f"row {b}, tokens [{n + done - m}, {n + done})")  # fmt: skip
+        assert cache.lengths == tuple(n + done for n in lengths)
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_the_block_with_rotary_decodes_a_padded_batch_like_each_row_alone(mode: str) -> None:
+    """Rotary positions come from each row's own position on the device: a padded prompt batch
+    decoded through ``DilatedTransformerBlock(rotary=)`` (single tokens and a chunk) equals the
+    block run on each row's own unpadded sequence."""
+    torch.manual_seed(0)
+    block = DilatedTransformerBlock(24, 6, segment_lengths=[4, 6, 8], dilation_rates=[1, 2, 4],
+                                    num_kv_heads=3, mode=mode, causal=True, dtype=torch.float64,
+                                    rotary=rotary_embedding).eval()  # fmt: skip
+    runs, prompt, decoded = [(0, 7), (4, 12), (0, 0), (5, 6)], 12, 10
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(len(runs), prompt + decoded, 24, generator=g, dtype=torch.float64)
+    p = torch.arange(prompt)
+    mask = torch.stack([(p < s) | (p >= e) for s, e in runs])
+    cache = block.make_cache()
+    with torch.no_grad():
+        first = block(x[:, :prompt], cache=cache, key_padding_mask=mask)
+        outs, t = [], prompt
+        for m in [1, 1, 1, 1, 3, 1, 1, 1]:  # a chunk of 3 too: rotary positions of each row
+            outs.append(block(x[:, t : t + m], cache=cache))
+            t += m
+        assert t == prompt + decoded
+        for b, (s, e) in enumerate(runs):
+            alone = block(torch.cat([x[b : b + 1, s:e], x[b : b + 1, prompt:]], 1))
+            got = torch.cat([first[b : b + 1, s:e], *(o[b : b + 1] for o in outs)], 1)
+            assert float((got - alone).abs().max()) < 1e-12, b
+
+
+def test_reset_keeps_the_buffers_and_starts_over() -> None:
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 20, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=2, kernel="reference")
+    cache.attend(q[:, :9], k[:, :9], v[:, :9])
+    cache.attend(q[:, 9:10], k[:, 9:10], v[:, 9:10])
+    storage = [
+        t.untyped_storage().data_ptr() for t in (cache._keys, cache._values) if t is not None
+    ]
+    cache.reset()
+    assert cache.length == 0 and cache.lengths == ()
+    for t in range(0, 20):  # a new sequence from one token: its stale slots are never seen
+        out = cache.attend(q[:, t : t + 1] * 2, k[:, t : t + 1] * 2, v[:, t : t + 1])
+        expected = oracle(q[:, t : t + 1] * 2, k[:, : t + 1] * 2, v[:, : t + 1], [4, 8], [1, 2],
+                          causal=True)  # fmt: skip
+        assert float((out - expected).abs().max()) < 1e-12, t
+    assert storage == [t.untyped_storage().data_ptr() for t in (cache._keys, cache._values)
+                       if t is not None]  # fmt: skip
+
+
+def test_padding_after_the_prompt_and_packed_documents_are_rejected() -> None:
+    cache = DilatedKVCache([4], [1], num_heads=2)
+    x = torch.randn(2, 3, 2, 4)
+    cache.attend(x, x, x, key_padding_mask=torch.tensor([[False] * 3, [True, False, False]]))
+    with pytest.raises(ValueError, match=r"first call only .* positions \(3, 2\)"):
+        cache.attend(x, x, x, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="contiguous"):
+        DilatedKVCache([4], [1], num_heads=2).attend(
+            x, x, x, key_padding_mask=torch.tensor([[False, True, False], [False] * 3])
+        )
+    m = MultiheadDilatedAttention(8, 2, segment_lengths=[4], dilation_rates=[1], causal=True)
+    y = torch.randn(1, 3, 8)
+    with pytest.raises(ValueError, match="cu_seqlens=None"):
+        m(y, y, y, cache=m.make_cache(), cu_seqlens=torch.tensor([0, 1, 3]))
+
+
+# -- no host traffic, fixed shapes -------------------------------------------------------------
+
+
+def _zero_traffic(step: Callable[[], object]) -> None:
+    with HotPathCounter() as counts:
+        step()
+    assert counts.host_traffic == 0, counts.events
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_a_one_token_step_makes_no_host_traffic(mode: str) -> None:
+    """Through the cache (with and without lse), the module with rotary embeddings, and the
+    block; rows at different positions (a padded prompt) included."""
+    kw: dict[str, Any] = {"segment_lengths": [4, 6, 8], "dilation_rates": [1, 2, 4],
+                          "mode": mode, "causal": True}  # fmt: skip
+    g = torch.Generator().manual_seed(8)
+    cache = DilatedKVCache(kw["segment_lengths"], kw["dilation_rates"], num_heads=6,
+                           num_kv_heads=3, mode=mode)  # fmt: skip
+    q, k, v = torch.randn(2, 9, 6, 4, generator=g), *torch.randn(2, 2, 9, 3, 4, generator=g)
+    mask = torch.tensor([[False] * 9, [True] * 4 + [False] * 5])
+    cache.attend(q, k, v, key_padding_mask=mask)
+    token = (q[:, :1], k[:, :1], v[:, :1])
+    cache.attend(*token)
+    _zero_traffic(lambda: cache.attend(*token))
+    _zero_traffic(lambda: cache.attend(*token, return_lse=True))
+
+    torch.manual_seed(0)
+    mha = MultiheadDilatedAttention(24, 6, num_kv_heads=3, rotary=rotary_embedding, **kw)
+    block = DilatedTransformerBlock(24, 6, rotary=rotary_embedding, **kw)
+    x = torch.randn(2, 9, 24, generator=g)
+    steps: list[tuple[Any, Callable[..., torch.Tensor]]] = [
+        (mha, lambda y, c, **kw: mha(y, y, y, cache=c, **kw)[0]),
+        (block, lambda y, c, **kw: block(y, cache=c, **kw)),
+    ]
+    for module, call in steps:
+        c = module.make_cache()
+        with torch.no_grad():
+            call(x, c, key_padding_mask=mask)  # the prompt, planned on the host
+            call(x[:, :1], c)
+            _zero_traffic(lambda c=c, call=call: call(x[:, 1:2], c))
+        # And with autograd recording (decoding under grad is allowed, if unusual).
+        _zero_traffic(lambda c=c, call=call: call(x[:, 2:3], c))
+
+
+class _Trace(TorchDispatchMode):
+    """Every aten op of a step: its name and, per tensor argument, shape, strides, dtype, and
+    the storage when it is one of ``persistent`` (``None`` for tensors made during the step)."""
+
+    def __init__(self, persistent: set[int]) -> None:
+        super().__init__()
+        self.persistent = persistent
+        self.ops: list[tuple[object, ...]] = []
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        described = []
+        for x in tree_leaves((args, kwargs)):
+            if isinstance(x, torch.Tensor):
+                ptr = x.untyped_storage().data_ptr()
+                known = ptr if ptr in self.persistent else None
+                described.append((tuple(x.shape), x.stride(), x.dtype, known))
+        for argument, x in zip(func._schema.arguments, args, strict=False):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                self.written.add(x.untyped_storage().data_ptr())
+        self.ops.append((str(func), tuple(described)))
+        return func(*args, **kwargs)
+
+
+def _storages(*objects: object) -> set[int]:
+    found: set[int] = set()
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            found |= {p.untyped_storage().data_ptr() for p in obj.parameters()}
+        elif isinstance(obj, DilatedKVCache):
+            tensors = [obj._keys, obj._values, obj._positions]
+            if obj._tables is not None:
+                tensors += [x for x in attrs.astuple(obj._tables, recurse=False) if x is not None]
+            found |= {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+    return found
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_steps_repeat_the_same_ops_on_the_same_tensors(mode: str) -> None:
+    """What CUDA-graph capture needs: consecutive one-token steps (across a segment boundary,
+    rows at different positions) run the same aten ops on tensors of the same shapes, strides
+    and dtypes, read and write the same persistent storage (the cache's buffers, positions and
+    tables, the parameters), and write nothing else that outlives the step."""
+    torch.manual_seed(0)
+    block = DilatedTransformerBlock(24, 6, segment_lengths=[4, 6, 8], dilation_rates=[1, 2, 4],
+                                    num_kv_heads=3, mode=mode, causal=True,
+                                    rotary=rotary_embedding).eval()  # fmt: skip
+    cache = block.make_cache()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 9, 24, generator=g)
+    mask = torch.tensor([[False] * 9, [True] * 2 + [False] * 7])
+    with torch.no_grad():
+        block(x, cache=cache, key_padding_mask=mask)
+        block(x[:, :1], cache=cache)
+        persistent = _storages(block, cache)
+        traces = []
+        for t in range(1, 9):  # positions 10-17 and 8-15: every pattern's boundary crossed
+            with _Trace(persistent) as trace:
+                block(x[:, t : t + 1], cache=cache)
+            traces.append(trace)
+    held = (cache._keys, cache._values, cache._positions)
+    state = {t.untyped_storage().data_ptr() for t in held if t is not None}
+    for trace in traces:
+        assert trace.ops == traces[0].ops
+        # In place, a step writes the keys, values and positions, and no other lasting tensor.
+        assert trace.written & persistent == state
+
+
+def test_a_non_finite_value_reaches_only_its_own_runs_and_their_next_segment() -> None:
+    """docs/spec.md section 4 for the device step. A NaN value at position 10 (selected by
+    head 0's pattern, w=4 r=1, not by head 1's, w=8 r=2 offset 1): head 1 stays exact (the
+    token went to its scratch slot as 0); head 0 is NaN where the exact math is (10, 11), exact
+    again once slot 2 is overwritten (14 on), and may be NaN in between (12, 13: a hidden slot
+    of its buffer still holds the value, as a fused kernel's masked key can)."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 20, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    v[0, 10] = float("nan")
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=2, kernel="reference")
+    cache.attend(q[:, :6], k[:, :6], v[:, :6])
+    for t in range(6, 20):
+        out = cache.attend(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])[0, 0]
+        expected = oracle(q[:, t : t + 1], k[:, : t + 1], v[:, : t + 1], [4, 8], [1, 2],
+                          causal=True)[0, 0]  # fmt: skip
+        assert float((out[1] - expected[1]).abs().max()) < 1e-12, t
+        if t in (10, 11):
+            assert expected[0].isnan().all() and out[0].isnan().all(), t
+        elif t not in (12, 13):
+            assert float((out[0] - expected[0]).abs().max()) < 1e-12, t

@@ -1,28 +1,59 @@
-"""``DilatedKVCache``: decoding with a cache bounded by the pattern, not by the tokens decoded.
+"""``DilatedKVCache``: decoding with fixed buffers bounded by the pattern, positions on the device.
 
-A query at position ``p`` sees, under pattern ``i``, only the selected positions of its own
-segment (docs/spec.md, section 2). A future query therefore sees nothing before the current
-segment of each pattern, and only that pattern's selected positions in it (in ``head_groups``
-mode, only those of its own head group's offset). The cache keeps exactly those: for every run
-of heads sharing a pattern and an offset, the keys and values at its selected positions of the
-current segment, at most ``ceil((w_i - offset) / r_i)`` of them. Memory is bounded by
-``sum_i w_i / r_i`` keys per run, whatever the number of tokens decoded, and so is the work per
-token.
+A query at position ``p`` sees, under pattern ``i`` (segment ``w``, rate ``r``) at offset ``o``,
+only the selected positions of its own segment (docs/spec.md, section 2): ``p`` itself must be
+selected (``(p % w) % r == o``) and its keys are the positions ``base + o + j * r <= p``, ``base =
+p - p % w``. A future query therefore sees nothing before the current segment of each pattern.
+For every run of heads sharing a pattern and an offset the cache keeps exactly those keys and
+values, in a fixed buffer of ``ceil((w - o) / r)`` slots: the key at position ``t`` lives in slot
+``(t % w) // r`` while ``t``'s segment is the current one. Memory is bounded by the pattern, never
+by the tokens decoded, and it is allocated once, at the first call.
 
-How a step is computed: the selected positions of a pattern, in order, form a sequence in which
-every segment holds ``ceil((w_i - offset) / r_i)`` positions (the last one fewer if partial).
-Attention under ``(w_i, r_i, offset)`` over the original positions is attention under
-``([ceil((w_i - offset) / r_i)], [1])`` over that compacted sequence, causal or not. A step
-appends the new tokens' selected positions to a run's cached ones (which start at a segment
-boundary of the compacted sequence) and attends its new queries as a query suffix
-(:func:`ringdilated.dilated_attention`), on any kernel. ``longnet`` mode merges the runs of a
-head by their log-sum-exp, as the driver does.
+**A one-token step makes no host read and no copy from Python data**, and every tensor it reads
+or writes keeps its shape, strides and storage from step to step (what CUDA-graph capture
+needs): each row's position lives in a ``(B,)`` int64 tensor on the device, and everything the
+step needs follows from it by arithmetic there. The new key and value go to their slot in every
+run that selects the token (a run that does not writes them to a scratch slot nobody sees); slot
+``j`` of a run is visible to the query exactly when the run selects ``p`` and ``o + j * r <= p %
+w``, so nothing needs clearing when a segment ends (the stale slots of the last segment are
+invisible until overwritten). Then one dense masked attention in float32 (float64 for float64
+inputs) runs over the slots of every run that covers each query head: in ``head_groups`` mode a
+head's one run; in ``longnet`` mode the concatenation of its patterns' runs, whose single softmax
+is LongNet's weighting by softmax denominators (a softmax over the multiset union of the
+patterns' keys). A head that sees no key gets ``out = 0`` and ``lse = -inf``. The step scans
+every slot, visible or not: its cost is the capacity, like a static cache's.
+
+The buffers hold, per key/value head, one range of slots per run reading that head (a run's
+range starts at the same slot on each of its heads), each as long as the largest run's capacity
+plus one scratch slot, so a step's visibility mask is one broadcast comparison: keys as
+``(B, Hkv, D, S)``, values as ``(B, Hkv, S, D)``, the layouts the two products read fastest.
+
+Non-finite values (docs/spec.md, section 4): every output the exact math makes NaN is NaN, and a
+token's value never reaches a run that does not select it (the scratch slot receives 0). As in a
+fused kernel, whose masked keys' values meet a zero probability, a NaN or infinite value can make
+NaN the outputs of the runs that selected it for the rest of its segment and in their next
+segment until its slot is overwritten; never another row, and never the next sequence
+(:meth:`DilatedKVCache.reset` zeroes the buffers).
+
+A step of several tokens (a prompt, chunked prefill) is planned on the host: the first call
+attends the prompt with :func:`ringdilated.dilated_attention`'s machinery, with the real pattern
+(and ``key_padding_mask``, read once); a later one reads the rows' positions and attends, per
+run, its new selected tokens over the cached ones as a query suffix in the compacted sequence of
+selected positions (the selected positions of a pattern, in order, are a sequence in which every
+segment holds ``ceil((w - o) / r)`` positions, so a run is one rate-1 call on any kernel;
+``longnet`` runs are merged by their log-sum-exp). Either then writes the last segment's selected
+keys into the buffers.
+
+**Rows of different lengths.** The first call may take a ``key_padding_mask`` ``(B, m)`` (``True``
+= padding, one contiguous valid run per row, left or right padding): each row's valid tokens are
+its prompt, at positions ``0..n_b - 1``; padded positions give ``out = 0``. After it, every call
+gives each row its next tokens, at that row's own positions.
 
 Call flow::
 
     cache = DilatedKVCache([2048, 4096], [1, 2], num_heads=8, causal=True)
-    out = cache.attend(q, k, v)        # prefill: q (B, m, H, D) at positions [0, m)
-    out = cache.attend(q1, k1, v1)     # one decoded token at position m
+    out = cache.attend(q, k, v, key_padding_mask=mask)  # prefill: (B, m, H, D), padded rows
+    out = cache.attend(q1, k1, v1)  # one token per row, each at its own position
 """
 
 from __future__ import annotations
@@ -33,43 +64,46 @@ import attrs
 import torch
 
 from ringdilated.core.kernel import Kernel
-from ringdilated.core.pattern import DilationPattern, HeadRun, Mode
+from ringdilated.core.layout import read_padding
+from ringdilated.core.pattern import DilationPattern, HeadRun, Mode, split_by_kv
 from ringdilated.core.validation import check_bool, check_options
 from ringdilated.functional import attend
 
 __all__ = ["DilatedKVCache"]
 
+_NEVER = 2**62
+"""The in-segment position from which a query head sees a slot it never sees."""
+
 
 @attrs.frozen
 class _Run:
-    """Query heads ``heads`` under pattern ``index`` at ``offset``: segment ``w``, rate ``r``."""
+    """Query heads ``heads`` under pattern ``index`` at ``offset`` (segment ``w``, rate ``r``);
+    its slots are ``[start, start + capacity)`` on each of its key/value heads."""
 
     index: int
     heads: HeadRun
     w: int
     r: int
     offset: int
+    start: int
 
     @property
-    def per_segment(self) -> int:
-        """Selected positions in a full segment: the compacted segment length."""
+    def capacity(self) -> int:
+        """Selected positions in a full segment: the run's slots, and its compacted segment."""
         return -(-(self.w - self.offset) // self.r)
 
-    def count_in_segment(self, start: int, stop: int) -> int:
-        """Selected positions in ``[start, stop)``, which lie in one segment; O(1)."""
-        base = start // self.w * self.w + self.offset
-        first = base + max(0, -(-(start - base) // self.r)) * self.r
-        return max(0, -(-(stop - first) // self.r))
+    def held(self, position: int) -> int:
+        """Selected positions before ``position`` in its segment: the slots a step starting at
+        ``position`` finds filled (slots ``0 .. held - 1``)."""
+        return max(0, -(-(position % self.w - self.offset) // self.r))
 
     def selected(self, start: int, stop: int) -> list[int]:
         """The selected positions in ``[start, stop)``, in order (O(selected), not O(stop))."""
-        first_segment = start // self.w
         positions: list[int] = []
-        segment = first_segment
+        segment = start // self.w
         while segment * self.w < stop:
             base = segment * self.w + self.offset
-            j = max(0, -(-(start - base) // self.r))
-            p = base + j * self.r
+            p = base + max(0, -(-(start - base) // self.r)) * self.r
             end = min(stop, (segment + 1) * self.w)
             while p < end:
                 positions.append(p)
@@ -78,29 +112,107 @@ class _Run:
         return positions
 
 
-def _runs(pattern: DilationPattern, num_heads: int, num_kv_heads: int) -> tuple[_Run, ...]:
-    """Every run of heads sharing a pattern and an offset (the pattern's blocks, deduplicated)."""
-    seen: dict[tuple[int, HeadRun, int], _Run] = {}
-    longest = max(pattern.segment_lengths)
-    for block in pattern.blocks(longest, num_heads, num_kv_heads):
-        key = (block.index, block.heads, block.selection.offset)
-        w, r = pattern.segment_lengths[block.index], pattern.dilation_rates[block.index]
-        seen.setdefault(key, _Run(block.index, block.heads, w, r, block.selection.offset))
-    return tuple(seen.values())
+def _runs(
+    pattern: DilationPattern, num_heads: int, num_kv_heads: int
+) -> tuple[tuple[_Run, ...], int, int]:
+    """Every run of heads sharing a pattern and an offset (split where a key/value head
+    begins), and the buffer's layout: on every key/value head, ``entries`` ranges of ``span``
+    slots (the largest run's capacity, then one scratch slot); each run takes the first range
+    free on all of its key/value heads, so its slots start at the same place on each."""
+    group = num_heads // num_kv_heads
+    placed: list[tuple[int, HeadRun, int, int, int, int]] = []
+    taken = [0] * num_kv_heads
+    for index, offset, first, stop in pattern.head_offsets(num_heads):
+        w, r = pattern.segment_lengths[index], pattern.dilation_rates[index]
+        for heads in split_by_kv(first, stop, group):
+            kv = range(heads.kv_start, heads.kv_stop)
+            entry = max(taken[h] for h in kv)
+            for h in kv:
+                taken[h] = entry + 1
+            placed.append((index, heads, w, r, offset, entry))
+    span = max(-(-(w - offset) // r) for _, _, w, r, offset, _ in placed) + 1
+    runs = tuple(
+        _Run(index, heads, w, r, offset, entry * span)
+        for index, heads, w, r, offset, entry in placed
+    )
+    return runs, max(taken), span
+
+
+@attrs.frozen
+class _Tables:
+    """What a one-token step reads besides the buffers, made once at allocation (device).
+
+    Per key/value head and entry (a range of ``span`` slots, ``(Hkv, E)``): the run's ``w``,
+    ``r``, ``offset``, first slot and scratch slot (an unused entry selects nothing).
+    ``first`` ``(Hkv, H / Hkv, E, span)``: for query head ``(kv head, j)`` and slot ``i``
+    of an entry, ``offset + i * r``, the in-segment position from which the query sees the slot,
+    when the query head belongs to the entry's run, else never (the scratch slot: never).
+    ``member`` ``(Hkv, H / Hkv, E)``: whether a query head belongs to an entry's run; ``None``
+    when every query head has a run of rate 1 (it then sees a key at every position)."""
+
+    w: torch.Tensor
+    r: torch.Tensor
+    offset: torch.Tensor
+    start: torch.Tensor
+    scratch: torch.Tensor
+    first: torch.Tensor
+    member: torch.Tensor | None
+
+
+def _tables(
+    runs: tuple[_Run, ...],
+    num_heads: int,
+    num_kv_heads: int,
+    entries: int,
+    span: int,
+    device: torch.device,
+) -> _Tables:
+    group = num_heads // num_kv_heads
+    shape = (num_kv_heads, entries)
+    w, r, offset = (torch.ones(shape, dtype=torch.int64) for _ in range(3))
+    start = (span * torch.arange(entries)).expand(shape).clone()
+    first = torch.full((num_kv_heads, group, entries, span), _NEVER, dtype=torch.int64)
+    member = torch.zeros((num_kv_heads, group, entries), dtype=torch.bool)
+    always = torch.zeros(num_heads, dtype=torch.bool)
+    for run in runs:
+        e = run.start // span
+        for h in range(run.heads.kv_start, run.heads.kv_stop):
+            w[h, e], r[h, e], offset[h, e] = run.w, run.r, run.offset
+        for head in range(run.heads.q_start, run.heads.q_stop):
+            kv, j = head // group, head % group
+            first[kv, j, e, : run.capacity] = run.offset + run.r * torch.arange(run.capacity)
+            member[kv, j, e] = True
+            always[head] |= run.r == 1
+    return _Tables(
+        w=w.to(device),
+        r=r.to(device),
+        offset=offset.to(device),
+        start=start.to(device),
+        scratch=(start + span - 1).to(device),
+        first=first.to(device),
+        member=None if bool(always.all()) else member.to(device),
+    )
 
 
 class DilatedKVCache:
-    """Keys and values that future queries can still see, and nothing more.
+    """Keys and values that future queries can still see, in buffers of fixed size.
 
-    ``attend(q, k, v)`` takes the next ``m`` tokens (``q`` ``(B, m, H, D)``, ``k``, ``v``
-    ``(B, m, Hkv, D)``, at positions ``[length, length + m)``), adds their keys and values, and
-    returns their attention over everything the cache has seen: exactly the last ``m`` rows of
-    :func:`ringdilated.dilated_attention` over the whole sequence so far (with ``causal=False``,
-    each step's queries see the keys of their segment up to the step's last position, as a query
-    suffix does). Prefill is one call with the prompt; decoding, one call per token.
+    ``attend(q, k, v)`` takes each row's next ``m`` tokens (``q`` ``(B, m, H, D)``, ``k``, ``v``
+    ``(B, m, Hkv, D)``), adds their keys and values, and returns their attention over everything
+    the cache has seen in that row: exactly the last ``m`` rows of
+    :func:`ringdilated.dilated_attention` over that row's whole sequence so far (with
+    ``causal=False``, each step's queries see the keys of their segment up to the step's last
+    position, as a query suffix does). Prefill is one call with the prompt (``key_padding_mask``
+    for rows of different lengths); decoding, one call per token, which runs on the device alone
+    (see the module docstring).
 
-    The batch, heads, head dim, dtype and device are fixed by the first call. Rows are one
-    sequence each, all at the same positions (no padding or packed documents yet).
+    The batch, heads, head dim, dtype and device are fixed by the first call, which allocates
+    the buffers; :meth:`reset` starts every row over at position 0 and keeps them (a call of
+    another batch, head dim, dtype or device after a reset allocates new ones).
+
+    Decoding is inference: run it under ``torch.no_grad()`` or ``torch.inference_mode()``. Under
+    autograd a step is differentiable until the next step writes the buffers in place, and the
+    buffers' autograd history grows with every step.
     """
 
     def __init__(
@@ -126,97 +238,307 @@ class DilatedKVCache:
         self.scale = scale
         self.kernel = kernel
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
-        self._runs = _runs(self.pattern, num_heads, kv_heads)
-        self.length = 0
-        self._keys: list[torch.Tensor | None] = [None] * len(self._runs)
-        self._values: list[torch.Tensor | None] = [None] * len(self._runs)
+        self._runs, self._entries, self._span = _runs(self.pattern, num_heads, kv_heads)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._tables: _Tables | None = None
+        self._step_shapes: tuple[torch.Size, torch.Size] | None = None
+        self._dtype: torch.dtype | None = None
+        self._device: torch.device | None = None
+        self._work = torch.float32  # the one-token step's arithmetic (float64 for float64)
+        self._scale = 1.0
+        self._started = False  # a prompt was attended since construction or reset()
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Each row's tokens so far (its next position; ``()`` before the first call). Reads
+        :attr:`positions` on the host: for bookkeeping, not for the decoding loop."""
+        if not self._started or self._positions is None:
+            return ()
+        return tuple(int(p) for p in self._positions.tolist())
+
+    @property
+    def length(self) -> int:
+        """The longest row's tokens so far (every row's, without padding); 0 before the first
+        call. Reads :attr:`positions` on the host, as :attr:`lengths` does."""
+        return max(self.lengths, default=0)
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Each row's next position, ``(B,)`` int64 on the device (``None`` before the first
+        call). The cache advances it in place every step; do not write to it."""
+        return self._positions
+
+    @property
+    def capacity(self) -> int:
+        """Key positions the cache can hold, summed over the runs of heads: one segment's
+        selected positions per run (``ceil((w - offset) / r)``)."""
+        return sum(run.capacity for run in self._runs)
 
     @property
     def cached_positions(self) -> int:
-        """Key positions held, summed over the runs of heads (each run holds its own)."""
-        return sum(0 if k is None else k.shape[1] for k in self._keys)
+        """Key positions a future query can still see, summed over the runs of heads (each run
+        holds its own), in the row that holds the most."""
+        return max((sum(run.held(p) for run in self._runs) for p in self.lengths), default=0)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of storage the cached keys and values hold (each its own copy)."""
-        tensors = [t for t in (*self._keys, *self._values) if t is not None]
-        return sum(t.untyped_storage().nbytes() for t in tensors)
+        """Bytes of the key and value buffers (fixed from the first call: on each key/value
+        head, a range of slots per run reading it, as long as the largest run's capacity, plus a
+        scratch slot each)."""
+        buffers = [t for t in (self._keys, self._values) if t is not None]
+        return sum(t.untyped_storage().nbytes() for t in buffers)
 
     def reset(self) -> None:
-        """Forget every token (a new sequence starts at position 0)."""
-        self.length = 0
-        self._keys = [None] * len(self._runs)
-        self._values = [None] * len(self._runs)
+        """Start every row over at position 0. The buffers are kept, and zeroed in place (a
+        slot becomes visible only once written again, but a NaN or infinite value left from the
+        last sequence must not meet a zero probability in the next)."""
+        for buffer in (self._positions, self._keys, self._values):
+            if buffer is not None:
+                buffer.zero_()
+        self._started = False
+
+    def rotary_positions(
+        self, tokens: int, device: torch.device, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Positions of the next ``tokens`` of each row, ``(B or 1, tokens)`` int64 on
+        ``device``, for rotary embeddings: counted from each row's start (with a first call's
+        ``key_padding_mask``, from each row's first valid token, padded positions 0). Computed on
+        the device."""
+        if key_padding_mask is not None:
+            mask = key_padding_mask
+            if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] != tokens:
+                raise ValueError(
+                    f"key_padding_mask must be a (batch, {tokens}) bool tensor (True = padding) "
+                    f"for {tokens} new tokens, got {mask.dtype} of shape {tuple(mask.shape)}"
+                )
+            return (mask.logical_not().cumsum(1) - 1).clamp_min(0).to(device)
+        if self._positions is None or not self._started:
+            return torch.arange(tokens, device=device).unsqueeze(0)
+        if tokens == 1:
+            return self._positions.unsqueeze(1).clone()
+        return self._positions.unsqueeze(1) + torch.arange(tokens, device=device)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        return_lse: bool = False,
+        *,
+        key_padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Add the next ``m`` tokens' keys and values and attend their queries: ``out``
-        ``(B, m, H, D)`` (and ``lse`` ``(B, H, m)`` float32 with ``return_lse``)."""
-        self._check(q, k, v)
+        """Add each row's next ``m`` tokens' keys and values and attend their queries: ``out``
+        ``(B, m, H, D)`` (and ``lse`` ``(B, H, m)`` float32 with ``return_lse``).
+
+        ``key_padding_mask`` ``(B, m)`` bool (``True`` = padding, one contiguous valid run per
+        row), on the first call after construction or :meth:`reset` only: each row's prompt is
+        its valid tokens; padded positions give ``out = 0`` and ``lse = -inf``."""
+        shapes = self._step_shapes
+        if (
+            shapes is not None
+            and key_padding_mask is None
+            and q.shape == shapes[0]
+            and k.shape == shapes[1]
+            and v.shape == shapes[1]
+            and self._started
+            and q.dtype == k.dtype == v.dtype == self._dtype
+            and q.device == k.device == v.device == self._device
+        ):
+            out, lse = self._step(q, k, v, return_lse)  # the steady state: no other checks
+        else:
+            self._check(q, k, v, key_padding_mask)
+            if q.shape[1] == 1 and key_padding_mask is None and self._started:
+                out, lse = self._step(q, k, v, return_lse)
+            elif not self._started:
+                out, lse = self._prefill(q, k, v, key_padding_mask)
+            else:
+                out, lse = self._chunk(q, k, v)
+        if return_lse:
+            assert lse is not None
+            return out, lse
+        return out
+
+    # -- the one-token step, on the device ------------------------------------------------------
+
+    def _step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keys, values, positions, t = self._keys, self._values, self._positions, self._tables
+        assert keys is not None and values is not None and positions is not None and t is not None
+        batch, _, heads, dim = q.shape
+        kv_heads, width = t.w.shape
+        group = heads // kv_heads
+        # Where each run reading a key/value head puts the token, and up to which in-segment
+        # position it sees its slots (-1: the run does not select this position).
+        inside = positions.view(batch, 1, 1) % t.w
+        selects = inside % t.r == t.offset
+        slot = torch.where(selects, t.start + inside // t.r, t.scratch)
+        seen_to = torch.where(selects, inside, -1)
+        # Write first (the token sees itself); a step that raises later leaves only its own
+        # slot written, which no query sees before this position is written again. Keys are
+        # held transposed, (B, Hkv, D, S), the layout the score product reads fastest.
+        keys.scatter_(
+            3,
+            slot.unsqueeze(2).expand(batch, kv_heads, dim, width),
+            k.reshape(batch, kv_heads, dim, 1).expand(-1, -1, -1, width),
+        )
+        # A value goes to the scratch slot as 0: an unselected token's NaN or infinity must not
+        # meet a zero probability there (0 * NaN is NaN).
+        values.scatter_(
+            2,
+            slot.unsqueeze(3).expand(batch, kv_heads, width, dim),
+            torch.where(selects.unsqueeze(3), v.reshape(batch, kv_heads, 1, dim), 0.0),
+        )
+        hidden = (t.first > seen_to.view(batch, kv_heads, 1, width, 1)).view(
+            batch, kv_heads, group, width * self._span
+        )
+        work = self._work
+        query = q.reshape(batch, kv_heads, group, dim).to(work) * self._scale
+        scores = torch.matmul(query, keys.to(work)).masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        out = torch.matmul(probs, values.to(work))
+        # A head that sees no key (none of its runs selects the position) has a row of -inf
+        # scores, whose softmax is NaN: its output is 0 and its lse -inf. (No such head when
+        # each has a run of rate 1.)
+        seen = None
+        if t.member is not None:
+            seen = (selects.unsqueeze(2) & t.member).any(-1, keepdim=True)
+            out = torch.where(seen, out, 0.0)
+        lse = None
+        if return_lse:  # max + log(1 / the top probability): no exp of the masked scores
+            lse = scores.amax(-1, keepdim=True) - probs.amax(-1, keepdim=True).log()
+            if seen is not None:
+                lse = torch.where(seen, lse, float("-inf"))
+            lse = lse.view(batch, heads, 1).float()
+        positions.add_(1)
+        return out.to(q.dtype).view(batch, 1, heads, dim), lse
+
+    # -- steps of several tokens, planned on the host ------------------------------------------
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first call: the prompt attended with the real pattern, then its last segments
+        written into the buffers."""
+        batch, m = q.shape[:2]
+        self._allocate(q, k)
+        assert self._positions is not None
+        out, lse, _ = attend(
+            self.pattern,
+            q,
+            k,
+            v,
+            causal=self.causal,
+            scale=self.scale,
+            dropout_p=0.0,
+            kernel=self.kernel,
+            key_padding_mask=key_padding_mask,
+        )
+        if key_padding_mask is None:
+            prompts = [(b, 0, 0, m) for b in range(batch)]
+        else:  # one read of the mask, here only
+            prompts = []
+            for rows in read_padding(key_padding_mask, batch, m):
+                start, stop = rows.documents[0] if rows.documents else (0, 0)
+                prompts.extend((b, 0, start, stop - start) for b in range(rows.start, rows.stop))
+        self._write(k, v, prompts)
+        lengths = tuple(n for _, _, _, n in prompts)
+        self._positions.copy_(torch.tensor(lengths, dtype=torch.int64))
+        self._started = True
+        return out, lse
+
+    def _chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A later step of several tokens, planned on the host (one read of the positions):
+        rows at one position together, each run a rate-1 call over its compacted selected
+        positions; the buffers are written once every run succeeded (a step that raises leaves
+        the cache as it was)."""
         batch, m, heads, dim = q.shape
-        start, stop = self.length, self.length + m
+        assert self._positions is not None
+        lengths = self.lengths
+        groups: dict[int, list[int]] = {}
+        for b, position in enumerate(lengths):
+            groups.setdefault(position, []).append(b)
+        if len(groups) == 1:
+            out, lse = self._chunk_rows(q, k, v, lengths[0], slice(None))
+        else:
+            out = q.new_zeros(batch, m, heads, dim)
+            lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
+            for position, members in groups.items():
+                rows = torch.tensor(members, device=q.device)
+                part, part_lse = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
+                out[rows], lse[rows] = part, part_lse
+        self._write(k, v, [(b, p, 0, m) for b, p in enumerate(lengths)])
+        self._positions.add_(m)
+        return out, lse
+
+    def _chunk_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        rows: slice | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` of the buffers, all at position ``start``: their next tokens' attention."""
+        assert self._keys is not None and self._values is not None
+        batch, m, heads, dim = q.shape
+        stop = start + m
         exclusive = self.pattern.mode == "head_groups"
         out = q.new_zeros(batch, m, heads, dim) if exclusive else None
         lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
         parts: list[tuple[_Run, list[int], torch.Tensor, torch.Tensor]] = []
-        # The new state is built aside and committed only once every run succeeded: a step that
-        # raises (out of memory, a kernel error) leaves the cache as it was.
-        kept_keys: list[torch.Tensor | None] = []
-        kept_values: list[torch.Tensor | None] = []
-        for i, run in enumerate(self._runs):
+        for run in self._runs:
             new = run.selected(start, stop)
-            rows = torch.tensor([p - start for p in new], dtype=torch.long, device=q.device)
+            if not new:
+                continue
+            at = torch.tensor([p - start for p in new], dtype=torch.long, device=q.device)
             h, kv = run.heads, slice(run.heads.kv_start, run.heads.kv_stop)
-            keys, values = k[:, :, kv].index_select(1, rows), v[:, :, kv].index_select(1, rows)
-            held_k, held_v = self._keys[i], self._values[i]
-            if held_k is not None and held_v is not None:
-                keys, values = torch.cat([held_k, keys], 1), torch.cat([held_v, values], 1)
-            if new:
-                queries = q[:, :, h.q_start : h.q_stop].index_select(1, rows)
-                run_out, run_lse, _ = attend(
-                    ((run.per_segment,), (1,), "head_groups"),
-                    queries,
-                    keys,
-                    values,
-                    causal=self.causal,
-                    scale=self.scale if self.scale is not None else dim**-0.5,
-                    dropout_p=0.0,
-                    kernel=self.kernel,
-                    full_precision_lse=True,  # longnet merges it further
-                )
-                parts.append((run, new, run_out, run_lse))
-            kept = self._keep(run, keys, values, stop)
-            kept_keys.append(kept[0])
-            kept_values.append(kept[1])
+            held = slice(run.start, run.start + run.held(start))
+            keys = torch.cat(
+                [
+                    self._keys[rows, kv, :, held].permute(0, 3, 1, 2),
+                    k[:, :, kv].index_select(1, at),
+                ],
+                1,
+            )
+            values = torch.cat(
+                [self._values[rows, kv, held].transpose(1, 2), v[:, :, kv].index_select(1, at)],
+                1,
+            )
+            queries = q[:, :, h.q_start : h.q_stop].index_select(1, at)
+            run_out, run_lse, _ = attend(
+                ((run.capacity,), (1,), "head_groups"),
+                queries,
+                keys,
+                values,
+                causal=self.causal,
+                scale=self.scale if self.scale is not None else dim**-0.5,
+                dropout_p=0.0,
+                kernel=self.kernel,
+                full_precision_lse=True,  # longnet merges it further
+            )
+            parts.append((run, [p - start for p in new], run_out, run_lse))
         if exclusive:
             assert out is not None
-            for run, new, run_out, run_lse in parts:
-                at = [p - start for p in new]
+            for run, at_list, run_out, run_lse in parts:
                 h = run.heads
-                out[:, at, h.q_start : h.q_stop] = run_out
-                lse[:, h.q_start : h.q_stop, at] = run_lse.float()
-        else:
-            out, lse = self._merge(parts, q, start, lse)
-        self._keys, self._values, self.length = kept_keys, kept_values, stop  # the step is done
-        return (out, lse) if return_lse else out
-
-    def _keep(
-        self, run: _Run, keys: torch.Tensor, values: torch.Tensor, stop: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selected keys of the segment that position ``stop`` (the next query) lies in."""
-        keep = run.count_in_segment(stop // run.w * run.w, stop)
-        # Copies, not views: a view would keep the whole step's keys (a long prompt) alive.
-        return (
-            keys[:, keys.shape[1] - keep :].clone(),
-            values[:, values.shape[1] - keep :].clone(),
-        )
+                out[:, at_list, h.q_start : h.q_stop] = run_out
+                lse[:, h.q_start : h.q_stop, at_list] = run_lse.float()
+            return out, lse
+        return self._merge(parts, q, lse)
 
     @staticmethod
     def _merge(
         parts: list[tuple[_Run, list[int], torch.Tensor, torch.Tensor]],
         q: torch.Tensor,
-        start: int,
         lse: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``longnet``: every head's runs merged by their log-sum-exp (float32 state)."""
@@ -224,18 +546,81 @@ class DilatedKVCache:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         state = torch.full((len(parts), batch, heads, m), float("-inf"), dtype=acc, device=q.device)
         outs = q.new_zeros((len(parts), batch, m, heads, dim), dtype=acc)
-        for j, (run, new, run_out, run_lse) in enumerate(parts):
-            rows = [p - start for p in new]
+        for j, (run, at, run_out, run_lse) in enumerate(parts):
             h = run.heads
-            state[j, :, h.q_start : h.q_stop, rows] = run_lse.to(acc)
-            outs[j, :, rows, h.q_start : h.q_stop] = run_out.to(acc)
+            state[j, :, h.q_start : h.q_stop, at] = run_lse.to(acc)
+            outs[j, :, at, h.q_start : h.q_stop] = run_out.to(acc)
         total = torch.logsumexp(state, 0)
         seen = torch.isfinite(total)
         weights = torch.where(seen, torch.exp(state - total.masked_fill(~seen, 0)), 0.0)
         merged = (outs * weights.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
         return merged.to(q.dtype), total.float().where(seen, lse)
 
-    def _check(self, q: object, k: object, v: object) -> None:
+    def _write(
+        self, k: torch.Tensor, v: torch.Tensor, rows: list[tuple[int, int, int, int]]
+    ) -> None:
+        """For each ``(row, position, column, count)``: the row's tokens at columns
+        ``[column, column + count)`` hold positions ``[position, position + count)``; write the
+        selected ones of the segment the row's next position lies in into their slots."""
+        assert self._keys is not None and self._values is not None
+        device = k.device
+        for run in self._runs:
+            batch_index, columns, slots = [], [], []
+            for b, position, column, count in rows:
+                stop = position + count
+                for p in run.selected(max(position, stop - stop % run.w), stop):
+                    batch_index.append(b)
+                    columns.append(column + p - position)
+                    slots.append(run.start + p % run.w // run.r)
+            if not batch_index:
+                continue
+            at_b, at_c, at_s = (
+                torch.tensor(x, dtype=torch.long, device=device)
+                for x in (batch_index, columns, slots)
+            )
+            kv = torch.arange(run.heads.kv_start, run.heads.kv_stop, device=device)
+            index = (at_b.unsqueeze(1), kv.unsqueeze(0), at_s.unsqueeze(1))
+            self._keys.transpose(2, 3).index_put_(
+                index, k[at_b.unsqueeze(1), at_c.unsqueeze(1), kv]
+            )
+            self._values.index_put_(index, v[at_b.unsqueeze(1), at_c.unsqueeze(1), kv])
+
+    # -- allocation and checks -------------------------------------------------------------------
+
+    def _allocate(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """The buffers and tables, unless the ones held fit ``k``'s batch, dim, dtype, device."""
+        batch, _, kv_heads, dim = k.shape
+        held = self._values
+        if (
+            held is not None
+            and held.shape[0] == batch
+            and held.shape[3] == dim
+            and held.dtype == k.dtype
+            and held.device == k.device
+        ):
+            assert self._positions is not None
+            self._positions.zero_()
+            return
+        self._tables = _tables(
+            self._runs, self.num_heads, self.num_kv_heads, self._entries, self._span, k.device
+        )
+        slots = self._entries * self._span
+        # Zeros, not empty: an unwritten slot's value meets probability 0, and 0 * NaN is NaN.
+        # Keys transposed (B, Hkv, D, S), values (B, Hkv, S, D): what the two products read.
+        self._keys = torch.zeros((batch, kv_heads, dim, slots), dtype=k.dtype, device=k.device)
+        self._values = torch.zeros((batch, kv_heads, slots, dim), dtype=k.dtype, device=k.device)
+        self._positions = torch.zeros(batch, dtype=torch.int64, device=k.device)
+        self._dtype, self._device = k.dtype, k.device
+        self._work = torch.float64 if k.dtype == torch.float64 else torch.float32
+        self._scale = self.scale if self.scale is not None else dim**-0.5
+        self._step_shapes = (
+            torch.Size((batch, 1, self.num_heads, dim)),
+            torch.Size((batch, 1, kv_heads, dim)),
+        )
+
+    def _check(
+        self, q: object, k: object, v: object, key_padding_mask: torch.Tensor | None
+    ) -> None:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -259,15 +644,32 @@ class DilatedKVCache:
                 "q, k and v must hold the same new tokens (q (B, m, H, D), k and v "
                 f"(B, m, Hkv, D)), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
-        held = next((t for t in self._keys if t is not None), None)
-        if held is not None and (
-            held.shape[0] != k.shape[0]
-            or held.shape[3] != k.shape[3]
-            or held.dtype != k.dtype
-            or held.device != k.device
+        if q.shape[1] < 1:
+            raise ValueError(f"a step must add at least one token, got q {tuple(q.shape)}")
+        held = self._values
+        if (
+            self._started
+            and held is not None
+            and (
+                held.shape[0] != k.shape[0]
+                or held.shape[3] != k.shape[3]
+                or held.dtype != k.dtype
+                or held.device != k.device
+            )
         ):
             raise ValueError(
                 f"this cache holds batch {held.shape[0]}, head dim {held.shape[3]}, "
                 f"{held.dtype} on {held.device}; got k {tuple(k.shape)} {k.dtype} on "
                 f"{k.device} (call reset() to start another sequence)"
             )
+        if key_padding_mask is not None and self._started:
+            raise ValueError(
+                "key_padding_mask is taken by the first call only (the prompt; afterwards every "
+                f"row gets its next tokens at its own position), but the rows are at "
+                f"{self._brief_lengths()}: pass key_padding_mask=None, or reset() first"
+            )
+
+    def _brief_lengths(self) -> str:
+        lengths = self.lengths
+        shown = ", ".join(map(str, lengths[:4]))
+        return f"positions ({shown}{', ...' if len(lengths) > 4 else ''})"

@@ -119,7 +119,9 @@ class DilatedTransformerBlock(nn.Module):
         padded rows: padded positions come out of the attention as 0 and pass through the
         block's residual and feed-forward like any position; mask them in your loss), or
         ``layout``, the batch's :class:`~ringdilated.SequenceLayout` made once for every block.
-        ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding the next tokens."""
+        ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding each row's next tokens
+        (with ``key_padding_mask`` on the cache's first call only: a padded prompt batch, whose
+        rows then decode at their own positions); a one-token step reads nothing on the host."""
         embed_dim = self.attn.embed_dim
         try:
             if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
