@@ -28,7 +28,7 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
     import ringdilated
     from ringdilated.testing.hot_path import HotPathCounter
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     lengths = payload["lengths"]
     total = sum(lengths)
     start = sum(lengths[:rank])
@@ -60,9 +60,7 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
         dout = torch.randn(batch, total, heads, dim, generator=g, dtype=torch.float64)
         dlse = torch.randn(batch, heads, total, generator=g, dtype=torch.float64)
         q, k, v = (x[:, shard].clone().requires_grad_() for x in full)
-        result = ringdilated.dilated_attention(
-            q, k, v, payload["segments"], payload["rates"], **kw
-        )
+        result = ringdilated.dilated_attention(q, k, v, payload["segments"], payload["rates"], **kw)
         out, lse = result if payload["return_lse"] else (result, None)
         loss = (out * dout[:, shard]).sum()
         if lse is not None:

@@ -62,7 +62,7 @@ def test_every_module_in_steady_state_makes_no_host_traffic(mode: str) -> None:
             x = torch.randn(2, 32, 32, dtype=torch.float64, requires_grad=True)
             args = [x, x, x] if kind == "mha" else [x]
 
-        def step() -> None:
+        def step(module: torch.nn.Module = module, args: list[Any] = args) -> None:
             result = module(*args)
             out = result[0] if isinstance(result, tuple) else result
             out.sum().backward()

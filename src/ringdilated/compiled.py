@@ -78,9 +78,10 @@ def group_names(group: object) -> tuple[str, str]:
 
 
 def _process_layout(names: Sequence[str]) -> object:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed import distributed_c10d
 
-    groups = [_resolve_process_group(name) for name in names if name]
+    resolve = distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
+    groups = [resolve(name) for name in names if name]  # type: ignore[arg-type]
     if not groups:
         return None
     return groups[0] if len(groups) == 1 else Grid(groups[0], groups[1])
@@ -285,9 +286,7 @@ def _shard_positions(
 
 def _define_positions_op() -> Any:
     IMPLEMENTATIONS["ringdilated::shard_positions"] = _shard_positions
-    op = torch.library.custom_op("ringdilated::shard_positions", mutates_args=())(
-        _shard_positions
-    )
+    op = torch.library.custom_op("ringdilated::shard_positions", mutates_args=())(_shard_positions)
 
     @op.register_fake
     def _(layout: Any, batch: int, shard_length: int, device: torch.device) -> torch.Tensor:

@@ -49,7 +49,6 @@ from ringdilated.core.kernel import Kernel
 from ringdilated.core.pattern import DilationPattern, Mode
 from ringdilated.core.resolver import Resolver
 from ringdilated.core.sequence_layout import SequenceLayout
-from ringdilated.core.validation import check_bool, check_inputs, check_options
 from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
@@ -131,6 +130,9 @@ def attend(
 def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list[int], str] | None:
     """The pattern as the ops take it (``int[]``, ``int[]``, ``str``), or ``None`` where it does
     not fit their schema (the eager path then rejects it with its own message)."""
+    segments: object
+    rates: object
+    mode: object
     if isinstance(pattern, DilationPattern):
         segments, rates, mode = pattern.segment_lengths, pattern.dilation_rates, pattern.mode
     else:
@@ -192,9 +194,11 @@ def _attend_op(
     if stats is not None and not isinstance(stats, TransferStats):
         return None
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    dropout = float(dropout_p)  # type: ignore[arg-type]
+    scale_value = None if scale is None else float(scale)  # type: ignore[arg-type]
     seed = (
         torch.randint(1, 2**62, (), dtype=torch.int64)
-        if dropout_p > 0
+        if dropout > 0
         else torch.zeros((), dtype=torch.int64)
     )
     if layout is None and process_group is None and documents:
@@ -208,17 +212,17 @@ def _attend_op(
             k,
             v,
             seed,
-            options["cu_seqlens"],  # type: ignore[arg-type]
-            options["key_padding_mask"],  # type: ignore[arg-type]
+            options["cu_seqlens"],
+            options["key_padding_mask"],
             *fields,
             causal,
-            float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-            float(dropout_p),
+            scale_value if scale_value is not None else 1.0 / math.sqrt(q.shape[-1]),
+            dropout,
             kernel,
             backward,
         )
         return out, lse, None
-    if attention_op is None or documents and layout is not None:
+    if attention_op is None or (documents and layout is not None):
         return None
     if layout is None:
         if documents:  # a sharded call's documents: its own layout, read per call (eager)
@@ -244,8 +248,8 @@ def _attend_op(
         *groups,
         *fields,
         causal,
-        None if scale is None else float(scale),
-        float(dropout_p),
+        scale_value,
+        dropout,
         kernel,
         communicator,
         return_lse,
@@ -276,7 +280,7 @@ def _attend_planned(
     return out, lse, plan
 
 
-_attend_eager = torch.compiler.disable(_attend_planned)
+_attend_eager = torch.compiler.disable(_attend_planned)  # type: ignore[no-untyped-call]
 """The eager path as every caller reaches it: never traced by dynamo (the resolver, the plan and
 the process group are Python state), so from inside a compiled region it is a graph break; and
 never entered by dynamo's frame callback either, which a compiled region's eager fallback

@@ -309,8 +309,8 @@ class MultiheadDilatedAttention(nn.Module):
             lengths = shard_lengths(group, length, q.device)
             rank = grid.rank(group)
             start, total = sum(lengths[:rank]), sum(lengths)
-        layout = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
-        positions = layout.positions(q.device)[:, start : start + length]
+        documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
+        positions = documents.positions(q.device)[:, start : start + length]
         return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
 
     def make_cache(self) -> DilatedKVCache:

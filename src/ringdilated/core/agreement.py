@@ -81,7 +81,7 @@ class _Fields:
 
     def digest(self) -> int:
         """A 63-bit digest of every field (ranks whose digests are equal agree)."""
-        names = [f.name for f in attrs.fields(type(self))]  # type: ignore[misc]
+        names = [f.name for f in attrs.fields(type(self))]  # type: ignore[arg-type]
         text = "\x1f".join([type(self).__name__, *(str(getattr(self, n)) for n in names)])
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
 
@@ -91,7 +91,7 @@ class _Fields:
         return [
             f"{field.name}: rank 0 {getattr(self, field.name)}, rank {rank} "
             f"{getattr(other, field.name)}"
-            for field in attrs.fields(type(self))  # type: ignore[misc]
+            for field in attrs.fields(type(self))  # type: ignore[arg-type]
             if getattr(self, field.name) != getattr(other, field.name)
         ]
 

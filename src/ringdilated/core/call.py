@@ -15,6 +15,7 @@ A one-process call resolves no communicator.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -568,7 +569,7 @@ def prepare_call(
         checked = maybe
         if layout is not None and checked.shards:
             starts = checked.shards[0].starts
-            layout.bind(tuple(b - a for a, b in zip(starts, starts[1:], strict=False)))
+            layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
     scale = options.scale
     plan = CallPlan(
         pattern=checked.pattern,

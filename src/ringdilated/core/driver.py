@@ -45,12 +45,12 @@ __all__ = [
     "BatchLimitedKernel",
     "CallState",
     "DilatedAttentionFunction",
-    "as_lse_layout",
-    "draw_seed",
     "Executor",
     "RowBlocks",
     "Run",
     "StridedView",
+    "as_lse_layout",
+    "draw_seed",
     "lse_buffer",
     "lse_gradient",
     "pattern_run",
@@ -143,7 +143,11 @@ def selection_view(
 
 
 def lse_view(
-    selection: Selection, strides: Sequence[int], batches: slice, heads: tuple[int, int], origin: int
+    selection: Selection,
+    strides: Sequence[int],
+    batches: slice,
+    heads: tuple[int, int],
+    origin: int,
 ) -> StridedView:
     """``(N, heads, count)`` of an lse ``(B, H, T)`` of ``strides`` (see :func:`selection_view`)."""
     lb, lh, lt = strides
@@ -616,9 +620,11 @@ def as_lse_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, H, L)`` in the layout of :func:`lse_buffer` (a copy unless it already is)."""
     if x.stride() == (x.shape[1] * x.shape[2], 1, x.shape[1]):
         return x
-    return torch.empty(
-        (x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device
-    ).transpose(1, 2).copy_(x)
+    return (
+        torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device)
+        .transpose(1, 2)
+        .copy_(x)
+    )
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
@@ -662,7 +668,14 @@ class DilatedAttentionFunction(torch.autograd.Function):
             dlse = as_lse_layout(dlse.to(lse.dtype))
         with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
-                dout, dlse, q, k, v, out, lse, ctx.call  # type: ignore[attr-defined]
+                dout,
+                dlse,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                ctx.call,  # type: ignore[attr-defined]
             )
         return (*first_order_only(grads, (q, k, v)), None, None)
 

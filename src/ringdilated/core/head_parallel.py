@@ -61,9 +61,7 @@ class HeadParallelRun:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qh, kh, vh = self._to_heads([(q, "q"), (k, "kv"), (v, "kv")], call.stats)
         out_h, lse_h = self.inner.forward(qh, kh, vh, call.derive("heads", self.rank).with_lse())
-        out, lse = self._to_sequence(
-            [(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2], call.stats
-        )
+        out, lse = self._to_sequence([(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2], call.stats)
         return out, lse
 
     def backward(

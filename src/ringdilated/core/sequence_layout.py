@@ -33,6 +33,7 @@ from collections.abc import Hashable
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from ringdilated.core import grid
 from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
@@ -151,8 +152,8 @@ class SequenceLayout(OpaqueBase):
             error = exc
         lengths: tuple[int, ...] | None = None
         if ranks > 1:
-            assert group is not None
-            own = shard_length if read is not None and read.shard_length is not None else -1
+            assert isinstance(group, (dist.ProcessGroup, grid.Grid))
+            own = read.shard_length if read is not None and read.shard_length is not None else -1
             signature = None if read is None else read.signature()
             device = _device_of(key_padding_mask, cu_seqlens)
             differing = agree(group, error, signature, device=device, length=own)
@@ -199,7 +200,7 @@ class SequenceLayout(OpaqueBase):
                 f"({read.batch}, {read.width})"
             )
         ranks = len(lengths)
-        length, lengths = _place(read, lengths, ranks)
+        length, placed = _place(read, lengths, ranks)
         layout = cls.__new__(cls)
         layout.__attrs_init__(
             group,
@@ -210,7 +211,7 @@ class SequenceLayout(OpaqueBase):
             read.batch,
             True,
             _length=length,
-            _state=_State(lengths=lengths),
+            _state=_State(lengths=placed),
         )
         return layout
 
@@ -340,11 +341,15 @@ def _read(
             f"shard_length must be a positive int (this rank's positions) or None, got "
             f"{safe_repr(shard_length)}"
         )
+    length: int | None = shard_length
     if every_call is None:
         every_call = agree_every_call_default()
     elif not isinstance(every_call, bool):
         raise TypeError(f"agree_every_call must be a bool or None, got {safe_repr(every_call)}")
-    documents = padding = batch = width = None
+    documents: Documents | None = None
+    padding: tuple[Rows, ...] | None = None
+    batch: int | None = None
+    width: int | None = None
     if cu_seqlens is not None:
         documents = read_documents(cu_seqlens, None)
         width = documents[-1][1]
@@ -352,7 +357,7 @@ def _read(
         padding = read_padding(key_padding_mask, None, None)
         assert isinstance(key_padding_mask, torch.Tensor)
         batch, width = key_padding_mask.shape
-    return _Read(documents, padding, batch, width, shard_length, every_call)  # type: ignore[arg-type]
+    return _Read(documents, padding, batch, width, length, every_call)
 
 
 def _place(

@@ -153,7 +153,7 @@ class HotPathCounter:
         counter = self
         from ringdilated.compiled import IMPLEMENTATIONS
 
-        class _Mode(TorchDispatchMode):
+        class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
             def __torch_dispatch__(
                 self,
                 func: Any,
@@ -210,13 +210,13 @@ class HotPathCounter:
                     self._patch(dist, name, collective(name))
         if torch.cuda.is_available():
             self._patch(torch.cuda, "synchronize", reading("torch.cuda.synchronize"))
-        self._mode = _Mode()
-        self._mode.__enter__()
+        self._mode = _Mode()  # type: ignore[no-untyped-call]
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._mode is not None
-        self._mode.__exit__(*exc)
+        self._mode.__exit__(*exc)  # type: ignore[no-untyped-call]
         self._mode = None
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
