@@ -481,7 +481,9 @@ def layout_faults(payload: dict[str, Any]) -> dict[str, Any]:
     controls: list[int] = []
 
     def layout(**kwargs: Any) -> Any:
-        return ringdilated.SequenceLayout(process_group=group, agree_every_call=every_call, **kwargs)
+        return ringdilated.SequenceLayout(
+            process_group=group, agree_every_call=every_call, **kwargs
+        )
 
     def call(on: Any, **kwargs: Any) -> Any:
         with HotPathCounter() as counts:

@@ -201,9 +201,7 @@ def test_a_new_layout_per_batch_reuses_the_compiled_graph() -> None:
             for _ in range(3)
         )
         out = compiled(q, k, v, layout=layout)
-        expected = oracle(
-            q, k, v, [8, 16], [1, 2], causal=True, cu_seqlens=torch.tensor(bounds)
-        )
+        expected = oracle(q, k, v, [8, 16], [1, 2], causal=True, cu_seqlens=torch.tensor(bounds))
         assert max_error(out, expected) < 1e-12, bounds
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
