@@ -8,8 +8,11 @@ import attrs
 import pytest
 import torch
 
+from ringdilated.backends._memeff import finite_lse
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+from ringdilated.backends.sdpa import _mask_args
 from ringdilated.core import KernelSpec, Target
+from ringdilated.core.kernel import mark_non_finite_problems, mark_non_finite_rows
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace
@@ -196,6 +199,7 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
         "split-merge",
         "no-mutation",
         "non-finite",
+        "non-finite-gradients",
     )
     assert report.not_applicable == ("causal", "empty-rows")
 
@@ -207,7 +211,7 @@ def test_forward_only_target_is_not_checked_for_gradients() -> None:
         capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, targets=(forward_only,)),
     )
     report = check_kernel(spec, max_examples=5)
-    assert report.not_applicable == ("gradients", "split-merge")
+    assert report.not_applicable == ("gradients", "split-merge", "non-finite-gradients")
     assert "no-mutation" in report.passed
 
 
@@ -251,31 +255,108 @@ def test_each_dimension_of_the_case_space_catches_a_kernel_nothing_else_does(
 
 
 class RawCpuFlash(ReferenceKernel):
-    """PyTorch's CPU flash op with nothing around it: a NaN query row comes back as zeros."""
+    """PyTorch's CPU flash op and its backward with nothing around them: a row whose scores are
+    all -inf comes back as zeros, and rows with an lse of +inf give finite gradients."""
 
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
-        offset = options.causal_offset
-        mask = None
-        if offset is not None:
-            rows = torch.arange(q.shape[-2]).unsqueeze(1)
-            hidden = torch.arange(k.shape[-2]) > rows + offset
-            mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill(hidden, float("-inf"))
+        is_causal, mask = _mask_args(q, k, options)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=options.scale
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
-        if offset is not None and offset < 0:
-            lse[..., : min(-offset, q.shape[-2])] = float("-inf")
+        options.mark_empty_rows(out, lse)
         return out, lse
 
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        is_causal, mask = _mask_args(q, k, options)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, finite_lse(lse, torch.float32), 0.0, is_causal,
+            attn_mask=mask, scale=options.scale,
+        )  # fmt: skip
 
-def test_a_kernel_that_turns_nan_into_zeros_is_rejected() -> None:
-    """The bug the sdpa wrapper had: only the non-finite check catches it."""
-    spec = _spec(RawCpuFlash, frozenset({torch.float32}))
-    check_kernel(spec, max_examples=15, checks=("forward", "causal", "empty-rows"))
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_raw_cpu_flash_op_turns_nan_into_numbers_and_the_kit_says_so(
+    dtype: torch.dtype,
+) -> None:
+    """What the sdpa wrapper repairs: the op passes every finite check and fails both
+    non-finite ones."""
+    spec = _spec(RawCpuFlash, frozenset({dtype}))
+    check_kernel(spec, max_examples=15, checks=("forward", "causal", "empty-rows", "gradients"))
+    for check in ("non-finite", "non-finite-gradients"):
+        with pytest.raises(ConformanceError) as info:
+            check_kernel(spec, max_examples=30, checks=(check,))
+        assert info.value.check == check
+        assert "turned into finite numbers" in str(info.value)
+
+
+class NanToNumbers(ReferenceKernel):
+    """Hides NaN and infinity from its caller: the silent corruption the rule forbids."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out.nan_to_num(0.0, 0.0, 0.0), lse.nan_to_num(0.0, posinf=0.0)
+
+
+class NanToNumbersInBackward(ReferenceKernel):
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        grads = super().backward(dout, q, k, v, out, lse, options)
+        return tuple(g.nan_to_num(0.0, 0.0, 0.0) for g in grads)
+
+
+class SpreadsAcrossProblems(ReferenceKernel):
+    """A NaN anywhere in the batch reaches every output (a shared reduction gone wrong)."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out + out.sum() * 0, lse
+
+
+class SpreadsAcrossHeads(ReferenceKernel):
+    """NaN crosses key/value heads within a problem's ``n``, in backward."""
+
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        return dq, dk + dk.sum(dim=(1, 2, 3), keepdim=True) * 0, dv
+
+
+class PoisonsItsProblems(ReferenceKernel):
+    """NaN in every row of a problem holding a non-finite key or value, and in every gradient of
+    a problem holding any: what the contract allows (and the built-in fused kernels do)."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        mark_non_finite_rows(out, lse, q, k, v, options)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse)
+        return dq, dk, dv
+
+
+@pytest.mark.parametrize(
+    ("kernel", "check", "message"),
+    [
+        (NanToNumbers, "non-finite", "turned into finite numbers"),
+        (NanToNumbersInBackward, "non-finite-gradients", "turned into finite numbers"),
+        (SpreadsAcrossProblems, "non-finite", "reached outputs it must not"),
+        (SpreadsAcrossHeads, "non-finite-gradients", "reached outputs it must not"),
+    ],
+)
+def test_kernels_that_hide_or_spread_nan_are_rejected(
+    kernel: type, check: str, message: str
+) -> None:
     with pytest.raises(ConformanceError) as info:
-        check_kernel(spec, max_examples=30, checks=("non-finite",))
-    assert info.value.check == "non-finite"
-    assert "NaN at" in str(info.value) and "missing at" in str(info.value)
+        check_kernel(_spec(kernel), max_examples=30, checks=(check,))
+    assert info.value.check == check
+    assert message in str(info.value)
+
+
+def test_nan_within_its_own_problem_is_allowed() -> None:
+    report = check_kernel(
+        _spec(PoisonsItsProblems), max_examples=30, checks=("non-finite", "non-finite-gradients")
+    )
+    assert report.passed == ("non-finite", "non-finite-gradients")
 
 
 class LseSlightlyOff(ReferenceKernel):

@@ -26,7 +26,7 @@ from ringdilated.backends.xformers import XFORMERS_SPEC, XformersKernel
 from ringdilated.core import Environment, KernelSpec, Request, Resolver, Target
 from ringdilated.core.causal import BottomRightKernel, bottom_right_pieces
 from ringdilated.core.kernel import BlockOptions
-from ringdilated.testing import ConformanceError, assert_within_tolerance, check_kernel
+from ringdilated.testing import ConformanceError, assert_non_finite_rule, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace, dense
 from tests.standins import (
@@ -85,32 +85,72 @@ def _check_pieces(q_len: int, k_len: int, offset: int | None) -> None:
 # flash-attn ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("package", ["flash-attn 2.6.3", "flash-attn 2.8.3", "xformers"])
-def test_infinity_behind_the_causal_mask_falls_back_to_exact_math(
-    monkeypatch: pytest.MonkeyPatch, package: str
-) -> None:
-    """An infinite value at key 9: the native kernels weight hidden keys by zero, and
-    ``0 * inf`` turns queries 0-8, which never see it, into NaN (the stand-ins, like the real
-    kernels, do so with ``finite=True``). Unchecked inputs go to the exact dense math."""
+def _bottom_right_kernel(monkeypatch: pytest.MonkeyPatch, package: str) -> BottomRightKernel:
     if package == "xformers":
         install_xformers(monkeypatch)
-        kernel: BottomRightKernel = XformersKernel()
-    else:
-        install_flash_attn(monkeypatch, package.split()[1])
-        kernel = FlashKernel()
+        return XformersKernel()
+    install_flash_attn(monkeypatch, package.split()[1])
+    return FlashKernel()
+
+
+@pytest.mark.parametrize("package", ["flash-attn 2.6.3", "flash-attn 2.8.3", "xformers"])
+def test_infinity_behind_the_causal_mask_stays_in_its_problem(
+    monkeypatch: pytest.MonkeyPatch, package: str
+) -> None:
+    """An infinite value at key 9 of head 1: the native kernels weight hidden keys by zero, and
+    ``0 * inf`` turns queries 0-8 of head 1, which never see it, into NaN. The kernel contract
+    allows that (a non-finite value in their own problem); it must reach neither head 0 nor
+    leave a query that sees it finite."""
+    kernel = _bottom_right_kernel(monkeypatch, package)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 16, 32, generator=g).half() for _ in range(3))
     v[0, 1, 9, 3] = float("inf")
-    native, _ = kernel.forward(q, k, v, BlockOptions(scale=0.2, causal_offset=0, finite=True))
+    native, _ = kernel.native_forward(q, k, v, True, 0.2)
     assert bool(native[0, 1, :9, 3].isnan().all()), "the stand-in reproduces the hazard"
     out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.2, causal_offset=0))
     expected, expected_lse = dense(q, k, v, 0.2, 0)
     baseline, baseline_lse = dense(q, k, v, 0.2, 0, torch.float16)
-    assert torch.equal(out.isposinf(), expected.isposinf()) and not bool(out.isnan().any())
-    assert bool(out[0, 1, 9:, 3].isposinf().all())
-    seen = (slice(None), slice(None), slice(0, 9))  # the rows that never see key 9
-    assert_within_tolerance(out[seen], expected[seen], baseline[seen], what="out")
-    assert_within_tolerance(lse, expected_lse, baseline_lse, dtype=torch.float16, what="lse")
+    problem = torch.tensor([False, True]).view(1, 2, 1)  # head 1 holds the infinity
+    assert_non_finite_rule(out, expected, baseline, problem.unsqueeze(-1), what="out")
+    assert_non_finite_rule(lse, expected_lse, baseline_lse, problem, dtype=torch.float16)
+    assert not bool(torch.isfinite(out[0, 1, 9:, 3]).any()), "the queries that see it"
+    assert bool(torch.isfinite(out[0, 0]).all()), "the other head never sees it"
+
+
+@pytest.mark.parametrize("package", ["flash-attn 2.8.3", "xformers"])
+def test_a_row_whose_scores_are_all_minus_inf_is_nan_not_the_kernels_zeros(
+    monkeypatch: pytest.MonkeyPatch, package: str
+) -> None:
+    """``q[..., 0] = +inf`` against keys whose first component is negative: every score of
+    that query is ``-inf``, which the fused kernels (and their stand-ins) take for a fully
+    masked row and return as zeros; softmax is NaN. The wrapper makes it NaN, on the device."""
+    kernel = _bottom_right_kernel(monkeypatch, package)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 12, 16, generator=g).half() for _ in range(3))
+    k[0, 0, :, 0] = -(k[0, 0, :, 0].abs() + 0.5)
+    q[0, 0, 4, 0] = float("inf")
+    native, _ = kernel.native_forward(q, k, v, False, 0.3)
+    assert bool((native[0, 0, 4] == 0).all()), "the stand-in zeroes the row, as the kernels do"
+    out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.3))
+    assert bool(out[0, 0, 4].isnan().all()) and bool(lse[0, 0, 4].isnan())
+    assert bool(torch.isfinite(out[0, 1]).all()) and bool(torch.isfinite(out[0, 0, :4]).all())
+
+
+class UnguardedFlash(FlashKernel):
+    """The flash wrapper without its non-finite repair (the native calls only)."""
+
+    forward = BottomRightKernel.forward  # type: ignore[assignment]
+    backward = BottomRightKernel.backward  # type: ignore[assignment]
+
+
+def test_without_the_repair_the_flash_wrapper_fails_the_non_finite_checks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    install_flash_attn(monkeypatch)
+    spec = attrs.evolve(on_cpu(FLASH_SPEC), factory=UnguardedFlash)
+    with pytest.raises(ConformanceError) as info:
+        check_kernel(spec, max_examples=30, checks=("non-finite",), space=SHORT)
+    assert "turned into finite numbers" in str(info.value)
 
 
 @pytest.mark.parametrize("version", FLASH_VERSIONS)
@@ -430,7 +470,7 @@ def test_flex_on_cpu_is_forward_only_and_conforms() -> None:
         "no-mutation",
         "non-finite",
     )
-    assert report.not_applicable == ("gradients", "split-merge")
+    assert report.not_applicable == ("gradients", "split-merge", "non-finite-gradients")
     reasons = FLEX_SPEC.reasons(Request(head_dim=16, backward=True), Environment())
     assert reasons == (
         "no backward (gradients) on cpu (eager FlexAttention: forward only, unfused)",

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringdilated.testing import allowed_error, assert_within_tolerance
+from ringdilated.testing import (
+    allowed_error,
+    assert_non_finite_rule,
+    assert_within_tolerance,
+    nan_allowed,
+)
 
 
 def _expected() -> torch.Tensor:
@@ -65,3 +70,68 @@ def test_neg_inf_entries_must_coincide() -> None:
     moved[1, 2], moved[1, 3] = 0.0, float("-inf")
     with pytest.raises(AssertionError):
         assert_within_tolerance(moved, expected, expected.float())
+
+
+# The non-finite rule -----------------------------------------------------------------------------
+
+
+def test_non_finite_rule_needs_non_finite_where_the_oracle_is() -> None:
+    """(a): NaN or infinity in the exact result must stay non-finite (any kind will do)."""
+    expected = _expected()
+    expected[0, 3], expected[2, 1], expected[3, 0] = float("nan"), float("inf"), float("-inf")
+    nowhere = torch.zeros((), dtype=torch.bool)
+    assert_non_finite_rule(expected.float(), expected, expected.float(), nowhere)
+    as_nan = expected.float().nan_to_num(float("nan"), float("nan"), float("nan"))
+    as_nan[torch.isinf(expected)] = float("nan")
+    assert_non_finite_rule(as_nan, expected, expected.float(), nowhere)
+    with pytest.raises(AssertionError, match="turned into finite numbers"):
+        assert_non_finite_rule(
+            expected.float().nan_to_num(0.0, 1.0, -1.0), expected, expected.float(), nowhere
+        )
+
+
+def test_non_finite_rule_allows_nan_only_where_told_and_judges_the_rest() -> None:
+    """(b): finite entries of the exact result are within tolerance, or NaN where allowed."""
+    expected = _expected()
+    expected[0, 3] = float("nan")
+    baseline = expected.float()
+    row0 = torch.tensor([True, False, False, False]).unsqueeze(-1)  # row 0 shares the NaN
+    spread = expected.float().clone()
+    spread[0] = float("nan")
+    assert_non_finite_rule(spread, expected, baseline, row0)
+    spread[1, 0] = float("nan")
+    with pytest.raises(AssertionError, match="reached outputs it must not"):
+        assert_non_finite_rule(spread, expected, baseline, row0)
+    inf_there = expected.float().clone()
+    inf_there[0, 0] = float("inf")  # allowed rows may be NaN, never infinite
+    with pytest.raises(AssertionError, match="reached outputs it must not"):
+        assert_non_finite_rule(inf_there, expected, baseline, row0)
+    wrong = expected.float().clone()
+    wrong[2, 2] += 1e-3
+    with pytest.raises(AssertionError, match=r"max error 1\.000e-03"):
+        assert_non_finite_rule(wrong, expected, baseline, row0)
+
+
+def test_nan_allowed_follows_segments_selection_heads_and_modes() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 2, generator=g) for _ in range(3))
+    k[1, 5, 1, 0] = float("nan")  # batch row 1, key/value head 1, position 5
+    pattern = ([4, 8], [1, 2])  # head_groups: heads 0, 1 use (4, 1); heads 2, 3 use (8, 2)
+    may = nan_allowed(q, k, v, *pattern)
+    expected = torch.zeros(2, 16, 4, dtype=torch.bool)
+    expected[1, 4:8, 1] = True  # head 1: segment [4, 8) of w=4, every position selected
+    assert torch.equal(may, expected)
+    k[1, 5, 1, 0] = 0.0
+    k[1, 9, 3, 0] = float("inf")  # head 3: w=8, r=2, offset 1 selects odd positions
+    may = nan_allowed(q, k, v, *pattern)
+    expected = torch.zeros(2, 16, 4, dtype=torch.bool)
+    expected[1, 9:16:2, 3] = True
+    assert torch.equal(may, expected)
+    q[0, 2, 0, 1] = float("nan")
+    assert bool(nan_allowed(q, k, v, *pattern)[0, 2, 0]), "a non-finite query's own row"
+    longnet = nan_allowed(q, k, v, *pattern, mode="longnet")
+    assert bool(longnet[1, 8:16, 3].all()), "longnet: every pattern of the head counts"
+    assert not bool(longnet[1, :8, 3].any()) and not bool(longnet[1, :, :3].any())
+    documents = nan_allowed(q, k, v, *pattern, cu_seqlens=torch.tensor([0, 6, 16]))
+    # position 9 is 3 into the document [6, 16): its segment is [6, 14), odd offsets selected
+    assert documents[1, :, 3].nonzero().flatten().tolist() == [7, 9, 11, 13]

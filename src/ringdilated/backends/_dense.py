@@ -1,24 +1,20 @@
-"""Dense softmax attention for one block, exact for non-finite inputs, in bounded memory.
-
-The ``reference`` kernel is this math, and every fused built-in kernel (sdpa on CPU and CUDA,
-flash, xformers, flex) falls back to it when a call's inputs hold NaN or infinity
-(:func:`~ringdilated.core.kernel.inputs_finite`): PyTorch's CPU flash kernel, for one, can return
-zeros for a query row holding a NaN and can spread a NaN or infinite value to queries that never
-see it (behaviour that depends on the input), and fused kernels in general multiply hidden
-values by zero weights.
+"""Dense softmax attention for one block, in bounded memory: the ``reference`` kernel's math.
 
 Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.kernel`; docs/spec.md,
-section 4): attention runs over the row's *visible* keys only. A hidden key takes no part,
-whatever it holds: its score is replaced by ``-inf`` before the softmax, and its value is never
-multiplied by the zero weight (``0 * NaN`` is NaN), so a NaN or infinite key or value reaches
-exactly the queries that see it. A row with no visible key gives ``out = 0`` and ``lse = -inf``;
-a row whose visible scores are all ``-inf`` (infinite inputs) gives what softmax gives, NaN,
-with ``lse = -inf``.
+section 4): attention runs over the row's *visible* keys. A hidden key's score is replaced by
+``-inf`` before the softmax (``torch.where``, so a NaN score of a hidden key goes too). A row with
+no visible key gives ``out = 0`` and ``lse = -inf``; a row whose visible scores are all ``-inf``
+(infinite inputs) gives what softmax gives, NaN, with ``lse = -inf``.
+
+Non-finite inputs: plain masked math, with no host read. It never turns NaN or infinity into a
+finite number: what the exact math makes non-finite is non-finite here. The one place it is
+coarser than the exact math is ``P @ V``: a hidden key's weight is an exact zero, and ``0 * inf``
+is NaN, so a non-finite value can reach the rows of its own problem that do not see it (the
+kernel contract allows that; fused kernels do the same). NaN never crosses problems.
 
 Memory: scores are computed a tile of query rows at a time, at most ``TILE_ELEMENTS`` of them
 when one query row of every problem fits (``N x H x Lk <= TILE_ELEMENTS``), else one row at a
-time (the reference kernel no longer holds a whole ``Lq x Lk`` matrix per problem). Non-finite
-values cost a matmul over the finite part plus a correction over the few keys that hold them.
+time (no ``Lq x Lk`` matrix per problem is ever held whole).
 """
 
 from __future__ import annotations
@@ -28,16 +24,14 @@ import torch
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.causal import BottomRightKernel
-from ringdilated.core.kernel import BlockOptions, all_finite, inputs_finite
+from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
 
 __all__ = [
     "TILE_ELEMENTS",
-    "ExactBottomRightKernel",
-    "all_finite",
+    "GuardedBottomRightKernel",
     "backward",
     "forward",
     "visible_keys",
-    "weighted_values",
 ]
 
 #: Score elements (problems x heads x rows x keys) computed at once.
@@ -52,34 +46,6 @@ def visible_keys(
         return None
     rows = torch.arange(q_len, device=device).unsqueeze(1)
     return torch.arange(k_len, device=device) <= rows + offset
-
-
-def weighted_values(
-    p: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, v_finite: bool | None = None
-) -> torch.Tensor:
-    """``sum_j p_ij v_j`` over visible ``j`` only. ``p`` ``(N, H, Lq, Lk)``, ``v`` ``(N, H, Lk,
-    D)``. A matmul when ``v`` is finite (``v_finite``, checked when ``None``); otherwise a matmul
-    over ``v`` with its non-finite entries zeroed, plus, for each key holding one, its
-    non-finite entries added to the queries that see it (so ``0 * inf`` never reaches a query
-    that does not)."""
-    if v_finite is None:
-        v_finite = all_finite(v)
-    if v_finite:
-        return torch.matmul(p, v)
-    bad = torch.isfinite(v).logical_not()
-    out = torch.matmul(p, torch.where(bad, torch.zeros_like(v), v))
-    n, h, key = bad.any(-1).nonzero(as_tuple=True)  # the keys holding a non-finite value
-    step = max(1, TILE_ELEMENTS // max(1, p.shape[-2] * v.shape[-1]))
-    for start in range(0, n.numel(), step):
-        pn, ph, pk = n[start : start + step], h[start : start + step], key[start : start + step]
-        weights = p[pn, ph, :, pk]  # (T, Lq)
-        values = torch.where(bad[pn, ph, pk], v[pn, ph, pk], torch.zeros((), dtype=v.dtype))
-        terms = weights.unsqueeze(-1) * values.unsqueeze(-2)  # (T, Lq, D)
-        if visible is not None:
-            seen = visible[:, pk].transpose(0, 1).unsqueeze(-1)  # (T, Lq, 1)
-            terms = torch.where(seen, terms, torch.zeros((), dtype=terms.dtype))
-        out.index_put_((pn, ph), terms, accumulate=True)
-    return out
 
 
 def _tiles(q: torch.Tensor, k_len: int) -> list[slice]:
@@ -101,14 +67,16 @@ def _scores(
 def _probabilities(
     scores: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor | None
 ) -> torch.Tensor:
-    """``P = exp(s - lse)``; rows with no visible key (``lse = -inf``) give ``P = 0``, rows
-    whose visible scores are all ``-inf`` give NaN, as softmax does."""
+    """``P = exp(s - lse)``. Rows with no visible key (``lse = -inf``) give ``P = 0``; rows
+    whose visible scores are all ``-inf`` give NaN, as softmax does; so do rows whose lse is
+    NaN or ``+inf`` (a score of ``+inf``: softmax is NaN there, where ``exp(s - inf)`` would
+    give finite zeros). No host read: ``torch.where`` on every row."""
     lse = lse.to(scores.dtype)
-    if visible is None:  # every row sees a key
-        return torch.exp(scores - lse.unsqueeze(-1))
-    empty = torch.isneginf(lse) & visible.any(-1).logical_not()
-    finite = torch.where(empty, torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite.unsqueeze(-1))
+    lse = torch.where(torch.isposinf(lse), lse.new_full((), float("nan")), lse)
+    if visible is not None:  # a row that sees no key: lse -inf, P = 0 (not exp(-inf + inf))
+        empty = torch.isneginf(lse) & visible.any(-1).logical_not()
+        lse = torch.where(empty, torch.zeros_like(lse), lse)
+    return torch.exp(scores - lse.unsqueeze(-1))
 
 
 def forward(
@@ -123,7 +91,6 @@ def forward(
     visible = visible_keys(q.shape[-2], k.shape[-2], options.causal_offset, q.device)
     dtype = accumulation_dtype(q.dtype)
     values = repeat_kv(v, q.shape[1]).to(dtype)
-    v_finite = options.finite if options.finite else all_finite(v)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
     for rows in _tiles(q, k.shape[-2]):
@@ -133,7 +100,8 @@ def forward(
         p = _probabilities(scores, lse[..., rows], seen)
         if drop is not None:
             p = p * drop[..., rows, :]
-        out[..., rows, :] = weighted_values(p, values, seen, v_finite)
+        out[..., rows, :] = torch.matmul(p, values)
+    options.mark_empty_rows(out, lse)  # 0, not 0 * inf, where a row sees no key
     return out.to(q.dtype), lse
 
 
@@ -175,17 +143,21 @@ def backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class ExactBottomRightKernel(BottomRightKernel):
+class GuardedBottomRightKernel(BottomRightKernel):
     """A fused kernel whose native causal mask is bottom-right aligned (flash-attn, xformers),
-    running this module's exact math instead when an input holds NaN or infinity: fused kernels
-    multiply hidden values by zero weights (``0 * NaN`` is NaN) and treat a NaN row as empty."""
+    its results repaired on the device for non-finite inputs: flash-style kernels return zeros
+    for a row whose scores are all ``-inf`` (flash-attn's ``softmax.h``: a zero row sum gives
+    ``inv_sum = 1``; torch's memory-efficient epilogue: ``s_prime == 0`` gives ``1``), which an
+    infinite query or key produces. :func:`~ringdilated.core.kernel.mark_non_finite_rows` and
+    :func:`~ringdilated.core.kernel.mark_non_finite_problems` make the rows and problems that
+    hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v):
-            return forward(q, k, v, options)
-        return super().forward(q, k, v, options)
+        out, lse = super().forward(q, k, v, options)
+        mark_non_finite_rows(out, lse, q, k, v, options)
+        return out, lse
 
     def backward(
         self,
@@ -197,6 +169,6 @@ class ExactBottomRightKernel(BottomRightKernel):
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v, dout):
-            return backward(dout, q, k, v, out, lse, options)
-        return super().backward(dout, q, k, v, out, lse, options)
+        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        return dq, dk, dv

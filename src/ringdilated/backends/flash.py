@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import ExactBottomRightKernel
+from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.core.capabilities import (
     GRID_LIMIT,
     BatchLimit,
@@ -78,7 +78,7 @@ def _parameters(function: Any) -> tuple[str, ...] | None:
         return None
 
 
-class FlashKernel(ExactBottomRightKernel):
+class FlashKernel(GuardedBottomRightKernel):
     """flash-attn 2 kernels. Construction imports the package, checks its version and the
     backward's parameters; any mismatch raises ``ImportError`` with the reason."""
 

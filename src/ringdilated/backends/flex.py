@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends import _dense
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import (
     GRID_LIMIT,
@@ -55,7 +54,7 @@ from ringdilated.core.capabilities import (
     PriorityRule,
     Target,
 )
-from ringdilated.core.kernel import BlockOptions, inputs_finite
+from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
 
 __all__ = ["FLEX_SPEC", "FlexFallbackWarning", "FlexKernel", "compile_flex", "offset_mask"]
 
@@ -182,11 +181,10 @@ class FlexKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v):
-            return _dense.forward(q, k, v, options)
         out, lse = self._run(q, k, v, options)
-        options.mark_empty_rows(out, lse)
-        return out, lse.to(accumulation_dtype(q.dtype))
+        lse = lse.to(accumulation_dtype(q.dtype))
+        mark_non_finite_rows(out, lse, q, k, v, options)
+        return out, lse
 
     def backward(
         self,
@@ -198,8 +196,6 @@ class FlexKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v, dout):
-            return _dense.backward(dout, q, k, v, out, lse, options)
         qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
         with torch.enable_grad():
             block_out, block_lse = self._run(qg, kg, vg, options)
@@ -211,10 +207,11 @@ class FlexKernel:
         grad_out = (weight.unsqueeze(-1) * d).to(block_out.dtype)
         own = (d * block_out.detach().to(dtype)).sum(-1)
         grad_lse = weight * (own - (d * out.to(dtype)).sum(-1))
-        grads = torch.autograd.grad(
+        dq, dk, dv = torch.autograd.grad(
             (block_out, block_lse), (qg, kg, vg), (grad_out, grad_lse.to(block_lse.dtype))
         )
-        return grads[0], grads[1], grads[2]
+        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        return dq, dk, dv
 
 
 FLEX_SPEC = KernelSpec(

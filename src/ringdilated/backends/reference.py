@@ -1,10 +1,10 @@
 """The reference kernel: plain PyTorch math, any device, any floating dtype, dropout included.
 
-Slow (it materialises the ``Lq x Lk`` score matrix) and obviously right: every step is the
-textbook formula, computed in float32 (float64 for float64 inputs), exact for non-finite inputs
-(:mod:`ringdilated.backends._dense`). It is the fallback for requests no faster kernel serves
-(dropout on CPU, float64, ROCm) and the kernel the conformance tests trust second only to the
-dense oracle.
+Slow (it computes every score, a tile of query rows at a time) and obviously right: every step
+is the textbook formula, computed in float32 (float64 for float64 inputs), with no host read
+(:mod:`ringdilated.backends._dense`; for NaN and infinity it meets the kernel contract's rule
+with plain masked math). It is the fallback for requests no faster kernel serves (dropout on
+CPU, float64, ROCm) and the kernel the conformance tests trust second only to the dense oracle.
 """
 
 from __future__ import annotations

@@ -3,11 +3,7 @@
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
   float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
-  reports ``-inf`` as the contract says. The op is not exact for non-finite inputs, in ways that
-  depend on the input (measured on torch 2.13: a query row holding a NaN can come back as zeros;
-  a NaN or infinite value can reach queries that never see it), so a call whose inputs hold NaN
-  or infinity runs the exact dense math instead (:mod:`ringdilated.backends._dense`); the
-  driver's one summing pass per call decides (:func:`~ringdilated.core.kernel.inputs_finite`).
+  reports ``-inf`` as the contract says.
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
   (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
   8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
@@ -15,6 +11,23 @@
   FakeTensor ``cuda`` tensors and against a stand-in that reads memory the way the kernel does.
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
+
+Non-finite inputs (docs/spec.md, section 4). Both ops are always called; neither is exact for NaN
+or infinity, so their results are repaired on the device, with no host read
+(:func:`~ringdilated.core.kernel.mark_non_finite_rows` and
+:func:`~ringdilated.core.kernel.mark_non_finite_problems`): a row whose query holds NaN or
+infinity, and every row of a problem whose ``k`` or ``v`` does, is made NaN in ``out`` and
+``lse``; in backward, every gradient of a problem whose ``dout`` does or whose merged ``lse`` is
+NaN or ``+inf`` in some row (the forward's marks travel in the lse). Measured on torch
+2.13 (CPU op): with an infinity in ``k`` or ``q``, bfloat16 rows whose exact output is NaN come
+back as zeros (the op's running maximum and ``exp`` approximation); in float32 and bfloat16 the
+backward returns finite ``dv`` (and, under the causal mask, ``dk``) where the exact gradient is
+NaN, because rows with ``lse = +inf`` get zero weight; and a row whose visible scores are all
+``-inf`` is treated as fully masked (``out = 0``, ``lse = 0``; the op's source). The
+memory-efficient CUDA kernel zeroes such a row too (``s_prime == 0`` in torch's
+``epilogue_rescale_output.h``). The repair costs ``amax`` and ``amin`` of ``q``, ``k``, ``v`` and
+one pass over ``out`` (forward), ``amax`` and ``amin`` of ``dout`` and three masked fills
+(backward): benchmarks/bench_non_finite.py and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import finite_lse, packed_bmhk, padded_bias, padded_lse
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, Target
-from ringdilated.core.kernel import BlockOptions, inputs_finite
+from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
 
 __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
@@ -65,13 +78,11 @@ class CpuFlashAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v):
-            return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
-        options.mark_empty_rows(None, lse)
+        mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
 
     def backward(
@@ -84,8 +95,6 @@ class CpuFlashAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v, dout):
-            return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout,
@@ -99,6 +108,7 @@ class CpuFlashAttention:
             attn_mask=mask,
             scale=options.scale,
         )
+        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
         return dq, dk, dv
 
 
@@ -142,8 +152,6 @@ class EfficientAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v):
-            return _dense.forward(q, k, v, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
         out, lse, _, _ = self._forward(
@@ -157,7 +165,7 @@ class EfficientAttention:
             scale=options.scale,
         )
         lse = lse.narrow(-1, 0, q.shape[-2])
-        options.mark_empty_rows(None, lse)
+        mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
 
     def backward(
@@ -170,8 +178,6 @@ class EfficientAttention:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v, dout):
-            return _dense.backward(dout, q, k, v, out, lse, options)
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
         unused = torch.empty((), dtype=torch.long)  # philox seed and offset: no dropout
@@ -190,7 +196,9 @@ class EfficientAttention:
             is_causal,
             scale=options.scale,
         )
-        return dq, sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
+        dk, dv = sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
+        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        return dq, dk, dv
 
 
 class SdpaKernel:
@@ -204,7 +212,7 @@ class SdpaKernel:
         self._cuda = cuda or EfficientAttention()
 
     def _path(self, q: torch.Tensor) -> CpuFlashAttention | EfficientAttention:
-        return self._cpu if q.device.type == "cpu" else self._cuda
+        return self._cpu if q.is_cpu else self._cuda
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import ExactBottomRightKernel
+from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
 from ringdilated.core.capabilities import (
@@ -86,7 +86,7 @@ def unusable_reasons(fmha: Any, version: str) -> list[str]:
     return reasons
 
 
-class XformersKernel(ExactBottomRightKernel):
+class XformersKernel(GuardedBottomRightKernel):
     """xformers CUTLASS kernels. Construction imports ``xformers.ops.fmha`` and raises
     ``ImportError`` with xformers' own reasons when its operators cannot run."""
 

@@ -16,13 +16,33 @@ Shapes (kernel layout, ``N`` independent problems)::
 Inputs may be strided views (the driver passes dilated selections without copying); the last
 dimension is contiguous. A kernel never modifies its inputs.
 
-Non-finite inputs: NaN and infinity must reach exactly the outputs dense masked attention gives
-them to (a key a query does not see takes no part, and a hidden value is never multiplied by a
-zero weight; a row whose visible scores are all ``-inf`` gives NaN ``out`` with ``lse = -inf``),
-never fewer and never more. Fused kernels are not exact for them; the usual remedy is to run
-exact dense math for a call whose inputs are not all finite. :func:`inputs_finite` says which:
-``BlockOptions.finite`` when the driver already checked the whole call, else one summing pass.
-The conformance kit's ``non-finite`` check holds every kernel to this.
+Non-finite inputs (docs/spec.md, section 4). A *problem* is one ``n`` and one key/value head
+``g`` with the query heads that read it; its inputs are ``q[n, heads of g]``, ``k[n, g]``,
+``v[n, g]`` (and in backward ``dout[n, heads of g]`` and the ``lse`` handed in). A kernel must:
+
+- never turn NaN or infinity into finite numbers: every entry of ``out``, ``lse`` (and ``dq``,
+  ``dk``, ``dv``) that exact dense attention over the visible keys makes non-finite is
+  non-finite (NaN will do). A NaN query or visible key makes its rows NaN;
+- keep every other entry exact, except that it may be NaN when its problem holds a non-finite
+  input: in forward, the query row itself or any ``k``/``v`` of the problem (a hidden key's
+  value multiplied by a zero weight, ``0 * inf``, as fused kernels and dense attention do); in
+  backward, any input of the problem. NaN never crosses from one problem to another;
+- keep rows that see no key at ``out = 0``, ``lse = -inf``;
+- find all this out on the device: never read a tensor's values on the host (no ``.item()``,
+  ``bool(tensor)``, ``.tolist()``, ``nonzero``), so a call stays asynchronous on a GPU.
+
+Fused kernels get most of this for free (``0 * inf`` is NaN in any matmul) but not all of it:
+flash-style kernels treat a row whose scores are all ``-inf`` as fully masked and return zeros,
+and PyTorch's CPU flash op returns zeros or finite gradients for some rows holding infinity.
+:func:`mark_non_finite_rows` (forward) and :func:`mark_non_finite_problems` (backward) repair
+any kernel's results in place with a few reductions over its inputs, no host read: the
+conservative remedy the rule allows, and the one every built-in fused kernel applies. The
+conformance kit's ``non-finite`` and ``non-finite-gradients`` checks hold every kernel to the
+rule.
+
+:func:`all_finite` and :func:`inputs_finite` read the host (one summing pass and one read); they
+remain for code that wants a yes/no answer off the hot path. The built-in kernels no longer call
+them, and the driver no longer fills ``BlockOptions.finite`` (deprecated, always ``None``).
 """
 
 from __future__ import annotations
@@ -33,7 +53,18 @@ from typing import Protocol, runtime_checkable
 import attrs
 import torch
 
-__all__ = ["BlockOptions", "Kernel", "all_finite", "derive_seed", "inputs_finite"]
+__all__ = [
+    "BlockOptions",
+    "Kernel",
+    "all_finite",
+    "derive_seed",
+    "finite_along",
+    "inputs_finite",
+    "mark_non_finite_problems",
+    "mark_non_finite_rows",
+]
+
+_INF = float("inf")
 
 
 def derive_seed(seed: int, *path: int | str) -> int:
@@ -61,9 +92,10 @@ class BlockOptions:
     - ``dropout_p`` and ``dropout_seed``: attention probabilities are zeroed with probability
       ``dropout_p`` and the rest scaled by ``1 / (1 - dropout_p)``. The mask is a pure function of
       the seed and the block's shape and device, so backward regenerates the same mask.
-    - ``finite``: ``True`` when the caller checked that the block's inputs (and ``dout`` in
-      backward) hold no NaN or infinity, ``False`` when some may, ``None`` when unknown (the
-      kernel checks itself if it needs to; see :func:`inputs_finite`).
+    - ``finite``: deprecated, kept for one release for plugins that read it. The driver no
+      longer checks a call's inputs on the host and always passes ``None`` (unknown); a kernel
+      meets the non-finite rule on the device (module docstring). Earlier releases passed
+      ``True`` when the call's inputs held no NaN or infinity.
     """
 
     scale: float
@@ -92,9 +124,10 @@ class BlockOptions:
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether no element of ``tensors`` is NaN or infinite: one summing pass and one host read
-    (a sum is non-finite whenever an element is; a sum of finite values that overflows only
-    answers ``False`` wrongly, which sends a call to an exact, slower path)."""
+    """Whether no element of ``tensors`` is NaN or infinite: one summing pass and **one host
+    read** (a sum is non-finite whenever an element is; a sum of finite values that overflows
+    answers ``False`` wrongly). Not for the hot path: the built-in kernels and the driver no
+    longer call it (see :func:`finite_along` for the device-side test)."""
     if not tensors:
         return True
     totals = [
@@ -104,8 +137,126 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 
 def inputs_finite(options: BlockOptions, *tensors: torch.Tensor) -> bool:
-    """``options.finite`` when the caller knows, else :func:`all_finite` of ``tensors``."""
+    """``options.finite`` when set, else :func:`all_finite` of ``tensors`` (a host read).
+    Deprecated with ``BlockOptions.finite``; the built-in kernels no longer call it."""
     return options.finite if options.finite is not None else all_finite(*tensors)
+
+
+def finite_along(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``x`` reduced over ``dims`` to booleans, on ``x``'s device: ``True`` where every element
+    is finite. Two reductions, ``amax`` and ``amin`` (both propagate NaN; a NaN compares false),
+    so it never reads the host and, unlike a sum, is never fooled by large finite values."""
+    axes = {d % x.dim() for d in dims}
+    if any(x.shape[d] == 0 for d in axes):
+        shape = [n for i, n in enumerate(x.shape) if i not in axes]
+        return torch.ones(shape, dtype=torch.bool, device=x.device)
+    return (x.amax(dims) < _INF) & (x.amin(dims) > -_INF)
+
+
+def _expand_heads(per_kv_head: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(N, Hkv)`` to ``(N, heads)``: query head ``h`` gets key/value head ``h // (heads //
+    Hkv)``'s entry (expand and reshape: no ``repeat_interleave``, whose tensor form reads the
+    host)."""
+    n, kv_heads = per_kv_head.shape
+    group = heads // kv_heads
+    return per_kv_head.unsqueeze(-1).expand(n, kv_heads, group).reshape(n, heads)
+
+
+#: Below this many elements :func:`_poison` reduces ``x - x`` (fewest operations: tiny blocks
+#: pay per operation); above it, ``amax`` and ``amin`` (two reads, no temporary). Measured on
+#: CPU, the cross-over is between 1 and 4 million elements.
+_SMALL = 1 << 21
+
+
+def _poison(tensors: tuple[torch.Tensor, ...], dims: tuple[int, ...]) -> torch.Tensor:
+    """``0`` where every element of every tensor (reduced over ``dims``; the tensors share the
+    other dimensions) is finite, NaN where one is not. ``x - x`` is 0 for finite ``x`` and NaN
+    for infinite or NaN ``x``, and a sum of zeros never overflows, so adding the result to an
+    output leaves its finite values exact and makes the rest NaN. Large tensors go through
+    ``amax`` and ``amin`` first (both propagate NaN; infinities survive them)."""
+    total: torch.Tensor | None = None
+    for x in tensors:
+        if x.numel() <= _SMALL:
+            part = (x - x).sum(dims)
+        else:
+            extremes = torch.stack((x.amax(dims), x.amin(dims)))
+            part = extremes.sub_(extremes).sum(0)
+        total = part if total is None else total + part
+    assert total is not None
+    return total
+
+
+def _empty(x: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    return any(x.shape[d] == 0 for d in dims)
+
+
+def mark_non_finite_rows(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    options: BlockOptions | None = None,
+) -> None:
+    """Make ``out`` and ``lse`` NaN, in place, in every row whose query holds NaN or infinity
+    and in every row of a problem whose ``k`` or ``v`` does: what a fused kernel's forward
+    needs to meet the non-finite rule (module docstring) whatever it does with such rows. No
+    host read: one reduction of ``q`` per row and of ``k``, ``v`` per problem, and one addition
+    of 0 or NaN to ``out`` and ``lse`` (finite values stay exact). With ``options``, rows that
+    see no key are then given ``out = 0``, ``lse = -inf`` again
+    (:meth:`BlockOptions.mark_empty_rows`)."""
+    n, heads, q_len = q.shape[:3]
+    kv_heads = k.shape[1]
+    if q_len and not _empty(q, (-1,)):
+        poison = _poison((q,), (-1,))  # (N, H, Lq)
+        if not _empty(k, (-2, -1)):
+            per_problem = _poison((k, v), (-2, -1)).view(n, kv_heads, 1, 1)
+            grouped = poison.view(n, kv_heads, heads // kv_heads, q_len) + per_problem
+            poison = grouped.view(n, heads, q_len)
+        out.add_(poison.unsqueeze(-1))
+        lse.add_(poison)
+    if options is not None:
+        options.mark_empty_rows(out, lse)
+
+
+def mark_non_finite_problems(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    forward_marked: bool = False,
+) -> None:
+    """Make every gradient of a problem NaN, in place, when any of its inputs (``q``, ``k``,
+    ``v``, ``dout``) holds NaN or infinity, or its ``lse`` is NaN or ``+inf`` in some row (a
+    merged lse from a block that holds one): what a fused kernel's backward needs to meet the
+    non-finite rule (fused backwards weight a row whose lse is ``+inf`` by zero, turning its NaN
+    into finite gradients). No host read; finite gradients stay exact.
+
+    ``forward_marked=True`` when the lse comes from forwards that applied
+    :func:`mark_non_finite_rows` (all the built-in kernels): every row that sees keys of a
+    problem with a non-finite ``q`` row, ``k`` or ``v`` then has a NaN lse already, so only
+    ``dout`` and ``lse`` are read, not ``q``, ``k``, ``v`` again. (A problem whose every row
+    sees no key has exactly zero gradient, whatever it holds.)"""
+    heads = q.shape[1]
+    n, kv_heads = k.shape[:2]
+    dims = (-2, -1)
+    if _empty(dout, dims):
+        return
+    per_head = _poison((dout,) if forward_marked else (dout, q), dims)  # (N, H)
+    if lse.shape[-1]:
+        seen = lse.clamp(min=0)  # -inf (no key) becomes 0; NaN and +inf stay
+        per_head = per_head + seen.sub_(seen).sum(-1)
+    poison = per_head.view(n, kv_heads, heads // kv_heads).sum(-1)  # (N, Hkv)
+    if not forward_marked and not _empty(k, dims):
+        poison = poison + _poison((k, v), dims)
+    dq.add_(_expand_heads(poison, heads).view(n, heads, 1, 1))
+    dk.add_(poison.view(n, kv_heads, 1, 1))  # view, not [..., None]: fake CUDA tensors
+    dv.add_(poison.view(n, kv_heads, 1, 1))
 
 
 @runtime_checkable

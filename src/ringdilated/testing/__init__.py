@@ -14,14 +14,17 @@ from typing import Any
 from ringdilated.testing._oracle import (
     dense_attention,
     masked_attention,
+    nan_allowed,
     oracle,
     pattern_weights,
 )
 from ringdilated.testing._tolerance import (
     FLOORS,
     allowed_error,
+    assert_non_finite_rule,
     assert_within_tolerance,
     max_error,
+    non_finite_violation,
     tolerance_floor,
 )
 
@@ -44,6 +47,7 @@ __all__ = [
     "ConformanceError",
     "ConformanceReport",
     "allowed_error",
+    "assert_non_finite_rule",
     "assert_within_tolerance",
     "check_communicator",
     "check_kernel",
@@ -51,6 +55,8 @@ __all__ = [
     "kernel_cases",
     "masked_attention",
     "max_error",
+    "nan_allowed",
+    "non_finite_violation",
     "oracle",
     "pattern_weights",
     "tolerance_floor",

@@ -8,9 +8,12 @@ multiset union of the patterns' keys, so the dense form adds ``log(count)`` to e
 key the query sees (one pattern's key adds ``log 1 = 0``).
 
 Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not see takes no part at
-all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), and its value is
-never multiplied by the zero weight (``0 * inf`` is NaN): when a value is not finite the weighted
-sum runs over the seen keys only. So NaN or infinity reaches exactly the queries that see it.
+all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), its probability is
+exactly 0 even in a row whose softmax is NaN, and its value is never multiplied by the zero weight
+(``0 * inf`` is NaN): when a value is not finite the weighted sum runs over the seen keys only.
+So NaN or infinity reaches exactly the queries that see it, forward and backward. Kernels may be
+coarser (docs/spec.md allows NaN through a non-finite value in a query's own kernel block):
+:func:`nan_allowed` says where, for a pattern.
 
 :func:`masked_attention` (kernel layout, a boolean mask, optional ``log(count)`` weights) is the
 one dense computation: :func:`dense_attention` calls it with the pattern's mask, and the kernel
@@ -20,6 +23,7 @@ conformance kit's :func:`ringdilated.testing.kernel_cases.dense` with a causal-o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +31,7 @@ __all__ = [
     "dense_attention",
     "documents_of",
     "masked_attention",
+    "nan_allowed",
     "oracle",
     "pattern_weights",
     "scaled_scores",
@@ -119,6 +124,38 @@ def scaled_scores(
     return q.to(dtype) @ k.to(dtype).repeat_interleave(group, 1).transpose(-1, -2) * scale
 
 
+class _SeenScores(torch.autograd.Function):
+    """``scale * q k^T`` (``k`` already repeated to ``q``'s heads) whose gradient runs through
+    the pairs a query sees only: exactly 0 through a hidden pair, whatever ``q`` and ``k`` hold.
+    (Autograd through a plain matmul multiplies a hidden pair's zero gradient by the other
+    operand, and ``0 * inf`` is NaN: a gradient the exact math keeps at 0.)"""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, kd: torch.Tensor, seen: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(q, kd, seen)
+        ctx.scale = scale
+        return q @ kd.transpose(-1, -2) * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, kd, seen = ctx.saved_tensors
+        seen = seen.expand(grad.shape)
+        grad = torch.where(seen, grad, grad.new_zeros(())) * ctx.scale
+        if bool(torch.isfinite(q).all()) and bool(torch.isfinite(kd).all()):
+            return grad @ kd, grad.transpose(-1, -2) @ q, None, None
+        zero = grad.new_zeros(())
+        dq = torch.zeros_like(q)
+        dk = torch.zeros_like(kd)
+        for i in range(q.shape[-2]):  # one query row at a time: (N, H, Lk, D) in memory
+            pair = seen[..., i, :].unsqueeze(-1)
+            g = grad[..., i, :].unsqueeze(-1)
+            dq[..., i, :] = torch.where(pair, g * kd, zero).sum(-2)
+            dk += torch.where(pair, g * q[..., i, :].unsqueeze(-2), zero)
+        return dq, dk, None, None
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -145,7 +182,8 @@ def masked_attention(
     """
     group = q.shape[1] // k.shape[1]
     vd = v.to(dtype).repeat_interleave(group, 1)
-    raw = scaled_scores(q, k, scale, dtype)
+    kd = k.to(dtype).repeat_interleave(group, 1)
+    raw: torch.Tensor = _SeenScores.apply(q.to(dtype), kd, seen, scale)  # type: ignore[no-untyped-call]
     if log_weights is not None:
         raw = raw + log_weights.to(dtype)
     # A query with no key has an all -inf row: give it finite scores so neither the values nor
@@ -153,7 +191,9 @@ def masked_attention(
     empty = ~seen.any(-1, keepdim=True)
     scores = torch.where(seen, raw, raw.new_full((), float("-inf"))).masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+    # An unseen key's probability is exactly 0, also in a row whose softmax is NaN (a score of
+    # +inf, or only -inf scores): its value and key then get exactly 0 gradient from that row.
+    probs = torch.where(seen, torch.softmax(scores, dim=-1), raw.new_zeros(()))
     return _weighted_values(probs, vd, seen), lse
 
 
@@ -240,3 +280,49 @@ def oracle(
         key_padding_mask=key_padding_mask,
     )
     return (out, lse) if return_lse else out
+
+
+def nan_allowed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    *,
+    mode: str = "head_groups",
+    cu_seqlens: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``(B, Lq, H)`` bool: which outputs of :func:`ringdilated.dilated_attention` (and their
+    lse) docs/spec.md, section 4 lets be NaN although the exact result is finite, because a
+    non-finite input sits in their own kernel block (a key hidden by the causal mask, say,
+    weighted ``0 * inf``).
+
+    Entry ``(b, p, h)`` may be NaN when ``q[b, p, h]`` holds NaN or infinity, or when, for a
+    pattern of head ``h`` that selects ``p`` (``longnet``: any pattern of ``h``, as its partial
+    results are merged), the segment of ``p`` holds a NaN or infinite ``k`` or ``v`` (of ``h``'s
+    key/value head) at a position that pattern selects. Same arguments as :func:`oracle`
+    (causal masking does not matter: a hidden key is in the block). Pair it with
+    :func:`ringdilated.testing.assert_non_finite_rule`.
+    """
+    B, Lq, H = q.shape[:3]
+    L, kv_heads = k.shape[1], k.shape[2]
+    device = q.device
+    p = torch.arange(L, device=device)
+    document, start = documents_of(L, cu_seqlens, key_padding_mask, device)
+    rel = p - start  # (B', L)
+    valid = document >= 0
+    same_document = (document.unsqueeze(2) == document.unsqueeze(1)) & valid.unsqueeze(2)
+    kv_bad = (~torch.isfinite(k)).any(-1) | (~torch.isfinite(v)).any(-1)  # (B, L, Hkv)
+    allowed = torch.zeros(B, L, H, dtype=torch.bool, device=device)
+    group = H // kv_heads
+    for h, patterns in enumerate(_head_offsets(H, segment_lengths, dilation_rates, mode)):
+        for w, r, offset in patterns:
+            selected = ((rel % w) % r == offset) & valid  # (B', L)
+            same_segment = same_document & ((rel // w).unsqueeze(2) == (rel // w).unsqueeze(1))
+            bad = kv_bad[:, :, h // group] & selected  # (B, L): bad keys this pattern reads
+            reached = (same_segment & bad.unsqueeze(1)).any(-1)  # (B, L)
+            covered = selected if mode == "head_groups" else valid
+            allowed[:, :, h] |= reached & covered
+    q_bad = (~torch.isfinite(q)).any(-1)  # (B, Lq, H)
+    return allowed[:, L - Lq :] | q_bad

@@ -5,20 +5,25 @@ folds in one key chunk at a time, so no ``Lq x Lk`` score matrix is ever held. B
 the ringdilated kernel contract: with the *final* merged ``out`` and ``lse`` it recomputes each
 chunk's probabilities ``P = exp(scale * q k^T - lse)`` and accumulates the gradients.
 
-The recurrence, like every fused kernel, is not exact for NaN or infinite inputs (a hidden value
-times a zero weight is NaN; ``inf - inf`` is NaN), which the contract's ``non-finite`` check
-catches. So a call whose inputs are not all finite is handed to ringdilated's reference kernel,
-whose dense math is exact for them; ``inputs_finite`` says which (the driver's own check of the
-whole call, passed in ``BlockOptions.finite``, or one summing pass).
+NaN and infinity (the contract's non-finite rule, checked by the conformance kit's
+``non-finite`` and ``non-finite-gradients`` checks) are handled by the math itself, on the
+device, with no host read. Three details make it so:
+
+- a row is empty (``out = 0``, ``lse = -inf``) because the causal mask hides every key from it,
+  never because its normaliser is 0: a row whose visible scores are all ``-inf`` (an infinite
+  query or key) divides ``0 / 0`` and is NaN, as softmax is;
+- in backward, ``lse = +inf`` (a score of ``+inf``: softmax is NaN) and ``lse = -inf`` on a row
+  that sees keys are made NaN, so ``exp(s - lse)`` cannot quietly weight the row by zero;
+- hidden keys' scores are replaced by ``-inf`` with ``masked_fill`` (a NaN score goes too); a
+  hidden NaN value still meets a zero weight in ``P @ V`` and makes NaN in its own problem, which
+  the contract allows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target
-from ringdilated.core.kernel import inputs_finite
 from ringdilated.plugins import hookimpl
 
 __all__ = ["CHUNKED_SPEC", "ChunkedKernel"]
@@ -55,8 +60,6 @@ class ChunkedKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v):
-            return ReferenceKernel().forward(q, k, v, options)
         work = _work_dtype(q.dtype)
         qw = q.to(work)
         group = q.shape[1] // k.shape[1]
@@ -75,10 +78,10 @@ class ChunkedKernel:
             acc = acc * rescale.unsqueeze(-1) + p @ values
             normaliser = normaliser * rescale + p.sum(-1)
             running_max = new_max
-        empty = normaliser == 0
-        out = acc / torch.where(empty, 1.0, normaliser).unsqueeze(-1)
-        lse = torch.where(empty, float("-inf"), running_max + torch.log(normaliser))
-        return out.to(q.dtype), lse.to(torch.float64 if work == torch.float64 else torch.float32)
+        out = acc / normaliser.unsqueeze(-1)  # 0 / 0 = NaN where every visible score is -inf
+        lse = running_max + torch.log(normaliser)
+        options.mark_empty_rows(out, lse)  # rows the mask hides every key from: 0 and -inf
+        return out.to(q.dtype), lse
 
     def backward(
         self,
@@ -90,12 +93,17 @@ class ChunkedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not inputs_finite(options, q, k, v, dout):
-            return ReferenceKernel().backward(dout, q, k, v, out, lse, options)
         work = _work_dtype(q.dtype)
         qw, dow = q.to(work), dout.to(work)
         group = q.shape[1] // k.shape[1]
-        finite_lse = torch.where(torch.isneginf(lse), 0.0, lse.to(work)).unsqueeze(-1)
+        lse = lse.to(work)
+        # +inf (softmax is NaN there) and -inf on a row that sees keys (every visible score is
+        # -inf) become NaN; -inf on a row the mask hides every key from becomes 0 (P = 0).
+        lse = torch.where(torch.isinf(lse), float("nan"), lse)
+        empty = min(options.visible_rows_start(), lse.shape[-1])
+        if empty:
+            lse[..., :empty] = 0.0
+        finite_lse = lse.unsqueeze(-1)
         delta = (dow * out.to(work)).sum(-1, keepdim=True)
         dq = torch.zeros_like(qw)
         dk = torch.zeros(*k.shape, dtype=work, device=k.device)
