@@ -103,9 +103,11 @@ class Communicator(Protocol):
         ...
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        """Called on every rank, with every rank's plan, before the first exchange of a call.
-        It must not create process groups: ``dist.new_group`` is a collective over the whole
-        default group, which independent groups (those of a mesh) reach at different times."""
+        """Called on every rank, with every rank's plan, once per planned call (when a call
+        signature is first planned on a layout, or per call without a layout), before its first
+        exchange; later calls of the plan exchange without it. It must not create process
+        groups: ``dist.new_group`` is a collective over the whole default group, which
+        independent groups (those of a mesh) reach at different times."""
         ...
 
     def exchange(
