@@ -214,13 +214,8 @@ def test_the_repairs_poison_exactly_their_rows_and_problems() -> None:
     q = torch.zeros(2, 4, 3, 2)  # heads 0, 1 read key/value head 0; heads 2, 3 read head 1
     k, v = torch.zeros(2, 2, 5, 2), torch.zeros(2, 2, 5, 2)
     q[0, 3, 1, 0] = float("nan")
-    k[1, 0, 4, 1] = float("-inf")
+    v[1, 0, 4, 1] = float("-inf")
     out, lse = torch.zeros(2, 4, 3, 2), torch.zeros(2, 4, 3)
-    v_only = torch.zeros(2, 2, 5, 2)
-    v_only[0, 1, 0, 0] = float("nan")  # the forward leaves v to P @ V: nothing marked for it
-    clean_out, clean_lse = torch.zeros(2, 4, 3, 2), torch.zeros(2, 4, 3)
-    mark_non_finite_rows(clean_out, clean_lse, torch.zeros_like(q), torch.zeros_like(k), v_only)
-    assert not bool(clean_out.isnan().any()) and not bool(clean_lse.isnan().any())
     mark_non_finite_rows(out, lse, q, k, v, BlockOptions(scale=1.0, causal_offset=-1))
     bad_rows = torch.zeros(2, 4, 3, dtype=torch.bool)
     bad_rows[0, 3, 1] = True

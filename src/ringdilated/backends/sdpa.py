@@ -16,10 +16,9 @@ Non-finite inputs (docs/spec.md, section 4). Both ops are always called; neither
 or infinity, so their results are repaired on the device, with no host read
 (:func:`~ringdilated.core.kernel.mark_non_finite_rows` and
 :func:`~ringdilated.core.kernel.mark_non_finite_problems`): a row whose query holds NaN or
-infinity, and every row of a problem whose ``k`` does, is made NaN in ``out`` and ``lse`` (a
-non-finite value reaches the rows that see it through ``P @ V``); in backward, every gradient
-of a problem whose merged ``lse`` is NaN or ``+inf`` in some row (the forward's marks travel in
-the lse; a non-finite ``v`` or ``dout`` reaches the gradients through the op's own products). Measured on torch
+infinity, and every row of a problem whose ``k`` or ``v`` does, is made NaN in ``out`` and
+``lse``; in backward, every gradient of a problem whose ``dout`` does or whose merged ``lse`` is
+NaN or ``+inf`` in some row (the forward's marks travel in the lse). Measured on torch
 2.13 (CPU op): with an infinity in ``k`` or ``q``, bfloat16 rows whose exact output is NaN come
 back as zeros (the op's running maximum and ``exp`` approximation); in float32 and bfloat16 the
 backward returns finite ``dv`` (and, under the causal mask, ``dk``) where the exact gradient is

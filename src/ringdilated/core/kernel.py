@@ -177,7 +177,7 @@ def _poison(tensors: tuple[torch.Tensor, ...], dims: tuple[int, ...]) -> torch.T
     total: torch.Tensor | None = None
     for x in tensors:
         if x.numel() <= _SMALL:
-            part = x.sub(x).sum(dims)
+            part = (x - x).sum(dims)
         else:
             extremes = torch.stack((x.amax(dims), x.amin(dims)))
             part = extremes.sub_(extremes).sum(0)
@@ -199,21 +199,20 @@ def mark_non_finite_rows(
     options: BlockOptions | None = None,
 ) -> None:
     """Make ``out`` and ``lse`` NaN, in place, in every row whose query holds NaN or infinity
-    and in every row of a problem whose ``k`` does: what a fused kernel's forward needs to meet
-    the non-finite rule (module docstring) whatever it does with such rows (a row whose visible
-    scores are all ``-inf``, or that an infinite key makes ``+inf``, can come back as zeros). No
-    host read: one reduction of ``q`` per row and of ``k`` per problem, and one addition of 0 or
-    NaN to ``out`` and ``lse`` (finite values stay exact). ``v`` needs none: a non-finite value a
-    row sees reaches it through ``P @ V`` in every kernel, and one it does not see may not.
-    With ``options``, rows that see no key are then given ``out = 0``, ``lse = -inf`` again
+    and in every row of a problem whose ``k`` or ``v`` does: what a fused kernel's forward
+    needs to meet the non-finite rule (module docstring) whatever it does with such rows. No
+    host read: one reduction of ``q`` per row and of ``k``, ``v`` per problem, and one addition
+    of 0 or NaN to ``out`` and ``lse`` (finite values stay exact). With ``options``, rows that
+    see no key are then given ``out = 0``, ``lse = -inf`` again
     (:meth:`BlockOptions.mark_empty_rows`)."""
     n, heads, q_len = q.shape[:3]
     kv_heads = k.shape[1]
-    if q_len and q.shape[-1]:
-        poison = _poison((q,), (-1,))  # (N, H, Lq), 0 or NaN
-        if k.shape[-2] and k.shape[-1]:
-            per_problem = _poison((k,), (-2, -1)).view(n, kv_heads, 1, 1)
-            poison.view(n, kv_heads, heads // kv_heads, q_len).add_(per_problem)
+    if q_len and not _empty(q, (-1,)):
+        poison = _poison((q,), (-1,))  # (N, H, Lq)
+        if not _empty(k, (-2, -1)):
+            per_problem = _poison((k, v), (-2, -1)).view(n, kv_heads, 1, 1)
+            grouped = poison.view(n, kv_heads, heads // kv_heads, q_len) + per_problem
+            poison = grouped.view(n, heads, q_len)
         out.add_(poison.unsqueeze(-1))
         lse.add_(poison)
     if options is not None:
@@ -240,24 +239,18 @@ def mark_non_finite_problems(
 
     ``forward_marked=True`` when the lse comes from forwards that applied
     :func:`mark_non_finite_rows` (all the built-in kernels): every row that sees keys of a
-    problem with a non-finite ``q`` row or ``k`` then has a NaN lse already, and a non-finite
-    ``v`` or ``dout`` a row sees reaches the gradients through the kernel's own products (``dout
-    . v``, ``rowsum(dout * out)`` with the merged ``out``, ``P^T dout``), so only the ``lse`` is
-    read: a row whose merged lse is NaN or ``+inf`` is the one case a fused backward silently
-    weights by zero. (A problem whose every row sees no key has exactly zero gradient, whatever
-    it holds.)"""
+    problem with a non-finite ``q`` row, ``k`` or ``v`` then has a NaN lse already, so only
+    ``dout`` and ``lse`` are read, not ``q``, ``k``, ``v`` again. (A problem whose every row
+    sees no key has exactly zero gradient, whatever it holds.)"""
     heads = q.shape[1]
     n, kv_heads = k.shape[:2]
     dims = (-2, -1)
     if _empty(dout, dims):
         return
-    per_head: torch.Tensor | None = None if forward_marked else _poison((dout, q), dims)
+    per_head = _poison((dout,) if forward_marked else (dout, q), dims)  # (N, H)
     if lse.shape[-1]:
         seen = lse.clamp(min=0)  # -inf (no key) becomes 0; NaN and +inf stay
-        from_lse = seen.sub_(seen).sum(-1)  # (N, H)
-        per_head = from_lse if per_head is None else per_head + from_lse
-    if per_head is None:
-        return
+        per_head = per_head + seen.sub_(seen).sum(-1)
     poison = per_head.view(n, kv_heads, heads // kv_heads).sum(-1)  # (N, Hkv)
     if not forward_marked and not _empty(k, dims):
         poison = poison + _poison((k, v), dims)
