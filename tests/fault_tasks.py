@@ -477,7 +477,7 @@ def layout_faults(payload: dict[str, Any]) -> dict[str, Any]:
     fault, culprit = payload["fault"], payload.get("rank", 1)
     q, k, v = _inputs(rank, world)
     group = dist.group.WORLD
-    every_call = payload.get("every_call")
+    every_call = payload.get("every_call", False)  # pinned unless a test asks
     controls: list[int] = []
 
     def layout(**kwargs: Any) -> Any:
@@ -515,13 +515,17 @@ def layout_faults(payload: dict[str, Any]) -> dict[str, Any]:
             call(on)
             call(on, causal=rank == culprit)
         elif fault == "environment":
+            before = os.environ.get("RINGDILATED_AGREE_EVERY_CALL")
             os.environ["RINGDILATED_AGREE_EVERY_CALL"] = payload["value"]
             try:
                 result["agree_every_call"] = ringdilated.SequenceLayout(
                     process_group=group
                 ).agree_every_call
-            finally:
-                del os.environ["RINGDILATED_AGREE_EVERY_CALL"]
+            finally:  # restored: a tox environment may have set it for the whole run
+                if before is None:
+                    del os.environ["RINGDILATED_AGREE_EVERY_CALL"]
+                else:
+                    os.environ["RINGDILATED_AGREE_EVERY_CALL"] = before
         elif fault == "none":
             on = layout()
             for _ in range(3):

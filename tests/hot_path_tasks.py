@@ -33,7 +33,11 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
     total = sum(lengths)
     start = sum(lengths[:rank])
     shard = slice(start, start + lengths[rank])
-    layout_kw: dict[str, Any] = {"process_group": _process_layout(payload["process"])}
+    # Pinned: the counts are of the steady state, whatever RINGDILATED_AGREE_EVERY_CALL says.
+    layout_kw: dict[str, Any] = {
+        "process_group": _process_layout(payload["process"]),
+        "agree_every_call": False,
+    }
     if payload["layout"] != "equal":
         layout_kw["shard_length"] = lengths[rank]
     if payload["layout"] == "documents":

@@ -536,3 +536,26 @@ def test_a_non_finite_value_reaches_only_its_own_runs_and_their_next_segment() -
             assert expected[0].isnan().all() and out[0].isnan().all(), t
         elif t not in (12, 13):
             assert float((out[0] - expected[0]).abs().max()) < 1e-12, t
+
+
+def test_a_longnet_chunk_step_has_exact_gradients() -> None:
+    """A step of several tokens merges its runs through their lse: gradients flow through it
+    (a review found them dropped when the lse came back without a gradient)."""
+    torch.manual_seed(0)
+    heads, dim = 4, 8
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=heads, mode="longnet")
+    q, k, v = (
+        torch.randn(1, 12, heads, dim, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    cache.attend(q[:, :7], k[:, :7], v[:, :7])
+    out = cache.attend(q[:, 7:10], k[:, 7:10], v[:, 7:10])
+    expected = oracle(q[:, :10], k[:, :10], v[:, :10], [4, 8], [1, 2], mode="longnet", causal=True)[
+        :, 7:10
+    ]
+    assert float((out - expected).detach().abs().max()) < 1e-12
+    for a, e in zip(
+        torch.autograd.grad(out.sum(), (q, k, v)),
+        torch.autograd.grad(expected.sum(), (q, k, v)),
+        strict=True,
+    ):
+        assert float((a - e).abs().max()) < 1e-12

@@ -219,3 +219,27 @@ def test_only_the_op_that_reads_the_host_is_cudagraph_unsafe() -> None:
     if OP_SUPPORTED:
         assert torch.Tag.cudagraph_unsafe not in ops.attention.default.tags
         assert torch.Tag.cudagraph_unsafe not in ops.attention_backward.default.tags
+
+
+# inductor's own imports warn that torch.jit.script_method is deprecated (torch's, not ours)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_trains_on_transposed_inputs() -> None:
+    """The default backend (inductor) runs a training step on (B, H, L, D)-strided inputs, as the
+    Hugging Face adapter passes them: the ops' fakes give the real outputs' strides (a review
+    found the backward's fake copying the inputs' strides, which inductor asserted on)."""
+    torch.manual_seed(0)
+    attn = DilatedAttention([8, 16], [1, 2], causal=True)
+    compiled = torch.compile(attn, fullgraph=True)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(2, 4, 32, 8, generator=g, dtype=torch.float64)
+        .transpose(1, 2)
+        .requires_grad_()  # leaves strided as (B, H, L, D)
+        for _ in range(3)
+    )
+    out = compiled(q, k, v)
+    expected = oracle(q, k, v, [8, 16], [1, 2], causal=True)
+    assert max_error(out, expected) < 1e-12
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-10

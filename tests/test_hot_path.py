@@ -75,10 +75,10 @@ def test_every_module_in_steady_state_makes_no_host_traffic(mode: str) -> None:
 
 def test_a_layout_with_documents_or_padding_makes_no_host_traffic() -> None:
     q, k, v = _inputs()
-    documents = ringdilated.SequenceLayout(cu_seqlens=torch.tensor([0, 5, 21, 32]))
-    padding = ringdilated.SequenceLayout(
-        key_padding_mask=torch.tensor([[False] * 27 + [True] * 5, [True] * 3 + [False] * 29])
+    documents = ringdilated.SequenceLayout(
+        cu_seqlens=torch.tensor([0, 5, 21, 32]), agree_every_call=False
     )
+    padding = ringdilated.SequenceLayout(key_padding_mask=padding_mask(), agree_every_call=False)
     for layout, extra in (
         (documents, {"cu_seqlens": torch.tensor([0, 5, 21, 32])}),
         (padding, {"key_padding_mask": padding_mask()}),

@@ -439,6 +439,7 @@ class DilatedKVCache:
             dropout_p=0.0,
             kernel=self.kernel,
             key_padding_mask=key_padding_mask,
+            return_lse=True,  # read (and differentiable): the caller may ask for it
         )
         if key_padding_mask is None:
             prompts = [(b, 0, 0, m) for b in range(batch)]
@@ -523,6 +524,7 @@ class DilatedKVCache:
                 scale=self.scale if self.scale is not None else dim**-0.5,
                 dropout_p=0.0,
                 kernel=self.kernel,
+                return_lse=True,  # read, and differentiated through the merge below
                 full_precision_lse=True,  # longnet merges it further
             )
             parts.append((run, [p - start for p in new], run_out, run_lse))

@@ -107,9 +107,17 @@ def _planned(
 ) -> Any:
     """The plan of an ``attention`` op's call (see :func:`~ringdilated.core.call.plan_for`):
     on ``layout``, or, for the process-wide layout of whole sequences given process groups, a
-    call that plans (and agrees) by itself."""
+    call that plans (and agrees) by itself. Process groups named with another layout must be
+    its own (``ValueError`` otherwise, at once, on this rank)."""
     from ringdilated.registry import default_resolver
 
+    if layout is not WHOLE_SEQUENCES and any(groups):
+        own = group_names(layout.group)
+        if tuple(groups) != own:
+            raise ValueError(
+                f"process_group {tuple(groups)} contradicts the layout's process group {own} "
+                "(group names): build the SequenceLayout on the call's process group"
+            )
     arguments: dict[str, object] = {
         "causal": causal,
         "scale": scale,
@@ -128,11 +136,17 @@ def _planned(
         k,
         v,
         arguments,
-        default_resolver(),
+        default_resolver,
         _process_layout(groups) if per_call else None,
         None if per_call else layout,
         backward=backward,
     )
+
+
+def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
+    """What the ops' gradients are: contiguous, whatever the strides of the input (a fake must
+    give the real strides, or inductor's generated code asserts)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 _last = threading.local()
@@ -244,7 +258,7 @@ def _define_attention_ops() -> tuple[Any, Any]:
     def _(
         dout: torch.Tensor, dlse: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any
     ) -> Any:
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
     def setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         q, k, v, seed, layout, stats, group, inner_group, *params = inputs
@@ -462,7 +476,7 @@ def _fake_backward(
     v: torch.Tensor,
     *args: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:

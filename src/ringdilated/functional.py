@@ -147,6 +147,14 @@ def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list
     return list(segments), list(rates), mode
 
 
+def _seed(dropout_p: float) -> torch.Tensor:
+    """The dropout seed an op takes: drawn from torch's CPU generator now, or 0 without
+    dropout (drawn only once the call is known to run as an op)."""
+    if dropout_p > 0:
+        return torch.randint(1, 2**62, (), dtype=torch.int64)
+    return torch.zeros((), dtype=torch.int64)
+
+
 def _plain(x: object) -> bool:
     """Whether ``x`` is a dense tensor with data: what reaches the op's own implementation on
     every rank (a nested, sparse or meta tensor would be dispatched elsewhere on its rank alone,
@@ -196,11 +204,6 @@ def _attend_op(
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dropout = float(dropout_p)  # type: ignore[arg-type]
     scale_value = None if scale is None else float(scale)  # type: ignore[arg-type]
-    seed = (
-        torch.randint(1, 2**62, (), dtype=torch.int64)
-        if dropout > 0
-        else torch.zeros((), dtype=torch.int64)
-    )
     if layout is None and process_group is None and documents:
         if not compiling:
             return None
@@ -211,7 +214,7 @@ def _attend_op(
             q,
             k,
             v,
-            seed,
+            _seed(dropout),
             options["cu_seqlens"],
             options["key_padding_mask"],
             *fields,
@@ -230,19 +233,18 @@ def _attend_op(
         layout = WHOLE_SEQUENCES
     if not isinstance(layout, SequenceLayout):
         return None
-    groups = ("", "")
-    if layout is WHOLE_SEQUENCES:
-        group = as_process_group(process_group)
-        # (dynamo answers isinstance(group, ProcessGroup) wrongly: checked in eager mode only;
-        # a traced module's group was checked when the module was built)
-        if not compiling and group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
-            return None  # the eager path names what it is instead
-        groups = group_names(group)
+    group = as_process_group(process_group)
+    # (dynamo answers isinstance(group, ProcessGroup) wrongly: checked in eager mode only; a
+    # traced module's group was checked when the module was built)
+    if not compiling and group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
+        return None  # the eager path names what it is instead
+    # The op checks a process group passed with a layout against the layout's own.
+    groups = group_names(group)
     out, lse = attention_op(
         q,
         k,
         v,
-        seed,
+        _seed(dropout),
         layout,
         stats if stats is not None else NO_STATS,
         *groups,
@@ -272,7 +274,7 @@ def _attend_planned(
     """The eager path: the call's plan (found on its layout, or made), then its kernels and
     exchanges, under one autograd node."""
     plan = plan_for(
-        pattern, q, k, v, arguments, resolver or default_resolver(), process_group, layout
+        pattern, q, k, v, arguments, resolver or default_resolver, process_group, layout
     )
     q, k, v = operands(q, k, v)
     call = call_state(plan, arguments["transfer_stats"], lse_needed)

@@ -120,10 +120,11 @@ class CallSignature(_Fields):
 @attrs.frozen
 class LayoutSignature(_Fields):
     """What every rank must pass identically to a :class:`~ringdilated.SequenceLayout`: its
-    documents or padding (a digest: they may be long), whether shard lengths were given, and
-    whether every call is checked."""
+    documents or padding (a digest: they may be long), the sequence length and batch they say,
+    whether shard lengths were given, and whether every call is checked."""
 
     documents: str
+    shape: str
     shard_length: str
     agree_every_call: str
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable
 
 import attrs
@@ -43,7 +44,7 @@ from ringdilated.core.head_parallel import HeadParallelRun
 from ringdilated.core.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.layout import DocumentLayout, Rows
 from ringdilated.core.pattern import Block, DilationPattern
-from ringdilated.core.resolver import Plan, ResolutionError, Resolver
+from ringdilated.core.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
 from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
 from ringdilated.core.sharded_run import ShardedRun
@@ -654,6 +655,7 @@ def plan_key(
         type(return_lse),
         return_lse,
         options["kernel"],
+        os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
         options["communicator"],
         resolver,
     )
@@ -723,7 +725,7 @@ def plan_for(
     k: torch.Tensor,
     v: torch.Tensor,
     arguments: dict[str, object],
-    resolver: Resolver,
+    resolver: Resolver | Callable[[], Resolver],
     process_group: object,
     layout: object,
     backward: bool | None = None,
@@ -731,11 +733,19 @@ def plan_for(
     """The plan of a call: found on its layout by :func:`plan_key` (then only the shard is
     checked, on this rank), or made by :func:`prepare_call` (validated, and agreed on a process
     group) and kept there. ``arguments``: :class:`CallOptions`' fields as the caller passed
-    them; ``backward``: whether a backward will run (default: grad mode and the inputs say)."""
+    them; ``resolver``: a resolver or a callable making one (a failure to make it is then
+    reported inside the agreement, on every rank); ``backward``: whether a backward will run
+    (default: grad mode and the inputs say)."""
     on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
     key = None
-    if on is not None and not on.agree_every_call:
-        key = plan_key(pattern, q, k, v, arguments, resolver, on, backward)
+    chosen: Resolver | None = resolver if isinstance(resolver, Resolver) else None
+    if chosen is None:
+        try:
+            chosen = resolver()  # type: ignore[operator]
+        except Exception:  # raised again inside prepare_call's agreement, on every rank
+            chosen = None
+    if on is not None and not on.agree_every_call and chosen is not None:
+        key = plan_key(pattern, q, k, v, arguments, chosen, on, backward)
         if key is not None:
             plan = on.plans.get(key)
             if plan is not None:
@@ -744,7 +754,9 @@ def plan_for(
                 return plan
     group = on.group if on is not None else as_process_group(process_group)
     options = CallOptions(**arguments)
-    plan = prepare_call(pattern, q, k, v, options, resolver, group, layout=on, backward=backward)
+    plan = prepare_call(
+        pattern, q, k, v, options, chosen or resolver, group, layout=on, backward=backward
+    )
     if key is not None:
         on.plans.put(key, plan)  # type: ignore[union-attr]
     return plan

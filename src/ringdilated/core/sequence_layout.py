@@ -321,6 +321,7 @@ class _Read:
             documents = "none"
         return LayoutSignature(
             documents=documents,
+            shape=f"length {self.width}, batch {self.batch}",
             shard_length="given" if self.shard_length is not None else "equal shards",
             agree_every_call=str(self.agree_every_call),
         )
