@@ -401,3 +401,34 @@ def test_a_pattern_whose_scores_are_all_minus_inf_meets_the_rule_in_the_merge(ke
     may = nan_allowed(q, k, v, *pattern, mode="longnet")
     assert not bool(may[0, :, 1].any()), "head 1 reads no infinite key"
     assert bool(torch.isfinite(out[0, :, 1]).all())
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "reference"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_keep_nan_inside_the_blocks_that_hold_it(kernel: str, causal: bool) -> None:
+    """longnet merges every pattern's partial into one lse: a NaN merged lse must not make NaN
+    the gradients of another block. An infinite key at position 1: every gradient outside the
+    longest pattern's segment [0, 8) is the oracle's (a review found dq NaN at rows of the
+    8-segment that no block holding the key reaches), and dq inside it only where allowed."""
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (
+        torch.randn(1, 16, 2, 4, generator=g, dtype=torch.float64).requires_grad_()
+        for _ in range(3)
+    )
+    with torch.no_grad():
+        k[0, 1, :, 0] = float("inf")
+    kw: dict[str, Any] = {"mode": "longnet", "causal": causal}
+    out = ringdilated.dilated_attention(q, k, v, [4, 8], [1, 2], kernel=kernel, **kw)
+    expected = oracle(q, k, v, [4, 8], [1, 2], **kw)
+    dout = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    exact = torch.autograd.grad(expected, (q, k, v), dout)
+    may = nan_allowed(q, k, v, [4, 8], [1, 2], mode="longnet")  # (B, L, H)
+    dq, exact_dq = grads[0], exact[0]
+    outside = ~may.unsqueeze(-1) & torch.isfinite(exact_dq)
+    assert not bool(dq[outside].isnan().any()), "NaN crossed into another block's dq"
+    assert torch.allclose(dq[outside], exact_dq[outside], atol=1e-10, rtol=0)
+    for grad, ref in zip(grads, exact, strict=True):
+        later = slice(8, 16)  # no block reaching these positions holds the infinite key
+        assert bool(torch.isfinite(grad[:, later]).all()), "NaN crossed into a later segment"
+        assert torch.allclose(grad[:, later], ref[:, later], atol=1e-10, rtol=0)

@@ -170,5 +170,7 @@ class GuardedBottomRightKernel(BottomRightKernel):
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
-        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
+        )
         return dq, dk, dv

@@ -210,7 +210,9 @@ class FlexKernel:
         dq, dk, dv = torch.autograd.grad(
             (block_out, block_lse), (qg, kg, vg), (grad_out, grad_lse.to(block_lse.dtype))
         )
-        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
+        )
         return dq, dk, dv
 
 

@@ -108,7 +108,9 @@ class CpuFlashAttention:
             attn_mask=mask,
             scale=options.scale,
         )
-        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
+        )
         return dq, dk, dv
 
 
@@ -197,7 +199,9 @@ class EfficientAttention:
             scale=options.scale,
         )
         dk, dv = sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
-        mark_non_finite_problems(dq, dk, dv, dout, q, k, v, lse, forward_marked=True)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
+        )
         return dq, dk, dv
 
 

@@ -230,12 +230,19 @@ def mark_non_finite_problems(
     lse: torch.Tensor,
     *,
     forward_marked: bool = False,
+    options: BlockOptions | None = None,
 ) -> None:
-    """Make every gradient of a problem NaN, in place, when any of its inputs (``q``, ``k``,
-    ``v``, ``dout``) holds NaN or infinity, or its ``lse`` is NaN or ``+inf`` in some row (a
-    merged lse from a block that holds one): what a fused kernel's backward needs to meet the
-    non-finite rule (fused backwards weight a row whose lse is ``+inf`` by zero, turning its NaN
-    into finite gradients). No host read; finite gradients stay exact.
+    """Make gradients NaN, in place, where a fused kernel's backward may leave finite numbers
+    that the exact math makes NaN, without reaching another problem: what a fused kernel's
+    backward needs to meet the non-finite rule. No host read; finite gradients stay exact.
+
+    - Every gradient of a problem any of whose inputs (``dout``, and ``q``, ``k``, ``v`` unless
+      ``forward_marked``) holds NaN or infinity: the problem's own input.
+    - For a row whose ``lse`` is NaN or ``+inf`` (a merged lse: the non-finite value may be in
+      another problem, another pattern's block or another rank's piece): its ``dq`` row, and the
+      ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``j <= i + offset``,
+      ``options.causal_offset``; every key without one). Fused backwards weight a row whose lse
+      is ``+inf`` by zero, turning its NaN into finite gradients.
 
     ``forward_marked=True`` when the lse comes from forwards that applied
     :func:`mark_non_finite_rows` (all the built-in kernels): every row that sees keys of a
@@ -244,19 +251,34 @@ def mark_non_finite_problems(
     sees no key has exactly zero gradient, whatever it holds.)"""
     heads = q.shape[1]
     n, kv_heads = k.shape[:2]
+    group = heads // kv_heads
     dims = (-2, -1)
     if _empty(dout, dims):
         return
     per_head = _poison((dout,) if forward_marked else (dout, q), dims)  # (N, H)
-    if lse.shape[-1]:
-        seen = lse.clamp(min=0)  # -inf (no key) becomes 0; NaN and +inf stay
-        per_head = per_head + seen.sub_(seen).sum(-1)
-    poison = per_head.view(n, kv_heads, heads // kv_heads).sum(-1)  # (N, Hkv)
+    poison = per_head.view(n, kv_heads, group).sum(-1)  # (N, Hkv)
     if not forward_marked and not _empty(k, dims):
         poison = poison + _poison((k, v), dims)
-    dq.add_(_expand_heads(poison, heads).view(n, heads, 1, 1))
-    dk.add_(poison.view(n, kv_heads, 1, 1))  # view, not [..., None]: fake CUDA tensors
-    dv.add_(poison.view(n, kv_heads, 1, 1))
+    q_poison = _expand_heads(poison, heads).view(n, heads, 1, 1)
+    kv_poison = poison.view(n, kv_heads, 1, 1)  # view, not [..., None]: fake CUDA tensors
+    q_len, k_len = lse.shape[-1], k.shape[-2]
+    if q_len and k_len:
+        seen = lse.clamp(min=0)  # -inf (no key) becomes 0; NaN and +inf stay
+        rows = seen.sub_(seen)  # (N, H, Lq): 0, or NaN for a row whose lse is NaN or +inf
+        q_poison = q_poison + rows.unsqueeze(-1)
+        per_kv = rows.view(n, kv_heads, group, q_len).sum(2)  # (N, Hkv, Lq)
+        offset = None if options is None else options.causal_offset
+        if offset is None:  # every row sees every key
+            keys = per_kv.sum(-1, keepdim=True)  # (N, Hkv, 1)
+        else:  # key j: the rows i >= j - offset, a suffix of the rows (none past the last)
+            after = per_kv.flip(-1).cumsum(-1).flip(-1)
+            after = torch.cat([after, after.new_zeros(n, kv_heads, 1)], -1)  # (N, Hkv, Lq + 1)
+            first = (torch.arange(k_len, device=lse.device) - offset).clamp(0, q_len)
+            keys = after.index_select(-1, first)  # (N, Hkv, Lk)
+        kv_poison = kv_poison + keys.unsqueeze(-1)
+    dq.add_(q_poison)
+    dk.add_(kv_poison)
+    dv.add_(kv_poison)
 
 
 @runtime_checkable

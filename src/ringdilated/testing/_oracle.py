@@ -11,7 +11,9 @@ Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not se
 all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), its probability is
 exactly 0 even in a row whose softmax is NaN, and its value is never multiplied by the zero weight
 (``0 * inf`` is NaN): when a value is not finite the weighted sum runs over the seen keys only.
-So NaN or infinity reaches exactly the queries that see it, forward and backward. Kernels may be
+So NaN or infinity in ``q``, ``k`` or ``v`` reaches exactly the queries that see it, forward and
+backward. (A non-finite upstream gradient is not kept to its pairs: autograd computes ``dv`` as
+``P^T @ dout``, which multiplies a hidden pair's zero weight by it.) Kernels may be
 coarser (docs/spec.md allows NaN through a non-finite value in a query's own kernel block):
 :func:`nan_allowed` says where, for a pattern.
 
@@ -299,9 +301,9 @@ def nan_allowed(
     weighted ``0 * inf``).
 
     Entry ``(b, p, h)`` may be NaN when ``q[b, p, h]`` holds NaN or infinity, or when, for a
-    pattern of head ``h`` that selects ``p`` (``longnet``: any pattern of ``h``, as its partial
-    results are merged), the segment of ``p`` holds a NaN or infinite ``k`` or ``v`` (of ``h``'s
-    key/value head) at a position that pattern selects. Same arguments as :func:`oracle`
+    pattern (and offset) of head ``h`` that selects ``p`` (``longnet``: any of them, as their
+    partial results are merged), the segment of ``p`` holds a NaN or infinite ``k`` or ``v`` (of
+    ``h``'s key/value head) at a position that pattern selects. Same arguments as :func:`oracle`
     (causal masking does not matter: a hidden key is in the block). Pair it with
     :func:`ringdilated.testing.assert_non_finite_rule`.
     """
@@ -322,7 +324,6 @@ def nan_allowed(
             same_segment = same_document & ((rel // w).unsqueeze(2) == (rel // w).unsqueeze(1))
             bad = kv_bad[:, :, h // group] & selected  # (B, L): bad keys this pattern reads
             reached = (same_segment & bad.unsqueeze(1)).any(-1)  # (B, L)
-            covered = selected if mode == "head_groups" else valid
-            allowed[:, :, h] |= reached & covered
+            allowed[:, :, h] |= reached & selected
     q_bad = (~torch.isfinite(q)).any(-1)  # (B, Lq, H)
     return allowed[:, L - Lq :] | q_bad
