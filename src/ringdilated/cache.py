@@ -304,8 +304,9 @@ class DilatedKVCache:
     ) -> torch.Tensor:
         """Positions of the next ``tokens`` of each row, ``(B or 1, tokens)`` int64 on
         ``device``, for rotary embeddings: counted from each row's start (with a first call's
-        ``key_padding_mask``, from each row's first valid token, padded positions 0). Computed on
-        the device."""
+        ``key_padding_mask``, from each row's first valid token; a padded position gets 0 before
+        the valid run and the last valid position after it: padding is nobody's key, so its
+        angle does not matter). Computed on the device."""
         if key_padding_mask is not None:
             mask = key_padding_mask
             if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] != tokens:

@@ -368,7 +368,8 @@ def dilated_attention(
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
     - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
-      key. Gradients flow through ``out`` and ``lse``.
+      key (a view whose memory is position-major, ``(B, Lq, H)``: not contiguous). Gradients
+      flow through ``out`` and ``lse``.
     - Query suffix: ``q`` may be shorter than ``k``, ``v`` (``Lq <= L``); it holds the last ``Lq``
       positions (bottom-right aligned, as with a KV cache), and its rows equal those rows of the
       full-length call.

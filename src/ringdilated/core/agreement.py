@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
 from typing import cast
 
 import attrs
@@ -39,6 +40,7 @@ Layout = dist.ProcessGroup | Grid
 """A process group, or a 2-D :class:`~ringdilated.core.grid.Grid` of two."""
 
 __all__ = [
+    "AgreementOnCudaWarning",
     "CallSignature",
     "LayoutSignature",
     "agree",
@@ -129,10 +131,31 @@ class LayoutSignature(_Fields):
     agree_every_call: str
 
 
+class AgreementOnCudaWarning(UserWarning):
+    """An agreement runs on a CUDA tensor: the group has NCCL only (no CPU backend)."""
+
+
+_warned_cuda = False
+
+
 def _collective_device(group: Layout, device: object = None) -> torch.device:
-    # NCCL moves CUDA tensors only: the call's own device when it is one, else the current one;
-    # every other backend (gloo, mpi) takes CPU tensors.
+    """Where an agreement's tensors go: the CPU wherever the group has a CPU backend (gloo,
+    and a ``"cpu:gloo,cuda:nccl"`` group); an NCCL-only group moves CUDA tensors only, so there
+    the call's own CUDA device (else the current one), with a warning, once: that is one
+    synchronisation per agreement (at a layout's construction and each signature's first call).
+    """
+    global _warned_cuda
     if grid.backend(group) == "nccl":
+        if not _warned_cuda:
+            _warned_cuda = True
+            warnings.warn(
+                "ringdilated's agreements run on CUDA tensors on this NCCL-only process group "
+                "(one device synchronisation each: when a SequenceLayout is built and at each "
+                "call signature's first call); init_process_group(backend='cpu:gloo,cuda:nccl') "
+                "runs them on the CPU",
+                AgreementOnCudaWarning,
+                stacklevel=4,
+            )
         if isinstance(device, torch.device) and device.type == "cuda":
             return device
         return torch.device("cuda", torch.cuda.current_device())
