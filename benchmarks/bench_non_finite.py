@@ -6,8 +6,9 @@
 The ``sdpa`` kernel always calls the op and then repairs its results on the device, with no host
 read (docs/spec.md, section 4; ``ringdilated.core.kernel``): forward, ``amax`` and ``amin`` of
 ``q`` (per row), ``k`` and ``v`` (per problem) and one addition of 0 or NaN to ``out`` and
-``lse`` (``mark_non_finite_rows``); backward, ``amax`` and ``amin`` of ``dout``, ``amax`` of
-``lse`` (the forward's marks are in it) and three masked fills (``mark_non_finite_problems``).
+``lse`` (``mark_non_finite_rows``); backward, a reduction of ``dout`` per problem, of the merged
+``lse`` per row (the forward's marks are in it; in a causal block a suffix sum finds the keys a
+NaN row sees) and three additions of 0 or NaN (``mark_non_finite_problems``).
 This times, on finite inputs, one thread:
 
 - ``kernel``: forward+backward of ``CpuFlashAttention`` on the very blocks the driver hands it

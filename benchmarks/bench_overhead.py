@@ -2,6 +2,7 @@
 
     python benchmarks/bench_overhead.py                 # 7 interleaved rounds
     python benchmarks/bench_overhead.py --rounds 11 --calls 2000
+    python benchmarks/bench_overhead.py --no-repair     # the sdpa kernel's non-finite repair off
 
 Configuration (issue 20): one thread, float32, CPU. ``L=64, H=3, D=8`` (compute negligible: what
 is timed is Python and dispatch), ``DilatedAttention([16, 32, 64], [1, 2, 4])`` in steady state
@@ -16,6 +17,9 @@ median per call and the ratio of the medians (the spread: the ratios' range over
 counts, with :class:`ringdilated.testing.hot_path.HotPathCounter`, the host reads, copies from
 Python data and control collectives of one steady-state call (target 0), and, where
 ``benchmarks/bench_decode.py`` provides it, the decode-step comparison (target <= 1.3x).
+``--no-repair`` replaces the ``sdpa`` kernel's device-side non-finite repair with no-ops (as
+``benchmarks/bench_non_finite.py`` does), to show what it costs at this size; results are then
+wrong for non-finite inputs, so it is for measuring only.
 """
 
 from __future__ import annotations
@@ -81,8 +85,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--no-decode", action="store_true", help="skip the decode-step rows")
+    parser.add_argument(
+        "--no-repair", action="store_true", help="time without the sdpa kernel's non-finite repair"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.no_repair:
+        sys.path.insert(0, os.path.dirname(__file__))
+        from bench_non_finite import _bare  # type: ignore[import-not-found]
+
+        _bare()
+        print("the sdpa kernel's non-finite repair is OFF (measuring only)")
     pairs = _pairs(args.calls)
     print(
         f"torch {torch.__version__}, ringdilated {ringdilated.__version__}, one thread, "
