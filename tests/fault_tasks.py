@@ -535,3 +535,34 @@ def layout_faults(payload: dict[str, Any]) -> dict[str, Any]:
     result["seconds"] = time.monotonic() - start
     result["controls"] = controls
     return result
+
+
+def layered_module_fault(payload: dict[str, Any]) -> dict[str, Any]:
+    """Two identical ``MultiheadDilatedAttention`` layers on one planned layout; at the second
+    step every rank's second layer gets ``need_weights=True`` (its own check fails). Reports
+    what raised and the control collectives of that step: a module's failed check on a layout
+    that has planned calls raises at once, joining no agreement."""
+    import ringdilated
+    from ringdilated.testing.hot_path import HotPathCounter
+
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"segment_lengths": [8], "dilation_rates": [1], "dtype": torch.float64}
+    layers = [
+        ringdilated.MultiheadDilatedAttention(8, 2, process_group=dist.group.WORLD, **kw)
+        for _ in range(2)
+    ]
+    layout = ringdilated.SequenceLayout(process_group=dist.group.WORLD, agree_every_call=False)
+    x = torch.randn(1, 8, 8, dtype=torch.float64)
+    for layer in layers:  # plans the call
+        layer(x, x, x, layout=layout)
+    result: dict[str, Any] = {"raised": None}
+    start = time.monotonic()
+    with HotPathCounter() as counts:
+        try:
+            y = layers[0](x, x, x, layout=layout)[0]
+            layers[1](y, y, y, need_weights=True, layout=layout)
+        except ValueError as exc:
+            result["raised"], result["message"] = type(exc).__name__, str(exc)
+    result["seconds"] = time.monotonic() - start
+    result["controls"] = counts.control_collectives
+    return result

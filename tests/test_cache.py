@@ -559,3 +559,23 @@ def test_a_longnet_chunk_step_has_exact_gradients() -> None:
         strict=True,
     ):
         assert float((a - e).abs().max()) < 1e-12
+
+
+def test_a_longnet_chunk_step_keeps_a_non_finite_lse_non_finite() -> None:
+    """The runs' lse are merged by log-sum-exp: a NaN there stays NaN, never -inf (which would
+    say "no key" and let a later merge weight the row by zero)."""
+    heads, dim = 4, 8
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 12, heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
+    k[0, 8, 1, 3] = float("nan")
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=heads, mode="longnet")
+    cache.attend(q[:, :7], k[:, :7], v[:, :7])
+    out, lse = cache.attend(q[:, 7:10], k[:, 7:10], v[:, 7:10], return_lse=True)
+    _, expected = oracle(
+        q[:, :10], k[:, :10], v[:, :10], [4, 8], [1, 2], mode="longnet", causal=True,
+        return_lse=True,
+    )  # fmt: skip
+    expected = expected[..., 7:]
+    assert bool(torch.isnan(expected).any()), "the case holds a NaN lse"
+    assert not bool((torch.isnan(expected) & torch.isneginf(lse)).any())
+    assert bool(torch.isnan(lse[torch.isnan(expected)]).all())

@@ -330,3 +330,36 @@ def test_the_agree_every_call_variable_is_read_strictly(
             assert "RINGDILATED_AGREE_EVERY_CALL must be one of" in result["message"], result
         else:
             assert result["agree_every_call"] is expected, result
+
+
+def test_agreements_move_cpu_tensors_unless_the_group_is_nccl_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group with a CPU backend agrees on the CPU; an NCCL-only one ("nccl" or
+    "cuda:nccl") on the call's CUDA device, with one AgreementOnCudaWarning."""
+    import torch.distributed as dist
+
+    from ringdilated.core import AgreementOnCudaWarning, agreement
+
+    backends = {"a": "gloo", "b": "cpu:gloo,cuda:nccl", "c": "nccl", "d": "cuda:nccl"}
+    monkeypatch.setattr(dist, "get_backend", lambda group: backends[group])
+    monkeypatch.setattr(agreement, "_warned_cuda", False)
+    cuda = torch.device("cuda", 0)
+    assert agreement._collective_device("a", cuda) == torch.device("cpu")  # type: ignore[arg-type]
+    assert agreement._collective_device("b", cuda) == torch.device("cpu")  # type: ignore[arg-type]
+    with pytest.warns(AgreementOnCudaWarning, match="cpu:gloo,cuda:nccl"):
+        assert agreement._collective_device("c", cuda) == cuda  # type: ignore[arg-type]
+    assert agreement._collective_device("d", cuda) == cuda  # type: ignore[arg-type]  (once)
+
+
+def test_a_module_check_on_a_planned_layout_raises_at_once_joining_no_agreement(
+    workers2: Workers,
+) -> None:
+    """A review found a failed check in a second identical layer joining an agreement while
+    peers ran their data exchange (NaN on one rank, an abort on the other). On a layout that
+    has planned calls the check raises at once, with no collective."""
+    for result in workers2.results(f"{TASKS}:layered_module_fault", {}):
+        assert result["raised"] == "ValueError", result
+        assert "need_weights=True is not supported" in result["message"], result
+        assert result["controls"] == 0, result
+        assert result["seconds"] < BOUND_S, result

@@ -554,7 +554,7 @@ class DilatedKVCache:
             state[j, :, h.q_start : h.q_stop, at] = run_lse.to(acc)
             outs[j, :, at, h.q_start : h.q_stop] = run_out.to(acc)
         total = torch.logsumexp(state, 0)
-        seen = torch.isfinite(total)
+        seen = torch.isneginf(total).logical_not()  # NaN and +inf stay: never "no key"
         weights = torch.where(seen, torch.exp(state - total.masked_fill(~seen, 0)), 0.0)
         merged = (outs * weights.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
         return merged.to(q.dtype), total.float().where(seen, lse)

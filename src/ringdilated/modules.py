@@ -108,8 +108,6 @@ class DilatedAttention(nn.Module):
             layout=layout,
             lse_needed=return_lse is True,
         )
-        if layout is not None and not torch.compiler.is_compiling():
-            layout.callers.add(id(self))  # its next call on this layout is not a first
         # None under torch.compile, where the op resolves in the graph; the same plan object in
         # steady state (nn.Module's __setattr__ costs microseconds: skip it then).
         if call is not None and call is not self.call:
@@ -123,14 +121,16 @@ class DilatedAttention(nn.Module):
         waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
         ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
         agreement on it, as the peers do). An error that came out of an agreement already
-        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is. On a ``layout`` this
-        module has made a call on already (not checked every call), its peers are taken to be in
-        a steady-state call, in no agreement: the error is raised at once, on this rank only
-        (its peers are released by the backend's timeout)."""
+        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is. On a ``layout`` that has
+        planned any call (not checked every call) the error is raised at once, on this rank only:
+        its peers may be in a planned call's data exchange, which an agreement here would pair
+        with (undefined results), or in a new signature's agreement, which the backend's
+        timeout then ends. Only on a layout that has planned nothing are the peers surely in
+        their first call's agreement."""
         steady = (
             isinstance(layout, SequenceLayout)
             and not layout.agree_every_call
-            and id(self) in layout.callers
+            and len(layout.plans) > 0
         )
         if self.process_group is not None and not agreed(error) and not steady:
             assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__

@@ -2,6 +2,7 @@
 the resolver and the single-process driver. Imports torch and attrs only, never a backend."""
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype, merge_partials
+from ringdilated.core.agreement import AgreementOnCudaWarning
 from ringdilated.core.capabilities import (
     Capabilities,
     Environment,
@@ -18,6 +19,7 @@ __all__ = [
     "KERNEL_ENV_VAR",
     "MODES",
     "Accumulator",
+    "AgreementOnCudaWarning",
     "Block",
     "BlockOptions",
     "Capabilities",

@@ -138,6 +138,18 @@ class AgreementOnCudaWarning(UserWarning):
 _warned_cuda = False
 
 
+def _has_cpu_backend(group: Layout) -> bool:
+    """Whether every group of the layout moves CPU tensors: any backend but NCCL alone
+    (``"nccl"``, ``"cuda:nccl"``; a ``"cpu:gloo,cuda:nccl"`` group does)."""
+    groups = (group.outer, group.inner) if isinstance(group, Grid) else (group,)
+    for g in groups:
+        name = str(dist.get_backend(g)).lower()
+        parts = [p.split(":")[-1] for p in name.split(",")]
+        if parts and all(p == "nccl" for p in parts):
+            return False
+    return True
+
+
 def _collective_device(group: Layout, device: object = None) -> torch.device:
     """Where an agreement's tensors go: the CPU wherever the group has a CPU backend (gloo,
     and a ``"cpu:gloo,cuda:nccl"`` group); an NCCL-only group moves CUDA tensors only, so there
@@ -145,7 +157,7 @@ def _collective_device(group: Layout, device: object = None) -> torch.device:
     synchronisation per agreement (at a layout's construction and each signature's first call).
     """
     global _warned_cuda
-    if grid.backend(group) == "nccl":
+    if not _has_cpu_backend(group):
         if not _warned_cuda:
             _warned_cuda = True
             warnings.warn(

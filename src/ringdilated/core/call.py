@@ -734,7 +734,9 @@ def plan_for(
     checked, on this rank), or made by :func:`prepare_call` (validated, and agreed on a process
     group) and kept there. ``arguments``: :class:`CallOptions`' fields as the caller passed
     them; ``resolver``: a resolver or a callable making one (a failure to make it is then
-    reported inside the agreement, on every rank); ``backward``: whether a backward will run
+    reported inside the agreement, on every rank), called every call: it should return the same
+    resolver while nothing changes (as :func:`~ringdilated.registry.default_resolver`, cached,
+    does), since plans are kept per resolver; ``backward``: whether a backward will run
     (default: grad mode and the inputs say)."""
     on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
     key = None

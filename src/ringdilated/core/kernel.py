@@ -207,6 +207,10 @@ def mark_non_finite_rows(
     (:meth:`BlockOptions.mark_empty_rows`)."""
     n, heads, q_len = q.shape[:3]
     kv_heads = k.shape[1]
+    if not (n and heads and kv_heads):  # nothing to mark (and no grouping to divide)
+        if options is not None:
+            options.mark_empty_rows(out, lse)
+        return
     if q_len and not _empty(q, (-1,)):
         poison = _poison((q,), (-1,))  # (N, H, Lq)
         if not _empty(k, (-2, -1)):
@@ -251,10 +255,10 @@ def mark_non_finite_problems(
     sees no key has exactly zero gradient, whatever it holds.)"""
     heads = q.shape[1]
     n, kv_heads = k.shape[:2]
-    group = heads // kv_heads
     dims = (-2, -1)
-    if _empty(dout, dims):
+    if not (n and heads and kv_heads) or _empty(dout, dims):
         return
+    group = heads // kv_heads
     per_head = _poison((dout,) if forward_marked else (dout, q), dims)  # (N, H)
     poison = per_head.view(n, kv_heads, group).sum(-1)  # (N, Hkv)
     if not forward_marked and not _empty(k, dims):

@@ -94,7 +94,6 @@ class _State:
     plans: _Plans = attrs.field(factory=_Plans)
     lengths: tuple[int, ...] | None = None
     positions: dict[tuple[torch.device, int], torch.Tensor] = attrs.field(factory=dict)
-    callers: set[int] = attrs.field(factory=set)
 
 
 @register
@@ -239,12 +238,6 @@ class SequenceLayout(OpaqueBase):
     def plans(self) -> _Plans:
         """The calls planned on this layout (see the module docstring)."""
         return self._state.plans
-
-    @property
-    def callers(self) -> set[int]:
-        """The ``id`` of every module that has made a call on this layout (a wrapping module's
-        failed check on a later call raises on its own rank: its peers are in no agreement)."""
-        return self._state.callers
 
     def bind(self, lengths: tuple[int, ...]) -> None:
         """Record the shard lengths a layout of equal shards learned at its first agreed call."""

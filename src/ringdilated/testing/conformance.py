@@ -448,6 +448,65 @@ def _check_non_finite_gradients(kernel: Kernel, case: KernelCase) -> None:
             case,
             (inherent,),
         )
+    _check_merged_non_finite(kernel, case)
+
+
+def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
+    """A block whose inputs are finite, handed a merged ``lse`` that another block made NaN or
+    ``+inf`` in one row (and ``out`` NaN there), as a sharded or ``longnet`` call hands it:
+    that row's ``dq`` and the ``dk`` and ``dv`` of the keys it sees must be non-finite, as the
+    exact math makes them (a merged lse is ``+inf`` only through a ``+inf`` score, whose softmax
+    row is NaN throughout, so every ``P`` of the row is NaN; a flash-style ``exp(s - lse) = 0``
+    is not), and every other problem's gradients must be what they are with the clean lse."""
+    q, k, v = case.tensors()
+    n, heads, q_len = q.shape[:3]
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    offset = case.causal_offset
+    first = 0 if offset is None else max(0, -offset)  # rows before it see no key
+    if first >= q_len or n == 0:
+        return
+    g = torch.Generator().manual_seed(case.seed + 5)
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64).to(q.dtype)
+    out, lse = kernel.forward(q, k, v, case.options())
+    pick = [int(torch.randint(0, x, (), generator=g)) for x in (n, heads)]
+    row = int(torch.randint(first, q_len, (), generator=g))
+    value = float("nan") if case.seed % 2 else float("inf")
+    bad_lse, bad_out = lse.clone(), out.clone()
+    bad_lse[pick[0], pick[1], row] = value
+    bad_out[pick[0], pick[1], row] = float("nan")
+    lay_out = case.lay_out
+    clean = kernel.backward(lay_out(dout), q, k, v, lay_out(out), lay_out(lse), case.options())
+    grads = kernel.backward(
+        lay_out(dout), q, k, v, lay_out(bad_out), lay_out(bad_lse), case.options()
+    )
+    kv = pick[1] // (heads // kv_heads)
+    seen = k_len if offset is None else min(k_len, row + offset + 1)
+    required = [
+        ("dq", grads[0][pick[0], pick[1], row]),
+        ("dk", grads[1][pick[0], kv, :seen]),
+        ("dv", grads[2][pick[0], kv, :seen]),
+    ]
+    for name, part in required:
+        if bool(torch.isfinite(part).any()):
+            raise ConformanceError(
+                "non-finite-gradients",
+                f"with a merged lse of {value} in row {row} of problem {pick[0]}, head "
+                f"{pick[1]} (finite inputs), {name} has finite entries where the exact math is "
+                f"non-finite: NaN or infinity was turned into finite numbers, for {case}",
+            )
+    for name, actual, reference in zip(("dq", "dk", "dv"), grads, clean, strict=True):
+        others = torch.ones(actual.shape[:2], dtype=torch.bool)
+        others[pick[0], pick[1] if name == "dq" else kv] = False
+        if name == "dq":  # the query heads that read the same key/value head are that problem
+            group = heads // kv_heads
+            others[pick[0], kv * group : (kv + 1) * group] = False
+        if not torch.equal(actual[others], reference[others]):
+            raise ConformanceError(
+                "non-finite-gradients",
+                f"a merged lse of {value} in row {row} of problem {pick[0]}, head {pick[1]} "
+                f"changed {name} of another problem (NaN or any value may not cross problems), "
+                f"for {case}",
+            )
 
 
 _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
