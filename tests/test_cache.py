@@ -570,7 +570,7 @@ def test_a_longnet_chunk_step_keeps_a_non_finite_lse_non_finite() -> None:
     k[0, 8, 1, 3] = float("nan")
     cache = DilatedKVCache([4, 8], [1, 2], num_heads=heads, mode="longnet")
     cache.attend(q[:, :7], k[:, :7], v[:, :7])
-    out, lse = cache.attend(q[:, 7:10], k[:, 7:10], v[:, 7:10], return_lse=True)
+    _, lse = cache.attend(q[:, 7:10], k[:, 7:10], v[:, 7:10], return_lse=True)
     _, expected = oracle(
         q[:, :10], k[:, :10], v[:, :10], [4, 8], [1, 2], mode="longnet", causal=True,
         return_lse=True,
