@@ -42,7 +42,8 @@ running the same schedule with a communicator that moves nothing ("compute only"
 returns (the sharding into head shares and back, and the kernel calls, are the same; the
 all-to-all's own concatenation and copy-out are skipped with it); for ``hybrid`` a
 ``HybridCommunicator`` holding that and the no-op ``ringpass``. Zeroed, not left unfilled:
-garbage holding a NaN would send the kernel to its exact dense path, a different computation.
+garbage holding a NaN would make the kernels' non-finite repair mark rows NaN, and their results
+would no longer be comparable.
 "In exchange": the time a rank spends inside ``RingPassCommunicator``,
 ``AllGatherCommunicator`` and ``UlyssesCommunicator``'s ``exchange`` and the wait on what they
 return (the methods are wrapped in the rank processes started here, nowhere else; ``hybrid``

@@ -143,6 +143,23 @@ def _planned(
     )
 
 
+def _gradients(
+    backward_op: Any,
+    ctx: Any,
+    dout: torch.Tensor | None,
+    dlse: torch.Tensor | None,
+    arguments: tuple[Any, ...],
+    others: int,
+) -> tuple[Any, ...]:
+    """An op's autograd backward: its backward op on the saved ``q, k, v, seed, out, lse`` and
+    ``arguments``, first-order only; ``None`` for the ``others`` non-tensor inputs."""
+    q, k, v, seed, out, lse = ctx.saved_tensors
+    grads = backward_op(
+        torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *arguments
+    )
+    return (*first_order_only(grads, (q, k, v)), *(None,) * others)
+
+
 def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
     """What the ops' gradients are: contiguous, whatever the strides of the input (a fake must
     give the real strides, or inductor's generated code asserts)."""
@@ -267,20 +284,7 @@ def _define_attention_ops() -> tuple[Any, Any]:
         ctx.params = params[:-1]  # all but ``backward``
 
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
-        q, k, v, seed, out, lse = ctx.saved_tensors
-        grads = attention_backward(
-            torch.zeros_like(out) if dout is None else dout,
-            dlse,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            seed,
-            *ctx.objects,
-            *ctx.params,
-        )
-        return (*first_order_only(grads, (q, k, v)), *(None,) * 15)
+        return _gradients(attention_backward, ctx, dout, dlse, (*ctx.objects, *ctx.params), 15)
 
     attention.register_autograd(backward, setup_context=setup)
     return attention, attention_backward
@@ -480,21 +484,8 @@ def _fake_backward(
 
 
 def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    q, k, v, seed, out, lse = ctx.saved_tensors
-    params = ctx.params[:-1]  # all but ``backward``
-    grads = dilated_attention_backward_op(
-        torch.zeros_like(out) if dout is None else dout,
-        dlse,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        seed,
-        *ctx.layout,
-        *params,
-    )
-    return (*first_order_only(grads, (q, k, v)), *(None,) * 11)
+    arguments = (*ctx.layout, *ctx.params[:-1])  # all params but ``backward``
+    return _gradients(dilated_attention_backward_op, ctx, dout, dlse, arguments, 11)
 
 
 dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
