@@ -4,11 +4,11 @@
     python benchmarks/bench_non_finite.py --rounds 3 --no-call
 
 The ``sdpa`` kernel always calls the op and then repairs its results on the device, with no host
-read (docs/spec.md, section 4; ``ringdilated.core.kernel``): forward, ``amax`` and ``amin`` of
-``q`` (per row), ``k`` and ``v`` (per problem) and one addition of 0 or NaN to ``out`` and
-``lse`` (``mark_non_finite_rows``); backward, a reduction of ``dout`` per problem, of the merged
-``lse`` per row (the forward's marks are in it; in a causal block a suffix sum finds the keys a
-NaN row sees) and three additions of 0 or NaN (``mark_non_finite_problems``).
+read (docs/spec.md, section 4; ``ringdilated.backends.sdpa``): forward, ``k^T @ 0`` per problem,
+``q @`` that, and one addition of 0 or NaN to ``out`` and ``lse``; backward, nothing beyond the
+one pass over the merged ``lse`` that the op needs anyway (``-inf`` to 0), which now also turns
+``+inf`` into NaN. The bare variant keeps the contract's parts (rows that see no key; the lse
+the op takes) and drops the rest.
 This times, on finite inputs, one thread:
 
 - ``kernel``: forward+backward of ``CpuFlashAttention`` on the very blocks the driver hands it
@@ -88,20 +88,17 @@ def _timed(step: Callable[[], None]) -> float:
 
 
 def _bare() -> Callable[[], None]:
-    """Replace the repair with no-ops; returns the undo."""
-    saved = sdpa.mark_non_finite_rows, sdpa.mark_non_finite_problems
+    """Replace the forward's repair with the contract's part alone; returns the undo. (The
+    backward's lse pass stays: the op needs ``-inf`` turned into 0 with or without the repair.)"""
+    saved = sdpa._mark_rows_seeing_non_finite
 
-    def rows(out, lse, q, k, v, options=None):  # type: ignore[no-untyped-def]
-        if options is not None:
-            options.mark_empty_rows(out, lse)  # the contract's part, not the repair's
+    def rows(out, lse, q, k, options):  # type: ignore[no-untyped-def]
+        options.mark_empty_rows(out, lse)  # the contract's part, not the repair's
 
-    def problems(*args, **kwargs):  # type: ignore[no-untyped-def]
-        return None
-
-    sdpa.mark_non_finite_rows, sdpa.mark_non_finite_problems = rows, problems  # type: ignore[assignment]
+    sdpa._mark_rows_seeing_non_finite = rows
 
     def undo() -> None:
-        sdpa.mark_non_finite_rows, sdpa.mark_non_finite_problems = saved
+        sdpa._mark_rows_seeing_non_finite = saved
 
     return undo
 

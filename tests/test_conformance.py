@@ -10,9 +10,9 @@ import torch
 
 from ringdilated.backends._memeff import finite_lse
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
-from ringdilated.backends.sdpa import _mask_args
+from ringdilated.backends.sdpa import CpuFlashAttention, _mask_args
 from ringdilated.core import KernelSpec, Target
-from ringdilated.core.kernel import mark_non_finite_problems, mark_non_finite_rows
+from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace
@@ -289,6 +289,82 @@ def test_the_raw_cpu_flash_op_turns_nan_into_numbers_and_the_kit_says_so(
         errors = getattr(info.value, "exceptions", (info.value,))
         assert all(isinstance(e, ConformanceError) and e.check == check for e in errors), errors
         assert all("turned into finite numbers" in str(e) for e in errors), errors
+
+
+def _dense64(q, k, v, scale, causal):  # type: ignore[no-untyped-def]
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v.double(), s.logsumexp(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    ("case", "length", "causal"),
+    [
+        # Fewer keys than a vector: the op's scalar maximum (std::max) drops NaN, and a row
+        # whose scores are all NaN is taken for fully masked: out = 0, lse = 0.
+        ("nan query row", 3, False),
+        ("every key nan", 3, False),
+        ("first key nan", 3, True),  # row 0 sees key 0 alone
+        ("infinite key", 16, False),  # bfloat16: exp gives a +inf score zero weight
+        ("infinite query", 16, True),  # float32 too: the row's visible scores all -inf or NaN
+    ],
+)
+def test_the_cpu_flash_repair_makes_non_finite_every_row_the_exact_math_does(
+    dtype: torch.dtype, case: str, length: int, causal: bool
+) -> None:
+    """The sdpa CPU path's own repair (not the general one), case by case: every row the exact
+    math makes non-finite is, problem 1 (finite inputs) stays exact, and so does every row of
+    problem 0 whose own query and problem's keys are finite."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, length, 8, generator=g).to(dtype) for _ in range(3))
+    corrupt = {
+        "nan query row": lambda: q[0, 1, 1].fill_(float("nan")),
+        "every key nan": lambda: k[0, 0].fill_(float("nan")),
+        "first key nan": lambda: k[0, 1, 0].fill_(float("nan")),
+        "infinite key": lambda: k[0, 0, 7, 2].fill_(float("inf")),
+        "infinite query": lambda: q[0, 0, 1, 2].fill_(float("inf")),
+    }
+    corrupt[case]()
+    options = BlockOptions(scale=0.35, causal_offset=0 if causal else None)
+    out, lse = CpuFlashAttention().forward(q, k, v, options)
+    expected, expected_lse = _dense64(q, k, v, 0.35, causal)
+    must = ~torch.isfinite(expected).all(-1)
+    assert must.any(), "the case makes some exact output non-finite"
+    assert not torch.isfinite(out[must]).all(-1).any(), "a row the exact math makes NaN is finite"
+    assert not torch.isfinite(lse[must]).any()
+    bad_q = ~torch.isfinite(q).all(-1)  # (N, H, L)
+    bad_k = ~torch.isfinite(k).flatten(-2).all(-1)  # (N, H)
+    clean = ~(bad_q | bad_k[..., None])
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
+    assert torch.allclose(out[clean].double(), expected[clean], atol=tolerance, rtol=0)
+    assert torch.allclose(lse[clean].double(), expected_lse[clean], atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("merged", [float("inf"), float("nan")])
+def test_the_cpu_flash_backward_spreads_a_merged_non_finite_lse_to_what_its_row_sees(
+    dtype: torch.dtype, merged: float
+) -> None:
+    """A merged lse of +inf (the op would give the row zero weight) or NaN, from another block:
+    that row's dq and the dk, dv of the keys it sees (causal: keys 0..row) are NaN; the other
+    problem's gradients are exact."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(2, 1, 16, 8, generator=g).to(dtype) for _ in range(4))
+    options = BlockOptions(scale=0.35, causal_offset=0)
+    kernel = CpuFlashAttention()
+    out, lse = kernel.forward(q, k, v, options)
+    lse = lse.clone()
+    lse[0, 0, 6] = merged
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, options)
+    assert dq[0, 0, 6].isnan().all()
+    assert dk[0, 0, :7].isnan().all(-1).all() and dv[0, 0, :7].isnan().all(-1).all()
+    exact = [x[1:].double().requires_grad_() for x in (q, k, v)]
+    grads = torch.autograd.grad((_dense64(*exact, 0.35, True)[0] * dout[1:].double()).sum(), exact)
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
+    for got, want in zip((dq, dk, dv), grads, strict=True):
+        assert torch.allclose(got[1:].double(), want, atol=tolerance, rtol=0)
 
 
 class NanToNumbers(ReferenceKernel):

@@ -12,23 +12,32 @@
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
 
-Non-finite inputs (docs/spec.md, section 4). Both ops are always called; neither is exact for NaN
-or infinity, so their results are repaired on the device, with no host read
-(:func:`~ringdilated.core.kernel.mark_non_finite_rows` and
-:func:`~ringdilated.core.kernel.mark_non_finite_problems`): a row whose query holds NaN or
-infinity, and every row of a problem whose ``k`` or ``v`` does, is made NaN in ``out`` and
-``lse``; in backward, every gradient of a problem whose ``dout`` does or whose merged ``lse`` is
-NaN or ``+inf`` in some row (the forward's marks travel in the lse). Measured on torch
-2.13 (CPU op): with an infinity in ``k`` or ``q``, bfloat16 rows whose exact output is NaN come
-back as zeros (the op's running maximum and ``exp`` approximation); in float32 and bfloat16 the
-backward returns finite ``dv`` (and, under the causal mask, ``dk``) where the exact gradient is
-NaN, because rows with ``lse = +inf`` get zero weight; and a row whose visible scores are all
-``-inf`` is treated as fully masked (``out = 0``, ``lse = 0``; the op's source). The
-memory-efficient CUDA kernel zeroes such a row too (``s_prime == 0`` in torch's
-``epilogue_rescale_output.h``). The repair costs a reduction of ``q``, ``k``, ``v`` and one pass
-over ``out`` (forward), a reduction of ``dout`` and of the lse and three additions (backward):
-+4% to +7% of a whole call at L = 65536, about 25 us a kernel call on tiny blocks
-(benchmarks/bench_non_finite.py, benchmarks/bench_overhead.py, docs/benchmarks.md).
+Non-finite inputs (docs/spec.md, section 4). Neither op is exact for NaN or infinity, so their
+results are repaired on the device, with no host read, each path by what its op gets wrong:
+
+- The CPU flash op (torch 2.13, ``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``) keeps a
+  running row maximum with ``std::max``, which drops NaN: a row whose visible scores are all NaN
+  or ``-inf`` is taken for fully masked (``out = 0``, ``lse = 0``); and in bfloat16 its ``exp``
+  approximation gives a ``+inf`` score zero weight (``lse = +inf``, a finite ``out``). Every
+  other non-finite input reaches its rows through the op's own arithmetic (``v`` through
+  ``P @ v``, where ``0 * inf`` is NaN even at zero weight; a row with some finite scores through
+  ``exp(NaN - max)``). Both failures need a non-finite query row or a non-finite key in the
+  problem, so the forward adds to ``out`` and ``lse`` a sum of ``q - q`` over the row and of
+  ``k - k`` over the problem: 0 where they are finite, NaN in the query's own row or the whole
+  problem otherwise, as the rule allows (:func:`_mark_rows_seeing_non_finite`; ``v`` is not
+  read). The op's backward recomputes ``P = exp(s - lse)`` for every row and key it visits, so
+  handing it NaN for a merged ``lse`` that is NaN or ``+inf`` (``+inf`` would give zero weight
+  and finite gradients) spreads the NaN to that row's ``dq`` and to the ``dk``, ``dv`` of the
+  keys it sees; a non-finite ``dout`` spreads by the same arithmetic. That is the backward's
+  whole repair (:func:`_cpu_lse`, the one pass over the lse the op needs anyway).
+- The memory-efficient CUDA kernel zeroes such rows too (``s_prime == 0`` in torch's
+  ``epilogue_rescale_output.h``); not yet run on hardware, it keeps the general repair
+  (:func:`~ringdilated.core.kernel.mark_non_finite_rows`,
+  :func:`~ringdilated.core.kernel.mark_non_finite_problems`).
+
+The conformance kit's ``non-finite`` and ``non-finite-gradients`` checks hold both paths to the
+rule; the cost of the repair is measured by ``benchmarks/bench_non_finite.py`` and
+``benchmarks/bench_overhead.py`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import torch
 
 from ringdilated.backends import _dense
 from ringdilated.backends._heads import repeat_kv, sum_kv
-from ringdilated.backends._memeff import finite_lse, packed_bmhk, padded_bias, padded_lse
+from ringdilated.backends._memeff import packed_bmhk, padded_bias, padded_lse
 from ringdilated.core.accumulator import accumulation_dtype
 from ringdilated.core.capabilities import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, Target
 from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
@@ -49,6 +58,7 @@ __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
 _aten = torch.ops.aten
 _NEG_INF = float("-inf")
+_NAN = float("nan")
 
 
 def _additive_mask(
@@ -73,6 +83,40 @@ def _mask_args(
     return False, _additive_mask(q_len, k_len, options.causal_offset, q.dtype, q.device)
 
 
+def _mark_rows_seeing_non_finite(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    options: BlockOptions,
+) -> None:
+    """The CPU flash op's forward repair (module docstring), in place: ``x - x`` is 0 for a
+    finite ``x`` and NaN otherwise, and a sum of zeros is exact, so ``(q - q)`` summed over each
+    row plus ``(k - k)`` summed over the problem is 0 or NaN per row; it is added to ``out`` and
+    ``lse``. Then the rows that see no key get ``out = 0``, ``lse = -inf`` again. (A matmul by
+    zeros would do it in fewer passes, but torch 2.13's bfloat16 CPU matmul was seen to turn a
+    finite row next to a NaN row into NaN: the conformance kit found it.)"""
+    heads, kv_heads, k_len = q.shape[1], k.shape[1], k.shape[-2]
+    if out.numel() and k_len:
+        rows = (q - q).sum(-1, keepdim=True)  # (N, H, Lq, 1): 0, or NaN for a non-finite q row
+        problems = (k - k).sum((-2, -1), keepdim=True)  # (N, Hkv, 1, 1)
+        if kv_heads == heads:
+            poison = rows.add_(problems)
+        else:  # query head h reads key/value head h // (heads // kv_heads)
+            grouped = rows.view(rows.shape[0], kv_heads, heads // kv_heads, *rows.shape[2:])
+            poison = grouped.add_(problems.unsqueeze(2)).flatten(1, 2)
+        out.add_(poison)
+        lse.add_(poison.squeeze(-1))
+    options.mark_empty_rows(out, lse)
+
+
+def _cpu_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The merged ``lse`` as the CPU backward op takes it: ``-inf`` (a row that sees no key)
+    becomes 0, the op's own value for it (``P = exp(-inf - 0) = 0``); ``+inf`` becomes NaN, so the
+    row's gradients come out NaN rather than zero-weighted; NaN stays NaN."""
+    return lse.to(dtype).nan_to_num(nan=_NAN, posinf=_NAN, neginf=0.0)
+
+
 class CpuFlashAttention:
     """The CPU path: PyTorch's flash attention for CPU, through its aten ops."""
 
@@ -83,7 +127,7 @@ class CpuFlashAttention:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
-        mark_non_finite_rows(out, lse, q, k, v, options)
+        _mark_rows_seeing_non_finite(out, lse, q, k, options)
         return out, lse
 
     def backward(
@@ -103,14 +147,11 @@ class CpuFlashAttention:
             k,
             v,
             out,
-            finite_lse(lse, accumulation_dtype(q.dtype)),
+            _cpu_lse(lse, accumulation_dtype(q.dtype)),
             0.0,
             is_causal,
             attn_mask=mask,
             scale=options.scale,
-        )
-        mark_non_finite_problems(
-            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
 

@@ -25,8 +25,9 @@ ran before.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -203,6 +204,110 @@ class _Step:
         return attrs.evolve(self.options, dropout_seed=derive_seed(seed, self.index))
 
 
+#: A kernel call fuses steps of one shape while their queries hold at most this many elements
+#: together: below it, copying the steps' views into one call's inputs costs less than the
+#: calls it saves (each a kernel launch, its non-finite repair and the driver's Python); above
+#: it, each step reads its views in place.
+FUSE_ELEMENTS = 1 << 15
+
+
+@attrs.frozen
+class _KernelCall:
+    """One kernel call: a single step, reading and writing its views in place, or several small
+    steps of one shape (every size but ``N``) and the same options, without dropout, gathered
+    along ``N`` into one call's inputs (``sizes``: each step's ``N``). A fused call gathers with
+    one ``take`` per tensor and copies results back with one ``put_``, through index tensors of
+    the steps' storage offsets built once per device on first use (no host data is copied)."""
+
+    steps: tuple[_Step, ...]
+    sizes: tuple[int, ...]
+    _indices: dict[tuple[object, torch.device], tuple[torch.Tensor, int]] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
+
+    def gather(self, x: torch.Tensor, side: Callable[[_Step], StridedView]) -> torch.Tensor:
+        """The call's input read from ``x`` through each step's ``side`` view (:data:`_Q`, ...)."""
+        if len(self.steps) == 1:
+            return side(self.steps[0]).of(x)
+        index, extent = self._index(side, x.device)
+        return _flat(x, extent).take(index)
+
+    def write(
+        self, target: torch.Tensor, side: Callable[[_Step], StridedView], value: torch.Tensor
+    ) -> None:
+        """Copy the call's result ``value`` into ``target`` through each step's ``side`` view
+        (converting its dtype, as ``copy_`` does)."""
+        if len(self.steps) == 1:
+            side(self.steps[0]).of(target).copy_(value)
+            return
+        index, extent = self._index(side, target.device)
+        _flat(target, extent).put_(index, value.to(target.dtype))
+
+    def split(self, *results: torch.Tensor) -> Iterable[tuple[Any, ...]]:
+        """``(step, its part of each of results...)`` for each step: for results added into
+        their targets step by step (in a fixed order: a ``put_`` that accumulates is not)."""
+        if len(self.steps) == 1:
+            return ((self.steps[0], *results),)
+        sizes = list(self.sizes)
+        return zip(self.steps, *(r.split_with_sizes(sizes) for r in results), strict=True)
+
+    def _index(
+        self, side: Callable[[_Step], StridedView], device: torch.device
+    ) -> tuple[torch.Tensor, int]:
+        """The storage offsets the steps' ``side`` views read, in the call's order, and how many
+        elements from the tensor's own offset they span."""
+        found = self._indices.get((side, device))
+        if found is None:
+            views = [side(step) for step in self.steps]
+            extent = 1 + max(
+                v.offset + sum((n - 1) * s for n, s in zip(v.size, v.stride, strict=True))
+                for v in views
+            )
+            positions = torch.arange(max(extent, 0), device=device)
+            index = torch.cat([positions.as_strided(v.size, v.stride, v.offset) for v in views])
+            found = self._indices[side, device] = (index, extent)
+        return found
+
+
+def _flat(x: torch.Tensor, extent: int) -> torch.Tensor:
+    """``x``'s storage from its first element as a 1-D view of ``extent`` elements, for ``take``
+    and ``put_`` with storage offsets; ``x`` itself when contiguous (those ops index a tensor in
+    its logical order, which is then the storage order)."""
+    if x.is_contiguous():
+        return x
+    return x.as_strided((extent,), (1,), x.storage_offset())
+
+
+_Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse", "kv_grad"))
+
+
+def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_KernelCall]:
+    """``steps`` as kernel calls: steps of one shape and options without dropout share a call
+    while their queries total at most :data:`FUSE_ELEMENTS` elements and their problems fit the
+    kernel's batch ``limit``; the others run alone. Calls keep the order of their first steps."""
+    open_calls: dict[object, list[_Step]] = {}
+    groups: list[list[_Step]] = []
+    for step in steps:
+        n = step.q.size[0]
+        elements = math.prod(step.q.size)
+        if step.options.dropout_p > 0.0 or elements > FUSE_ELEMENTS // 2:
+            groups.append([step])
+            continue
+        key = (step.q.size[1:], step.k.size[1:], step.v.size[1:], step.options)
+        group = open_calls.get(key)
+        if group is not None:
+            total = sum(math.prod(s.q.size) for s in group) + elements
+            problems = sum(s.q.size[0] for s in group) + n
+            most = limit.per_call(step.k.size[1])
+            if total <= FUSE_ELEMENTS and (most is None or problems <= most):
+                group.append(step)
+                continue
+        group = open_calls[key] = [step]
+        groups.append(group)
+    for group in groups:
+        yield _KernelCall(tuple(group), tuple(step.q.size[0] for step in group))
+
+
 _Geometry = tuple[object, ...]
 
 
@@ -247,14 +352,16 @@ class Run:
         """Every row's blocks."""
         return tuple(block for rows in self.rows for block in rows.blocks)
 
-    def steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[_Step, ...]:
+    def calls(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[_KernelCall, ...]:
         """Every kernel call of the plan for these tensors, in a fixed order (backward replays
-        it). ``q`` must be contiguous; ``k`` and ``v`` may have any strides whose last is 1."""
+        it): its steps, small ones of one shape fused (:func:`_kernel_calls`). ``q`` must be
+        contiguous; ``k`` and ``v`` may have any strides whose last is 1."""
         geometry = (q.shape, k.shape, k.stride(), v.stride())
-        steps = self._steps.get(geometry)
-        if steps is None:
-            steps = self._steps[geometry] = tuple(self._make_steps(q, k, v))
-        return steps  # type: ignore[return-value]
+        calls = self._steps.get(geometry)
+        if calls is None:
+            steps = tuple(self._make_steps(q, k, v))
+            calls = self._steps[geometry] = tuple(_kernel_calls(steps, self.batch_limit))
+        return calls  # type: ignore[return-value]
 
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
         B, Lq, H, D = q.shape
@@ -334,37 +441,35 @@ class Run:
         keep_state: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
-        ``q`` is contiguous (see :meth:`steps`)."""
+        ``q`` is contiguous (see :meth:`calls`)."""
         B, Lq, H, _ = q.shape
         acc = accumulation_dtype(q.dtype)
-        steps = self.steps(q, k, v)
         kernel, seed = self.kernel, call.seed
-        dropout = self.dropout_p > 0.0
-        qo, ko, vo = q.storage_offset(), k.storage_offset(), v.storage_offset()
+        # Each (position, head) is one block's when exclusive: results are copied, the lse only
+        # if read; otherwise partial results are merged in float32/64.
         if self.exclusive:
-            # Each (position, head) is one block's: results are copied, the lse only if read.
             lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed else None
             out = self._result_buffer(q, q.dtype, exclusive=self.covers_queries)
-            for step in steps:
-                sq, sk, sv, sl = step.q, step.k, step.v, step.lse
-                out_b, lse_b = kernel.forward(
-                    q.as_strided(sq.size, sq.stride, qo + sq.offset),
-                    k.as_strided(sk.size, sk.stride, ko + sk.offset),
-                    v.as_strided(sv.size, sv.stride, vo + sv.offset),
-                    step.seeded(seed) if dropout else step.options,
-                )
-                out.as_strided(sq.size, sq.stride, sq.offset).copy_(out_b)
-                if lse is not None:
-                    lse.as_strided(sl.size, sl.stride, sl.offset).copy_(lse_b)
-            return out, lse  # type: ignore[return-value]
-        lse = lse_buffer(B, H, Lq, acc, q.device)
-        state = torch.zeros(q.shape, dtype=acc, device=q.device)
-        for step in steps:
-            out_b, lse_b = kernel.forward(
-                step.q.of(q), step.k.of(k), step.v.of(v), step.seeded(seed)
+        else:
+            lse = lse_buffer(B, H, Lq, acc, q.device)
+            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        for kernel_call in self.calls(q, k, v):
+            out_c, lse_c = kernel.forward(
+                kernel_call.gather(q, _Q),
+                kernel_call.gather(k, _K),
+                kernel_call.gather(v, _V),
+                kernel_call.steps[0].seeded(seed),
             )
-            Accumulator.add(step.q.of(state), step.lse.of(lse), out_b, lse_b)
-        return (state if keep_state else state.to(q.dtype)), lse
+            if self.exclusive:
+                kernel_call.write(out, _Q, out_c)
+                if lse is not None:
+                    kernel_call.write(lse, _LSE, lse_c)
+            else:
+                for step, out_b, lse_b in kernel_call.split(out_c, lse_c):
+                    Accumulator.add(step.q.of(out), step.lse.of(lse), out_b, lse_b)
+        if self.exclusive:
+            return out, lse  # type: ignore[return-value]
+        return (out if keep_state else out.to(q.dtype)), lse  # type: ignore[return-value]
 
     def _result_buffer(
         self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
@@ -410,20 +515,35 @@ class Run:
 
         dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
         kernel, seed = self.kernel, call.seed
-        for step in self.steps(q, k, v):
-            options = step.seeded(seed)
-            qc, kc, vc = step.q.of(q), step.k.of(k), step.v.of(v)
-            lse_c = step.lse.of(lse)
-            dq_b, dk_b, dv_b = kernel.backward(
-                step.q.of(dout), qc, kc, vc, step.q.of(out), lse_c, options
+        for kernel_call in self.calls(q, k, v):
+            options = kernel_call.steps[0].seeded(seed)
+            qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
+            lse_c = kernel_call.gather(lse, _LSE)
+            grads = kernel.backward(
+                kernel_call.gather(dout, _Q),
+                qc,
+                kc,
+                vc,
+                kernel_call.gather(out, _Q),
+                lse_c,
+                options,
             )
-            _write(step.q.of(dq), dq_b, self.exclusive)
-            _write(step.kv_grad.of(dk), dk_b, kv_once)
-            _write(step.kv_grad.of(dv), dv_b, kv_once)
+            for target, side, grad, once in (
+                (dq, _Q, grads[0], self.exclusive),
+                (dk, _KV_GRAD, grads[1], kv_once),
+                (dv, _KV_GRAD, grads[2], kv_once),
+            ):
+                if once:
+                    kernel_call.write(target, side, grad)
+                else:
+                    for step, part in kernel_call.split(grad):
+                        side(step).of(target).add_(part)
             if dlse is not None:
-                dq_l, dk_l = lse_gradient(kernel, options, step.lse.of(dlse), qc, kc, vc, lse_c)
-                step.q.of(dq).add_(dq_l)
-                step.kv_grad.of(dk).add_(dk_l)
+                dlse_c = kernel_call.gather(dlse, _LSE)
+                lse_grads = lse_gradient(kernel, options, dlse_c, qc, kc, vc, lse_c)
+                for step, dq_l, dk_l in kernel_call.split(*lse_grads):
+                    step.q.of(dq).add_(dq_l)
+                    step.kv_grad.of(dk).add_(dk_l)
         if not cast:
             return dq, dk, dv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -465,13 +585,6 @@ def _kv_exclusive(blocks: tuple[Block, ...]) -> bool:
         for block in blocks
         for h in range(block.heads.kv_start, block.heads.kv_stop)
     )
-
-
-def _write(target: torch.Tensor, value: torch.Tensor, once: bool) -> None:
-    if once:
-        target.copy_(value)
-    else:
-        target.add_(value)
 
 
 def lse_gradient(

@@ -36,7 +36,8 @@ flash-style kernels treat a row whose scores are all ``-inf`` as fully masked an
 and PyTorch's CPU flash op returns zeros or finite gradients for some rows holding infinity.
 :func:`mark_non_finite_rows` (forward) and :func:`mark_non_finite_problems` (backward) repair
 any kernel's results in place with a few reductions over its inputs, no host read: the
-conservative remedy the rule allows, and the one every built-in fused kernel applies. The
+conservative remedy the rule allows, which the built-in fused kernels apply (a kernel that knows
+its op's failures may repair less: ``sdpa``'s CPU path, ``ringdilated.backends.sdpa``). The
 conformance kit's ``non-finite`` and ``non-finite-gradients`` checks hold every kernel to the
 rule.
 
@@ -249,8 +250,8 @@ def mark_non_finite_problems(
       is ``+inf`` by zero, turning its NaN into finite gradients.
 
     ``forward_marked=True`` when the lse comes from forwards that applied
-    :func:`mark_non_finite_rows` (all the built-in kernels): every row that sees keys of a
-    problem with a non-finite ``q`` row, ``k`` or ``v`` then has a NaN lse already, so only
+    :func:`mark_non_finite_rows` (as the built-in fused kernels do): every row that sees keys of
+    a problem with a non-finite ``q`` row, ``k`` or ``v`` then has a NaN lse already, so only
     ``dout`` and ``lse`` are read, not ``q``, ``k``, ``v`` again. (A problem whose every row
     sees no key has exactly zero gradient, whatever it holds.)"""
     heads = q.shape[1]
