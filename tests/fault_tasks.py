@@ -566,3 +566,77 @@ def layered_module_fault(payload: dict[str, Any]) -> dict[str, Any]:
     result["seconds"] = time.monotonic() - start
     result["controls"] = counts.control_collectives
     return result
+
+
+def nccl_only_group(payload: dict[str, Any]) -> dict[str, Any]:
+    """With every group taken for an NCCL-only one (``agreement._has_cpu_backend`` says no),
+    builds a layout on WORLD (``payload['grid']``: on a 2 x 2 mesh), calls on it twice, then
+    makes a call that rank 1 passes with ``causal=True``. Reports the groups made, which group
+    each collective ran on (the agreements' int64 flags and pickled reports, the data's float64
+    pieces), the output's largest difference from the one-process call, and the failing call's
+    message."""
+    import ringdilated
+    from ringdilated.core import agreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(3, 1, 8 * world, 4, 8, generator=g, dtype=torch.float64)
+    q, k, v = (x[:, 8 * rank : 8 * (rank + 1)].contiguous() for x in full)
+    segments = [8 * world]
+    group: Any = dist.group.WORLD
+    if payload.get("grid"):  # a 2 x 2 mesh: the hybrid communicator, one twin per dimension
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+        group = (mesh, ("ring", "ulysses"))
+    made: list[object] = []
+    used: list[tuple[str, str, str]] = []  # (collective, dtype, "twin" or "caller's")
+    names = ("all_gather", "all_gather_object", "all_to_all_single", "batch_isend_irecv")
+    real = {name: getattr(dist, name) for name in (*names, "new_group")}
+    real_has_cpu = agreement._has_cpu_backend
+
+    def recording(name: str) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            items = [a for a in args if isinstance(a, torch.Tensor)]
+            items += [t for a in args if isinstance(a, list) for t in a]
+            if items and isinstance(items[0], dist.P2POp):  # batch_isend_irecv
+                group, items = items[0].group, [items[0].tensor]
+            first = items[0] if items else None
+            dtype = str(first.dtype) if isinstance(first, torch.Tensor) else ""
+            where = "twin" if group in agreement._cpu_twins.values() else "caller's"
+            used.append((name, dtype, where))
+            return real[name](*args, **kwargs)
+
+        return collective
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        made.append((kwargs.get("backend"), kwargs.get("use_local_synchronization")))
+        return real["new_group"](*args, **kwargs)
+
+    result: dict[str, Any] = {}
+    agreement._cpu_twins.clear()
+    try:
+        for name in names:
+            setattr(dist, name, recording(name))
+        dist.new_group = new_group  # type: ignore[assignment]
+        agreement._has_cpu_backend = lambda group: False  # type: ignore[assignment]
+        layout = ringdilated.SequenceLayout(process_group=group)
+        for _ in range(2):
+            out = ringdilated.dilated_attention(q, k, v, segments, [1], layout=layout)
+        whole = ringdilated.dilated_attention(*full, segments, [1])
+        result["error"] = float((out - whole[:, 8 * rank : 8 * (rank + 1)]).abs().max())
+        try:
+            ringdilated.dilated_attention(
+                q, k, v, segments, [1], causal=rank == 1, process_group=group
+            )
+        except ValueError as exc:
+            result["message"] = str(exc)
+    finally:
+        for name, function in real.items():
+            setattr(dist, name, function)
+        agreement._has_cpu_backend = real_has_cpu  # type: ignore[assignment]
+        agreement._cpu_twins.clear()
+    result["made"] = made
+    result["used"] = used
+    return result

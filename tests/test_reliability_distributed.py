@@ -332,24 +332,38 @@ def test_the_agree_every_call_variable_is_read_strictly(
             assert result["agree_every_call"] is expected, result
 
 
-def test_agreements_move_cpu_tensors_unless_the_group_is_nccl_only(
+def test_a_group_moves_cpu_tensors_unless_its_backend_is_nccl_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A group with a CPU backend agrees on the CPU; an NCCL-only one ("nccl" or
-    "cuda:nccl") on the call's CUDA device, with one AgreementOnCudaWarning."""
     import torch.distributed as dist
 
-    from ringdilated.core import AgreementOnCudaWarning, agreement
+    from ringdilated.core import agreement
 
     backends = {"a": "gloo", "b": "cpu:gloo,cuda:nccl", "c": "nccl", "d": "cuda:nccl"}
     monkeypatch.setattr(dist, "get_backend", lambda group: backends[group])
-    monkeypatch.setattr(agreement, "_warned_cuda", False)
-    cuda = torch.device("cuda", 0)
-    assert agreement._collective_device("a", cuda) == torch.device("cpu")  # type: ignore[arg-type]
-    assert agreement._collective_device("b", cuda) == torch.device("cpu")  # type: ignore[arg-type]
-    with pytest.warns(AgreementOnCudaWarning, match="cpu:gloo,cuda:nccl"):
-        assert agreement._collective_device("c", cuda) == cuda  # type: ignore[arg-type]
-    assert agreement._collective_device("d", cuda) == cuda  # type: ignore[arg-type]  (once)
+    assert [agreement._has_cpu_backend(g) for g in "abcd"] == [True, True, False, False]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_on_an_nccl_only_group_the_agreements_run_on_a_gloo_group_made_once(
+    workers2: Workers, workers4: Workers, grid: bool
+) -> None:
+    """Item 3 of issue 20: never agree on a CUDA tensor. The layout's agreement, the first
+    call's and a failing call's run on a gloo group of the same ranks, made once by those ranks
+    alone (on a grid, one per dimension); the data exchange stays on the caller's groups;
+    results are exact."""
+    workers = workers4 if grid else workers2
+    results = workers.results(f"{TASKS}:nccl_only_group", {"grid": grid})
+    for rank, result in enumerate(results):
+        assert result["made"] == [("gloo", True)] * (2 if grid else 1), result["made"]
+        flags = [u for u in result["used"] if u[0] == "all_gather" and u[1] == "torch.int64"]
+        reports = [u for u in result["used"] if u[0] == "all_gather_object"]
+        data = [u for u in result["used"] if u[1] == "torch.float64"]
+        assert flags and reports and data, result["used"]
+        assert {u[2] for u in flags + reports} == {"twin"}, result["used"]
+        assert {u[2] for u in data} == {"caller's"}, result["used"]
+        assert result["error"] < 1e-12, result
+        assert "causal" in result["message"], (rank, result)
 
 
 def test_a_module_check_on_a_planned_layout_raises_at_once_joining_no_agreement(

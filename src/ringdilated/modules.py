@@ -115,12 +115,11 @@ class DilatedAttention(nn.Module):
         return (out, lse) if return_lse else out
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def reject(self, error: Exception, device: object = None, layout: object = None) -> NoReturn:
+    def reject(self, error: Exception, layout: object = None) -> NoReturn:
         """Raise ``error``, a check made before this module's call (a wrapping module's), such
         that on a process group every rank raises: the peers, which passed their checks, are
         waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
-        ``ValueError`` naming this rank's error. ``device``: the call's device (NCCL runs the
-        agreement on it, as the peers do). An error that came out of an agreement already
+        ``ValueError`` naming this rank's error. An error that came out of an agreement already
         (:func:`~ringdilated.core.agreement.agreed`) is raised as it is. On a ``layout`` that has
         planned any call (not checked every call) the error is raised at once, on this rank only:
         its peers may be in a planned call's data exchange, which an agreement here would pair
@@ -134,7 +133,7 @@ class DilatedAttention(nn.Module):
         )
         if self.process_group is not None and not agreed(error) and not steady:
             assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__
-            agree(self.process_group, error, None, device=device)
+            agree(self.process_group, error, None)
         raise error
 
     def explain(self) -> str:

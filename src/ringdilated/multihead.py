@@ -220,7 +220,7 @@ class MultiheadDilatedAttention(nn.Module):
             # Anything that fails before the attention's own agreement (these checks, or the
             # projections: an input on another device than the weights, a hook) must reach every
             # rank: the peers are waiting in that agreement.
-            self.attention.reject(error, getattr(query, "device", None), layout)
+            self.attention.reject(error, layout)
         if cache is not None:
             out = cache.attend(q, k, v, key_padding_mask=key_padding_mask)
             assert isinstance(out, torch.Tensor)
@@ -306,7 +306,7 @@ class MultiheadDilatedAttention(nn.Module):
         start, total = 0, length
         if group is not None:  # where this rank's shard starts: shards may differ in length
             assert isinstance(group, (dist.ProcessGroup, Grid))
-            lengths = shard_lengths(group, length, q.device)
+            lengths = shard_lengths(group, length)
             rank = grid.rank(group)
             start, total = sum(lengths[:rank]), sum(lengths)
         documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)

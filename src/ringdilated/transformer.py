@@ -132,7 +132,7 @@ class DilatedTransformerBlock(nn.Module):
             h = self.attn_norm(x)
         except Exception as error:
             # Before the attention's agreement: on a process group, every rank raises.
-            self.attn.attention.reject(error, getattr(x, "device", None), layout)
+            self.attn.attention.reject(error, layout)
         attended = self.attn(
             h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache, layout=layout
         )[0]

@@ -2,7 +2,6 @@
 the resolver and the single-process driver. Imports torch and attrs only, never a backend."""
 
 from ringdilated.core.accumulator import Accumulator, accumulation_dtype, merge_partials
-from ringdilated.core.agreement import AgreementOnCudaWarning
 from ringdilated.core.capabilities import (
     Capabilities,
     Environment,
@@ -19,7 +18,6 @@ __all__ = [
     "KERNEL_ENV_VAR",
     "MODES",
     "Accumulator",
-    "AgreementOnCudaWarning",
     "Block",
     "BlockOptions",
     "Capabilities",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import warnings
 from typing import cast
 
 import attrs
@@ -40,12 +39,12 @@ Layout = dist.ProcessGroup | Grid
 """A process group, or a 2-D :class:`~ringdilated.core.grid.Grid` of two."""
 
 __all__ = [
-    "AgreementOnCudaWarning",
     "CallSignature",
     "LayoutSignature",
     "agree",
     "agreed",
     "compare_reports",
+    "control_layout",
     "gather_flags",
     "safe_repr",
     "safe_str",
@@ -131,64 +130,67 @@ class LayoutSignature(_Fields):
     agree_every_call: str
 
 
-class AgreementOnCudaWarning(UserWarning):
-    """An agreement runs on a CUDA tensor: the group has NCCL only (no CPU backend)."""
+def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    """Whether the group moves CPU tensors: any backend but NCCL alone (``"nccl"``,
+    ``"cuda:nccl"``; a ``"cpu:gloo,cuda:nccl"`` group does)."""
+    name = str(dist.get_backend(group)).lower()
+    parts = [p.split(":")[-1] for p in name.split(",")]
+    return not (parts and all(p == "nccl" for p in parts))
 
 
-_warned_cuda = False
+_cpu_twins: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
-def _has_cpu_backend(group: Layout) -> bool:
-    """Whether every group of the layout moves CPU tensors: any backend but NCCL alone
-    (``"nccl"``, ``"cuda:nccl"``; a ``"cpu:gloo,cuda:nccl"`` group does)."""
-    groups = (group.outer, group.inner) if isinstance(group, Grid) else (group,)
-    for g in groups:
-        name = str(dist.get_backend(g)).lower()
-        parts = [p.split(":")[-1] for p in name.split(",")]
-        if parts and all(p == "nccl" for p in parts):
-            return False
-    return True
-
-
-def _collective_device(group: Layout, device: object = None) -> torch.device:
-    """Where an agreement's tensors go: the CPU wherever the group has a CPU backend (gloo,
-    and a ``"cpu:gloo,cuda:nccl"`` group); an NCCL-only group moves CUDA tensors only, so there
-    the call's own CUDA device (else the current one), with a warning, once: that is one
-    synchronisation per agreement (at a layout's construction and each signature's first call).
-    """
-    global _warned_cuda
-    if not _has_cpu_backend(group):
-        if not _warned_cuda:
-            _warned_cuda = True
-            warnings.warn(
-                "ringdilated's agreements run on CUDA tensors on this NCCL-only process group "
-                "(one device synchronisation each: when a SequenceLayout is built and at each "
-                "call signature's first call); init_process_group(backend='cpu:gloo,cuda:nccl') "
-                "runs them on the CPU",
-                AgreementOnCudaWarning,
-                stacklevel=4,
+def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the
+    same ranks, made at the first agreement on it (the group's ranks reach that together) and
+    kept. ``use_local_synchronization``: only the group's own ranks take part in making it, so
+    the independent groups of a mesh make theirs whenever each reaches its first agreement."""
+    if _has_cpu_backend(group):
+        return group
+    twin = _cpu_twins.get(group)
+    if twin is None:
+        ranks = dist.get_process_group_ranks(group)
+        made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup)
+        if dist.get_process_group_ranks(made) != ranks:  # torch orders a new group's ranks
+            raise ValueError(
+                f"ringdilated needs a gloo group beside the NCCL-only group of ranks {ranks} "
+                f"for its agreements, and torch gave ranks {dist.get_process_group_ranks(made)}"
+                ": build the group with its ranks in increasing order, or with "
+                "backend='cpu:gloo,cuda:nccl'"
             )
-        if isinstance(device, torch.device) and device.type == "cuda":
-            return device
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        twin = _cpu_twins[group] = made
+    return twin
+
+
+def control_layout(layout: Layout) -> Layout:
+    """Where an agreement's collectives run: on the CPU, always. A group with a CPU backend
+    (gloo, or ``"cpu:gloo,cuda:nccl"``) runs them itself; an NCCL-only group through a gloo
+    group of the same ranks made once (:func:`_cpu_group`; a grid's inner group first, then its
+    outer, on every rank alike). So no agreement moves a CUDA tensor or waits on the device."""
+    if isinstance(layout, Grid):
+        inner = _cpu_group(layout.inner)
+        return Grid(outer=_cpu_group(layout.outer), inner=inner)
+    return _cpu_group(layout)
 
 
 def gather_flags(
-    group: Layout, failed: bool, digest: int, length: int, device: object = None
+    group: Layout, failed: bool, digest: int, length: int
 ) -> list[tuple[int, int, int]]:
     """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
     integers per rank (on a :class:`~ringdilated.core.grid.Grid`, one along each dimension,
-    with each rank's global rank), so every rank gets the same answer. ``device``: the call's
-    device (NCCL gathers on it when it is a CUDA device).
+    with each rank's global rank), so every rank gets the same answer. On the CPU, through
+    :func:`control_layout`.
 
     On a grid, raises ``ValueError`` on every rank unless its two groups hold every rank once
     (``(WORLD, WORLD)``, or an inner group that is not a row of the outer ones, do not)."""
     values = [int(failed), digest, length]
+    group = control_layout(group)
     if isinstance(group, Grid):
-        _check_grid(group, device)
+        _check_grid(group)
         values.append(dist.get_rank())
-    mine = torch.tensor(values, dtype=torch.int64).to(_collective_device(group, device))
+    mine = torch.tensor(values, dtype=torch.int64)
     gathered = [tuple(t.tolist()) for t in grid.gather(group, mine)]
     if isinstance(group, Grid):
         members = [g[3] for g in gathered]
@@ -200,14 +202,13 @@ def gather_flags(
     return [cast(tuple[int, int, int], g[:3]) for g in gathered]
 
 
-def _check_grid(layout: Grid, device: object = None) -> None:
+def _check_grid(layout: Grid) -> None:
     """Raise ``ValueError`` unless ``layout`` looks like a grid: each outer group holds ranks of
     one inner index and equal inner sizes, each inner group ranks of one outer index and equal
     outer sizes. One ``all_gather`` of two integers along each dimension, then a flag
     ``all_reduce`` (max) along inner, outer and inner again, so that every rank of a
     row-and-column layout raises alike. Groups that do not partition the ranks at all can
     still leave a rank waiting here until the backend's timeout."""
-    at = _collective_device(layout, device)
 
     def differs(group: dist.ProcessGroup, mine: torch.Tensor) -> bool:
         column = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -216,8 +217,8 @@ def _check_grid(layout: Grid, device: object = None) -> None:
 
     inner = torch.tensor([dist.get_rank(layout.inner), dist.get_world_size(layout.inner)])
     outer = torch.tensor([dist.get_rank(layout.outer), dist.get_world_size(layout.outer)])
-    bad_now = differs(layout.outer, inner.to(at)) | differs(layout.inner, outer.to(at))
-    bad = torch.tensor([int(bad_now)], device=at)
+    bad_now = differs(layout.outer, inner) | differs(layout.inner, outer)
+    bad = torch.tensor([int(bad_now)])
     for group in (layout.inner, layout.outer, layout.inner):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item():
@@ -234,7 +235,6 @@ def agree(
     group: Layout,
     error: Exception | None,
     signature: _Fields | None,
-    device: object = None,
     length: int = -1,
 ) -> tuple[int, ...] | None:
     """Raise on every rank if any rank failed validation or the ranks' signatures differ, unless
@@ -245,11 +245,11 @@ def agree(
     equal, every rank gets the same lengths back and must check its call again with them (the
     sequence length is their sum) and agree again, passing no length; nothing else is decided.
     A rank that failed may pass ``signature=None`` and no length (its peers then raise naming
-    its error). ``device``: the call's device, for NCCL (see :func:`gather_flags`)."""
+    its error)."""
     if error is None and signature is None:
         raise ValueError("agree() needs a signature from a rank whose checks passed")
     digest = 0 if signature is None else signature.digest()
-    flags = gather_flags(group, error is not None, digest, length, device)
+    flags = gather_flags(group, error is not None, digest, length)
     lengths = tuple(n for _, _, n in flags)
     # A rank in shard_lengths() (a module placing rotary positions) while this one is in a
     # call stops here too, whatever the lengths: it goes on to compare_reports.
@@ -261,12 +261,12 @@ def agree(
     return None
 
 
-def shard_lengths(group: Layout, length: int, device: object = None) -> tuple[int, ...]:
+def shard_lengths(group: Layout, length: int) -> tuple[int, ...]:
     """Every rank's shard length, before a call (a module placing rotary positions needs its
     shard's offset). The same collective as :func:`agree`'s first, so a rank that rejects its
     input meanwhile (calling :func:`agree` with its error) meets it: then every rank raises,
     naming that rank's error."""
-    flags = gather_flags(group, False, _LENGTHS_DIGEST, length, device)
+    flags = gather_flags(group, False, _LENGTHS_DIGEST, length)
     if any(failed for failed, _, _ in flags):
         compare_reports(group, None, None)
     others = [r for r, (_, digest, _) in enumerate(flags) if digest != _LENGTHS_DIGEST]
@@ -294,7 +294,7 @@ def compare_reports(group: Layout, error: Exception | None, signature: _Fields |
     when every rank passed identical signatures. What it raises is marked as raised on every
     rank already (:func:`agreed`), so nothing agrees on it again."""
     mine = (None if error is None else safe_str(error), signature)
-    gathered = grid.gather_objects(group, mine)
+    gathered = grid.gather_objects(control_layout(group), mine)
     reports = cast(list[tuple[str | None, _Fields]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:

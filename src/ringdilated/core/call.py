@@ -551,18 +551,16 @@ def prepare_call(
             maybe: _Checked | None = None
             error: Exception | None = None
             signature: CallSignature | None = None
-            device: object = None
             try:
                 maybe = check(lengths)
             except Exception as exc:  # any failure here must reach every rank, not strand them
                 error = exc
             try:
                 signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
-                device = q.device if isinstance(q, torch.Tensor) else None
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
             own = -1 if lengths is not None or known else _shard_length(k)
-            lengths = agree(group, error, signature, device=device, length=own)
+            lengths = agree(group, error, signature, length=own)
             if lengths is None:  # agreed (agree() raised otherwise)
                 break
             # Shards of different lengths: check again knowing them (a second agreement).

@@ -155,10 +155,9 @@ class SequenceLayout(OpaqueBase):
             assert isinstance(group, (dist.ProcessGroup, grid.Grid))
             own = read.shard_length if read is not None and read.shard_length is not None else -1
             signature = None if read is None else read.signature()
-            device = _device_of(key_padding_mask, cu_seqlens)
-            differing = agree(group, error, signature, device=device, length=own)
+            differing = agree(group, error, signature, length=own)
             if differing is not None:  # every rank gave its length and they differ
-                agree(group, error, signature, device=device)
+                agree(group, error, signature)
                 lengths = differing
             elif read is not None and read.shard_length is not None:
                 lengths = (read.shard_length,) * ranks
@@ -400,13 +399,6 @@ def _place(
 def _bounds(documents: Documents) -> tuple[int, ...]:
     """``cu_seqlens`` of ``documents`` (they tile ``[0, L)``)."""
     return (0, *(stop for _, stop in documents))
-
-
-def _device_of(*tensors: object) -> object:
-    for x in tensors:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return None
 
 
 def _digest(text: str) -> str:
