@@ -4,17 +4,16 @@
     python benchmarks/bench_non_finite.py --rounds 3 --no-call
 
 The ``sdpa`` kernel always calls the op and then repairs its results on the device, with no host
-read (docs/spec.md, section 4; ``ringdilated.backends.sdpa``): forward, ``k^T @ 0`` per problem,
-``q @`` that, and one addition of 0 or NaN to ``out`` and ``lse``; backward, nothing beyond the
-one pass over the merged ``lse`` that the op needs anyway (``-inf`` to 0), which now also turns
-``+inf`` into NaN. The bare variant keeps the contract's parts (rows that see no key; the lse
-the op takes) and drops the rest.
+read (docs/spec.md, section 4; ``ringdilated.backends.sdpa``): forward, a sum of ``q - q`` over
+each row and of ``k - k`` over each problem, added to ``out`` and ``lse``; backward, nothing
+beyond the one pass over the merged ``lse`` that the op needs anyway (``-inf`` to 0), which also
+turns ``+inf`` into NaN. The bare variant keeps the contract's parts (rows that see no key; the
+lse the op takes) and drops the rest.
 This times, on finite inputs, one thread:
 
 - ``kernel``: forward+backward of ``CpuFlashAttention`` on the very blocks the driver hands it
   (strided views of ``(B, L, H, D)`` tensors, one call per pattern: ``head_groups``, 3+3+2
-  heads, not causal), with the repair as shipped and with both repair functions replaced by
-  no-ops (the bare op);
+  heads, not causal), with the repair as shipped and without it (the bare op);
 - ``call`` (unless ``--no-call``): ``ringdilated.dilated_attention(..., kernel="sdpa")``
   forward+backward, the same two ways, so the share of a whole call shows.
 

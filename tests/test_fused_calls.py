@@ -149,3 +149,62 @@ def test_a_large_step_reads_its_views_in_place(monkeypatch: pytest.MonkeyPatch) 
     kernel = ViewSpy()
     _check(kernel, *_inputs(1, 64, 3, 3))
     assert views == [True, True, True] and kernel.forwards == [4, 2, 1]
+
+
+def test_fused_calls_run_under_deterministic_algorithms() -> None:
+    """Their writes use index_put_ (deterministic), not put_ (which torch refuses then)."""
+    kernel = CountingKernel()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _check(kernel, *_inputs(1, 64, 3, 3))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert kernel.forwards == [7]
+
+
+def test_a_query_suffix_reads_its_keys_in_place() -> None:
+    """Decoding: one query against a long cache. Its steps are small in q but not in k and v,
+    so they are not fused (fusing would copy the cache every call); a short cache's are."""
+    views: list[bool] = []
+
+    class ViewSpy(CountingKernel):
+        def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+            views.append(k._base is not None and v._base is not None)
+            return super().forward(q, k, v, options)
+
+    g = torch.Generator().manual_seed(3)
+    k, v = (
+        torch.randn(1, 3, 8192, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in "kv"
+    )
+    q = torch.randn(1, 1, 3, 8, generator=g, dtype=torch.float64)
+    segments, rates = [2048, 4096, 8192], [1, 2, 4]  # each block: one head, 2048 keys
+    with torch.no_grad():
+        out = ringdilated.dilated_attention(
+            q,
+            k,
+            v,
+            segments,
+            rates,
+            causal=True,
+            kernel=ViewSpy(),  # type: ignore[arg-type]
+        )
+    assert views and all(views), views
+    expected = oracle(q, k, v, segments, rates, causal=True)
+    assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+
+
+def test_row_offsets_are_the_rows_each_view_reads() -> None:
+    """The index of a fused call lists, in order, the storage offset of every row of every
+    step's view (checked against the views themselves)."""
+    from ringdilated.core.driver import StridedView, _row_offsets
+
+    storage = torch.arange(4 * 48 * 6 * 8)  # each element holds its own offset
+    views = [
+        StridedView((3, 2, 5, 8), (48 * 6 * 8, 8, 2 * 6 * 8, 1), 16),
+        StridedView((1, 2, 5, 8), (48 * 6 * 8, 8, 2 * 6 * 8, 1), 3 * 48 * 6 * 8 + 24),
+        StridedView((2, 2, 5, 8), (6 * 8, 8, 4 * 6 * 8, 1), 7),  # other strides: its own run
+    ]
+    index = _row_offsets(views, storage.device)
+    expected = torch.cat([v.of(storage)[..., 0] for v in views])
+    assert index.shape == (6, 2, 5) and torch.equal(index, expected)

@@ -137,3 +137,22 @@ def test_nan_allowed_follows_segments_selection_heads_and_modes() -> None:
     documents = nan_allowed(q, k, v, *pattern, cu_seqlens=torch.tensor([0, 6, 16]))
     # position 9 is 3 into the document [6, 16): its segment is [6, 14), odd offsets selected
     assert documents[1, :, 3].nonzero().flatten().tolist() == [7, 9, 11, 13]
+
+
+def test_the_oracle_keeps_finite_the_value_gradient_of_a_key_no_bad_row_sees() -> None:
+    """A review found the oracle's value gradient NaN at a key hidden from the only row whose
+    ``dout`` was NaN (autograd multiplied its zero probability by the NaN); the exact gradient is
+    that of the rows that see the key, finite."""
+    from ringdilated.testing import oracle
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 8, 1, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in "qkv"
+    )
+    out = oracle(q, k, v, [8], [1], causal=True)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dout[0, 2] = float("nan")  # row 2 sees keys 0-2 only
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert dv[0, :3].isnan().all() and torch.isfinite(dv[0, 3:]).all()
+    assert dk[0, :3].isnan().all() and torch.isfinite(dk[0, 3:]).all()
+    assert dq[0, 2].isnan().all() and torch.isfinite(dq[0, [0, 1, 3, 4, 5, 6, 7]]).all()

@@ -22,10 +22,11 @@ results are repaired on the device, with no host read, each path by what its op 
   other non-finite input reaches its rows through the op's own arithmetic (``v`` through
   ``P @ v``, where ``0 * inf`` is NaN even at zero weight; a row with some finite scores through
   ``exp(NaN - max)``). Both failures need a non-finite query row or a non-finite key in the
-  problem, so the forward adds to ``out`` and ``lse`` a sum of ``q - q`` over the row and of
-  ``k - k`` over the problem: 0 where they are finite, NaN in the query's own row or the whole
-  problem otherwise, as the rule allows (:func:`_mark_rows_seeing_non_finite`; ``v`` is not
-  read). The op's backward recomputes ``P = exp(s - lse)`` for every row and key it visits, so
+  problem (or finite scores that overflow float32 to ``-inf``, which no repair here detects:
+  dense attention in that dtype overflows too), so the forward adds to ``out`` and ``lse`` a
+  sum of ``q - q`` over the row and of ``k - k`` over the problem: 0 where they are finite, NaN
+  in the query's own row or the whole problem otherwise, as the rule allows
+  (:func:`_mark_rows_seeing_non_finite`; ``v`` is not read). The op's backward recomputes ``P = exp(s - lse)`` for every row and key it visits, so
   handing it NaN for a merged ``lse`` that is NaN or ``+inf`` (``+inf`` would give zero weight
   and finite gradients) spreads the NaN to that row's ``dq`` and to the ``dk``, ``dv`` of the
   keys it sees; a non-finite ``dout`` spreads by the same arithmetic. That is the backward's

@@ -4,26 +4,30 @@ Call flow::
 
     run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
     out, lse = DilatedAttentionFunction.apply(q, k, v, run, CallState(seed, stats, lse_used))
-        forward:  for each step: strided views of q, k, v -> kernel.forward -> (out_b, lse_b)
-                  head_groups: each (position, head) has one block, so out_b is copied in place;
+        forward:  for each kernel call: its steps' strided views of q, k, v (several small
+                  steps of one shape gathered into one call) -> kernel.forward -> (out_c, lse_c)
+                  head_groups: each (position, head) has one block, so out is copied in place;
                   longnet: partials are merged by the Accumulator (float32 log-sum-exp)
-        backward: for each step: kernel.backward(dout, q, k, v, out, lse) with the FINAL
+        backward: for each kernel call: kernel.backward(dout, q, k, v, out, lse) with the FINAL
                   merged out and lse, gradients added into dq, dk, dv (float32 or float64)
 
 A :class:`Run` is built once per planned call and reused by every call of that plan: its
-*steps* (one kernel call each: the ``as_strided`` views of every tensor it reads or writes, and
-its :class:`~ringdilated.core.kernel.BlockOptions`) are computed once per input geometry and
+*steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
+and its :class:`~ringdilated.core.kernel.BlockOptions`) and its *kernel calls* (one step, or
+small steps of one shape fused: :class:`_KernelCall`) are computed once per input geometry and
 cached in it, so a call issues kernels and copies only, with no host read and no Python work
 proportional to anything but the number of kernel calls.
 
 Steps are chunks of whole segments so that no kernel call's scratch exceeds ``Run.chunk_elements``
-elements: peak memory beyond the inputs and outputs stays bounded whatever the sequence length.
+elements: peak memory beyond the inputs and outputs stays bounded whatever the sequence length
+(a fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``, ``k`` and ``v``, far less).
 Nothing here checks capabilities or catches exceptions: the resolver and the input validation
 ran before.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
@@ -184,10 +188,10 @@ def lse_buffer(
 
 @attrs.frozen
 class _Step:
-    """One kernel call: the views of the query side (``q``, ``out``, ``dout``, ``dq``, all of
-    ``q``'s strides), of ``k`` and of ``v`` (their own strides), of the key/value gradients
-    (contiguous), of the lse (:func:`lse_buffer`), and the call's options. ``index`` numbers the
-    call (its dropout seed derives from it); ``segments`` splits ``N`` into (rows, segments)."""
+    """One block's chunk, the unit of a kernel call: the views of the query side (``q``, ``out``,
+    ``dout``, ``dq``, all of ``q``'s strides), of ``k`` and of ``v`` (their own strides), of the
+    key/value gradients (contiguous), of the lse (:func:`lse_buffer`), and the options. ``index``
+    numbers the step (its dropout seed derives from it)."""
 
     q: StridedView
     k: StridedView
@@ -204,10 +208,11 @@ class _Step:
         return attrs.evolve(self.options, dropout_seed=derive_seed(seed, self.index))
 
 
-#: A kernel call fuses steps of one shape while their queries hold at most this many elements
-#: together: below it, copying the steps' views into one call's inputs costs less than the
-#: calls it saves (each a kernel launch, its non-finite repair and the driver's Python); above
-#: it, each step reads its views in place.
+#: A kernel call fuses steps of one shape while their ``q``, ``k`` and ``v`` views hold at most
+#: this many elements together (a step holding more than half of it runs alone: it would leave
+#: room for little). Below it, gathering the steps' views into one call's inputs costs less than
+#: the calls it saves (each a kernel launch, its non-finite repair and the driver's Python);
+#: above it, each step reads its views in place. Read when a plan's calls are first made.
 FUSE_ELEMENTS = 1 << 15
 
 
@@ -215,67 +220,119 @@ FUSE_ELEMENTS = 1 << 15
 class _KernelCall:
     """One kernel call: a single step, reading and writing its views in place, or several small
     steps of one shape (every size but ``N``) and the same options, without dropout, gathered
-    along ``N`` into one call's inputs (``sizes``: each step's ``N``). A fused call gathers with
-    one ``take`` per tensor and copies results back with one ``put_``, through index tensors of
-    the steps' storage offsets built once per device on first use (no host data is copied)."""
+    along ``N`` into one call's inputs and written back from its results.
+
+    A fused call reads whole rows of ``D`` elements (the last dimension is contiguous in every
+    view) through an index of the rows' storage offsets, one indexing op per tensor, and writes
+    its results into the driver's own contiguous buffers with one ``index_put_`` each (allowed
+    under ``torch.use_deterministic_algorithms``); the lse, which has no contiguous dimension,
+    element by element. The indexes are built once per device on first use, by broadcasting
+    (no host data is copied), and hold one entry per row."""
 
     steps: tuple[_Step, ...]
-    sizes: tuple[int, ...]
-    _indices: dict[tuple[object, torch.device], tuple[torch.Tensor, int]] = attrs.field(
+    sizes: tuple[int, ...] = attrs.field(init=False)
+    _indices: dict[tuple[object, str, torch.device], tuple[torch.Tensor, int]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
+
+    @sizes.default
+    def _sizes(self) -> tuple[int, ...]:
+        return tuple(step.q.size[0] for step in self.steps)
+
+    def options(self, seed: int) -> BlockOptions:
+        """The call's options (a fused call's steps have equal ones, without dropout)."""
+        first = self.steps[0]
+        if len(self.steps) == 1:
+            return first.seeded(seed)
+        assert first.options.dropout_p == 0.0, "steps with dropout are never fused"
+        return first.options
 
     def gather(self, x: torch.Tensor, side: Callable[[_Step], StridedView]) -> torch.Tensor:
         """The call's input read from ``x`` through each step's ``side`` view (:data:`_Q`, ...)."""
         if len(self.steps) == 1:
             return side(self.steps[0]).of(x)
-        index, extent = self._index(side, x.device)
-        return _flat(x, extent).take(index)
+        index, extent = self._index(side, "read", x.device)
+        width = x.shape[-1] if side is not _LSE else None
+        return _span(x, extent, width)[index]
 
     def write(
         self, target: torch.Tensor, side: Callable[[_Step], StridedView], value: torch.Tensor
     ) -> None:
-        """Copy the call's result ``value`` into ``target`` through each step's ``side`` view
-        (converting its dtype, as ``copy_`` does)."""
+        """Copy the call's result ``value`` into ``target`` (a contiguous buffer of the driver's,
+        or the lse buffer) through each step's ``side`` view (converting its dtype, as
+        ``copy_`` does)."""
         if len(self.steps) == 1:
             side(self.steps[0]).of(target).copy_(value)
             return
-        index, extent = self._index(side, target.device)
-        _flat(target, extent).put_(index, value.to(target.dtype))
+        value = value.to(target.dtype)
+        if side is _LSE:
+            index, extent = self._index(side, "read", target.device)
+            _span(target, extent, None).index_put_((index,), value)
+        else:
+            index, _ = self._index(side, "write", target.device)
+            target.view(-1, target.shape[-1]).index_put_((index,), value)
 
     def split(self, *results: torch.Tensor) -> Iterable[tuple[Any, ...]]:
         """``(step, its part of each of results...)`` for each step: for results added into
-        their targets step by step (in a fixed order: a ``put_`` that accumulates is not)."""
+        their targets step by step, in a fixed order."""
         if len(self.steps) == 1:
             return ((self.steps[0], *results),)
         sizes = list(self.sizes)
         return zip(self.steps, *(r.split_with_sizes(sizes) for r in results), strict=True)
 
     def _index(
-        self, side: Callable[[_Step], StridedView], device: torch.device
+        self, side: Callable[[_Step], StridedView], use: str, device: torch.device
     ) -> tuple[torch.Tensor, int]:
-        """The storage offsets the steps' ``side`` views read, in the call's order, and how many
-        elements from the tensor's own offset they span."""
-        found = self._indices.get((side, device))
+        """The steps' ``side`` views, in the call's order, as an index: for ``"read"``, each
+        row's (the lse: each element's) storage offset from the tensor's own, and how many
+        offsets from there they span; for ``"write"``, each row's number in a contiguous
+        tensor of rows."""
+        key = (side, use, device)
+        found = self._indices.get(key)
         if found is None:
             views = [side(step) for step in self.steps]
+            index = _row_offsets(views, device)
             extent = 1 + max(
-                v.offset + sum((n - 1) * s for n, s in zip(v.size, v.stride, strict=True))
-                for v in views
+                v.offset + sum((n - 1) * stride for n, stride in _row_dims(v)) for v in views
             )
-            positions = torch.arange(max(extent, 0), device=device)
-            index = torch.cat([positions.as_strided(v.size, v.stride, v.offset) for v in views])
-            found = self._indices[side, device] = (index, extent)
+            if use == "write":
+                index = index // views[0].size[-1]
+            found = self._indices[key] = (index, extent)
         return found
 
 
-def _flat(x: torch.Tensor, extent: int) -> torch.Tensor:
-    """``x``'s storage from its first element as a 1-D view of ``extent`` elements, for ``take``
-    and ``put_`` with storage offsets; ``x`` itself when contiguous (those ops index a tensor in
-    its logical order, which is then the storage order)."""
-    if x.is_contiguous():
-        return x
-    return x.as_strided((extent,), (1,), x.storage_offset())
+def _row_dims(view: StridedView) -> list[tuple[int, int]]:
+    """``(size, stride)`` of the dimensions that number a view's rows: a ``(N, H, L, D)`` view's
+    first three (its last is a contiguous row), an lse's ``(N, H, L)`` all three."""
+    return list(zip(view.size[:3], view.stride[:3], strict=True))
+
+
+def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor:
+    """The storage offset of each row of ``views`` (of one shape but ``N``), in order, shaped
+    ``(sum of N, H, L)``: each problem's first offset, listed on the host (as many as problems),
+    plus one ``(H, L)`` grid of offsets per run of views with equal strides, broadcast. Built
+    once per call and device; the list is one small copy to the device."""
+    parts = []
+    for strides, group in itertools.groupby(views, key=lambda v: v.stride):
+        run = list(group)
+        starts = [v.offset + n * strides[0] for v in run for n in range(v.size[0])]
+        (heads, head_stride), (length, row_stride) = _row_dims(run[0])[1:]
+        grid = (
+            torch.arange(heads, device=device).unsqueeze(-1) * head_stride
+            + torch.arange(length, device=device) * row_stride
+        )
+        first = torch.tensor(starts, dtype=torch.int64, device=device)
+        parts.append(first.view(-1, 1, 1) + grid)
+    return torch.cat(parts)
+
+
+def _span(x: torch.Tensor, extent: int, width: int | None) -> torch.Tensor:
+    """``x``'s storage from its first element: ``extent`` overlapping rows of ``width``
+    elements, row ``i`` starting ``i`` elements in (for reading rows by their offsets), or,
+    with no ``width``, ``extent`` single elements."""
+    if width is None:
+        return x.as_strided((extent,), (1,), x.storage_offset())
+    return x.as_strided((extent, width), (1, 1), x.storage_offset())
 
 
 _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse", "kv_grad"))
@@ -283,21 +340,21 @@ _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse"
 
 def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_KernelCall]:
     """``steps`` as kernel calls: steps of one shape and options without dropout share a call
-    while their queries total at most :data:`FUSE_ELEMENTS` elements and their problems fit the
-    kernel's batch ``limit``; the others run alone. Calls keep the order of their first steps."""
+    while their ``q``, ``k`` and ``v`` views hold at most :data:`FUSE_ELEMENTS` elements together
+    and their problems fit the kernel's batch ``limit``; the others run alone. Calls keep the
+    order of their first steps."""
     open_calls: dict[object, list[_Step]] = {}
     groups: list[list[_Step]] = []
     for step in steps:
-        n = step.q.size[0]
-        elements = math.prod(step.q.size)
+        elements = sum(math.prod(view.size) for view in (step.q, step.k, step.v))
         if step.options.dropout_p > 0.0 or elements > FUSE_ELEMENTS // 2:
             groups.append([step])
             continue
         key = (step.q.size[1:], step.k.size[1:], step.v.size[1:], step.options)
         group = open_calls.get(key)
         if group is not None:
-            total = sum(math.prod(s.q.size) for s in group) + elements
-            problems = sum(s.q.size[0] for s in group) + n
+            total = elements + sum(math.prod(view.size) for s in group for view in (s.q, s.k, s.v))
+            problems = step.q.size[0] + sum(s.q.size[0] for s in group)
             most = limit.per_call(step.k.size[1])
             if total <= FUSE_ELEMENTS and (most is None or problems <= most):
                 group.append(step)
@@ -305,7 +362,7 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
         group = open_calls[key] = [step]
         groups.append(group)
     for group in groups:
-        yield _KernelCall(tuple(group), tuple(step.q.size[0] for step in group))
+        yield _KernelCall(tuple(group))
 
 
 _Geometry = tuple[object, ...]
@@ -343,7 +400,10 @@ class Run:
     query_start: int = 0
     covers_queries: bool = True
     covers_keys: bool = True
-    _steps: dict[_Geometry, tuple[object, ...]] = attrs.field(
+    _calls: dict[_Geometry, tuple[_KernelCall, ...]] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
+    _zero_ranges: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
 
@@ -357,11 +417,11 @@ class Run:
         it): its steps, small ones of one shape fused (:func:`_kernel_calls`). ``q`` must be
         contiguous; ``k`` and ``v`` may have any strides whose last is 1."""
         geometry = (q.shape, k.shape, k.stride(), v.stride())
-        calls = self._steps.get(geometry)
+        calls = self._calls.get(geometry)
         if calls is None:
             steps = tuple(self._make_steps(q, k, v))
-            calls = self._steps[geometry] = tuple(_kernel_calls(steps, self.batch_limit))
-        return calls  # type: ignore[return-value]
+            calls = self._calls[geometry] = tuple(_kernel_calls(steps, self.batch_limit))
+        return calls
 
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
         B, Lq, H, D = q.shape
@@ -409,11 +469,10 @@ class Run:
     def zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
         """Head ranges of a result buffer written by no rate-1 block (so some position of them
         is never written, and must start at zero); see :meth:`_result_buffer`. Cached."""
-        key = ("zero_heads", heads, kv)
-        ranges = self._steps.get(key)
+        ranges = self._zero_ranges.get((heads, kv))
         if ranges is None:
-            ranges = self._steps[key] = self._zero_heads(heads, kv)
-        return ranges  # type: ignore[return-value]
+            ranges = self._zero_ranges[heads, kv] = self._zero_heads(heads, kv)
+        return ranges
 
     def _zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
         covered = [False] * heads
@@ -458,7 +517,7 @@ class Run:
                 kernel_call.gather(q, _Q),
                 kernel_call.gather(k, _K),
                 kernel_call.gather(v, _V),
-                kernel_call.steps[0].seeded(seed),
+                kernel_call.options(seed),
             )
             if self.exclusive:
                 kernel_call.write(out, _Q, out_c)
@@ -516,7 +575,7 @@ class Run:
         dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
         kernel, seed = self.kernel, call.seed
         for kernel_call in self.calls(q, k, v):
-            options = kernel_call.steps[0].seeded(seed)
+            options = kernel_call.options(seed)
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
             lse_c = kernel_call.gather(lse, _LSE)
             grads = kernel.backward(

@@ -240,11 +240,40 @@ def dense_attention(
     return out.transpose(1, 2), lse
 
 
+class _SeenValues(torch.autograd.Function):
+    """``probs @ v`` (``v`` finite, ``probs`` exactly 0 at the pairs a query does not see) whose
+    gradient for ``v`` runs through the pairs a query sees only: a key no query sees gets exactly
+    0 from a row whose ``dout`` is NaN or infinite. (Autograd through the plain matmul computes
+    ``probs^T @ dout``, and ``0 * inf`` is NaN: a gradient the exact math keeps finite.)"""
+
+    @staticmethod
+    def forward(ctx: Any, probs: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(probs, v, seen)
+        return probs @ v
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        probs, v, seen = ctx.saved_tensors
+        dprobs = grad @ v.transpose(-1, -2)  # unseen pairs: masked by the caller's where()
+        if bool(torch.isfinite(grad).all()):
+            return dprobs, probs.transpose(-1, -2) @ grad, None
+        seen = seen.expand(probs.shape)
+        zero = grad.new_zeros(())
+        dv = torch.zeros(probs.shape[:-2] + v.shape[-2:], dtype=v.dtype, device=v.device)
+        for i in range(probs.shape[-2]):  # one query row at a time: (N, H, Lk, D) in memory
+            pair = seen[..., i, :].unsqueeze(-1)
+            dv += torch.where(
+                pair, probs[..., i, :].unsqueeze(-1) * grad[..., i, :].unsqueeze(-2), zero
+            )
+        return dprobs, dv, None
+
+
 def _weighted_values(probs: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``sum_j probs_ij v_j`` over the keys ``j`` query ``i`` sees; a matmul when ``v`` is finite,
-    otherwise unseen keys are dropped before the product (``0 * inf`` would be NaN)."""
+    """``sum_j probs_ij v_j`` over the keys ``j`` query ``i`` sees; a matmul when ``v`` is finite
+    (:class:`_SeenValues`), otherwise unseen keys are dropped before the product (``0 * inf``
+    would be NaN)."""
     if bool(torch.isfinite(v).all()):
-        return torch.matmul(probs, v)
+        return _SeenValues.apply(probs, v, seen)  # type: ignore[no-untyped-call,no-any-return]
     terms = probs.unsqueeze(-1) * v.unsqueeze(-3)  # (B, H, Lq, Lk, D)
     return torch.where(seen.unsqueeze(-1), terms, terms.new_zeros(())).sum(-2)
 
