@@ -26,11 +26,12 @@ results are repaired on the device, with no host read, each path by what its op 
   dense attention in that dtype overflows too), so the forward adds to ``out`` and ``lse`` a
   sum of ``q - q`` over the row and of ``k - k`` over the problem: 0 where they are finite, NaN
   in the query's own row or the whole problem otherwise, as the rule allows
-  (:func:`_mark_rows_seeing_non_finite`; ``v`` is not read). The op's backward recomputes ``P = exp(s - lse)`` for every row and key it visits, so
-  handing it NaN for a merged ``lse`` that is NaN or ``+inf`` (``+inf`` would give zero weight
-  and finite gradients) spreads the NaN to that row's ``dq`` and to the ``dk``, ``dv`` of the
-  keys it sees; a non-finite ``dout`` spreads by the same arithmetic. That is the backward's
-  whole repair (:func:`_cpu_lse`, the one pass over the lse the op needs anyway).
+  (:func:`_mark_rows_seeing_non_finite`; ``v`` is not read). The op's backward recomputes
+  ``P = exp(s - lse)`` for every row and key it visits, so handing it NaN for a merged ``lse``
+  that is NaN or ``+inf`` (``+inf`` would give zero weight and finite gradients) spreads the NaN
+  to that row's ``dq`` and to the ``dk``, ``dv`` of the keys it sees; a non-finite ``dout``
+  spreads by the same arithmetic. That is the backward's whole repair (:func:`_cpu_lse`, the
+  one pass over the lse the op needs anyway).
 - The memory-efficient CUDA kernel zeroes such rows too (``s_prime == 0`` in torch's
   ``epilogue_rescale_output.h``); not yet run on hardware, it keeps the general repair
   (:func:`~ringdilated.core.kernel.mark_non_finite_rows`,
