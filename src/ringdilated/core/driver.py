@@ -226,8 +226,8 @@ class _KernelCall:
     view) through an index of the rows' storage offsets, one indexing op per tensor, and writes
     its results into the driver's own contiguous buffers with one ``index_put_`` each (allowed
     under ``torch.use_deterministic_algorithms``); the lse, which has no contiguous dimension,
-    element by element. The indexes are built once per device on first use, by broadcasting
-    (no host data is copied), and hold one entry per row."""
+    element by element. The indexes are built once per device on first use, with device ops
+    only (no host data is copied), and hold one entry per row."""
 
     steps: tuple[_Step, ...]
     sizes: tuple[int, ...] = attrs.field(init=False)
@@ -289,15 +289,15 @@ class _KernelCall:
         tensor of rows."""
         key = (side, use, device)
         found = self._indices.get(key)
-        if found is None:
+        if found is None and use == "write":
+            offsets, extent = self._index(side, "read", device)
+            found = self._indices[key] = (offsets // side(self.steps[0]).size[-1], extent)
+        elif found is None:
             views = [side(step) for step in self.steps]
-            index = _row_offsets(views, device)
             extent = 1 + max(
                 v.offset + sum((n - 1) * stride for n, stride in _row_dims(v)) for v in views
             )
-            if use == "write":
-                index = index // views[0].size[-1]
-            found = self._indices[key] = (index, extent)
+            found = self._indices[key] = (_row_offsets(views, device), extent)
         return found
 
 
@@ -309,20 +309,21 @@ def _row_dims(view: StridedView) -> list[tuple[int, int]]:
 
 def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor:
     """The storage offset of each row of ``views`` (of one shape but ``N``), in order, shaped
-    ``(sum of N, H, L)``: each problem's first offset, listed on the host (as many as problems),
-    plus one ``(H, L)`` grid of offsets per run of views with equal strides, broadcast. Built
-    once per call and device; the list is one small copy to the device."""
+    ``(sum of N, H, L)``: each problem's first offset (one ``arange`` per view), plus one
+    ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast.
+    Device ops only (nothing is copied from the host), once per call and device."""
+    (heads, _), (length, _) = _row_dims(views[0])[1:]
     parts = []
-    for strides, group in itertools.groupby(views, key=lambda v: v.stride):
-        run = list(group)
-        starts = [v.offset + n * strides[0] for v in run for n in range(v.size[0])]
-        (heads, head_stride), (length, row_stride) = _row_dims(run[0])[1:]
+    for (head_stride, row_stride), run in itertools.groupby(views, key=lambda v: v.stride[1:3]):
+        firsts = []
+        for view in run:
+            n, step = view.size[0], max(view.stride[0], 1)
+            firsts.append(torch.arange(view.offset, view.offset + n * step, step, device=device))
         grid = (
             torch.arange(heads, device=device).unsqueeze(-1) * head_stride
             + torch.arange(length, device=device) * row_stride
         )
-        first = torch.tensor(starts, dtype=torch.int64, device=device)
-        parts.append(first.view(-1, 1, 1) + grid)
+        parts.append(torch.cat(firsts).view(-1, 1, 1) + grid)
     return torch.cat(parts)
 
 
@@ -343,7 +344,7 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
     while their ``q``, ``k`` and ``v`` views hold at most :data:`FUSE_ELEMENTS` elements together
     and their problems fit the kernel's batch ``limit``; the others run alone. Calls keep the
     order of their first steps."""
-    open_calls: dict[object, list[_Step]] = {}
+    open_calls: dict[object, tuple[list[_Step], list[int]]] = {}  # steps; elements, problems
     groups: list[list[_Step]] = []
     for step in steps:
         elements = sum(math.prod(view.size) for view in (step.q, step.k, step.v))
@@ -351,15 +352,17 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
             groups.append([step])
             continue
         key = (step.q.size[1:], step.k.size[1:], step.v.size[1:], step.options)
-        group = open_calls.get(key)
-        if group is not None:
-            total = elements + sum(math.prod(view.size) for s in group for view in (s.q, s.k, s.v))
-            problems = step.q.size[0] + sum(s.q.size[0] for s in group)
+        found = open_calls.get(key)
+        if found is not None:
+            group, totals = found
             most = limit.per_call(step.k.size[1])
-            if total <= FUSE_ELEMENTS and (most is None or problems <= most):
+            problems = totals[1] + step.q.size[0]
+            if totals[0] + elements <= FUSE_ELEMENTS and (most is None or problems <= most):
                 group.append(step)
+                totals[:] = [totals[0] + elements, problems]
                 continue
-        group = open_calls[key] = [step]
+        group = [step]
+        open_calls[key] = (group, [elements, step.q.size[0]])
         groups.append(group)
     for group in groups:
         yield _KernelCall(tuple(group))
