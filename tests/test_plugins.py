@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -191,3 +191,178 @@ def test_listing_names_distributions_versions_and_failures() -> None:
     table = registry.describe()
     assert "good" in table and "fake-dist 1.2.3" in table and "extra" in table
     assert "failed: plugin 'broken' skipped: import of 'fake.module' failed" in table
+
+
+# Issue 21, item 6: configuration is never silently ignored. Every switch is read by one strict
+# parser (ringdilated.core.env.env_flag), every name list is checked against what exists.
+
+SWITCH_SPELLINGS = r"\('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off'\) \(any case\)"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("RINGDILATED_STRICT_PLUGINS", "2"),
+        ("RINGDILATED_STRICT_PLUGINS", "yes-please"),
+        ("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "maybe"),
+    ],
+)
+def test_a_switch_that_is_not_understood_raises_naming_it(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"^{variable} must be one of {SWITCH_SPELLINGS}") as info:
+        _registry()
+    assert f"got {value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [
+        *[("1", True), (" TRUE ", True), ("Yes", True), ("on", True)],
+        *[("0", False), ("false", False), ("NO", False), ("off", False), ("", False)],
+    ],
+)
+def test_every_accepted_switch_spelling_works(
+    value: str, on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ringdilated.core.sequence_layout import agree_every_call_default
+
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    monkeypatch.setenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", value)
+    assert ("extra" in _registry(good).kernels) is not on
+    monkeypatch.delenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD")
+    monkeypatch.setenv("RINGDILATED_STRICT_PLUGINS", value)
+    broken = FakeEntryPoint("broken", _raise_import)
+    if on:
+        with pytest.raises(PluginError, match="strict mode"):
+            _registry(broken)
+    else:
+        with pytest.warns(PluginWarning):
+            _registry(broken)
+    monkeypatch.setenv("RINGDILATED_AGREE_EVERY_CALL", value)
+    assert agree_every_call_default() is on
+
+
+def test_the_agreement_switch_shares_the_strict_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ringdilated.core.sequence_layout import agree_every_call_default
+
+    monkeypatch.setenv("RINGDILATED_AGREE_EVERY_CALL", "2")
+    with pytest.raises(ValueError, match=r"^RINGDILATED_AGREE_EVERY_CALL must be one of "):
+        agree_every_call_default()
+
+
+@pytest.mark.parametrize("name", ["flex", "ringdilated.backends.flex"])
+def test_a_builtin_is_blocked_by_its_short_or_module_name(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", name)
+    assert set(_registry().kernels) == BUILTIN_KERNELS - {"flex"}
+    assert set(_registry(blocked=[name]).kernels) == BUILTIN_KERNELS - {"flex"}
+
+
+@pytest.mark.parametrize("name", ["reference", "local", "ringdilated.backends.reference"])
+def test_an_essential_builtin_cannot_be_blocked_by_any_of_its_names(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reference`` is the name the docs use: it raised nothing and blocked nothing."""
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", f"flex,{name}")
+    with pytest.raises(PluginError, match=rf"plugin\(s\) '{name}' .*cannot be blocked") as info:
+        _registry()
+    assert "RINGDILATED_BLOCK_PLUGINS=" in str(info.value)
+    with pytest.raises(PluginError, match="cannot be blocked"):
+        _registry(blocked=[name])
+
+
+def test_a_misspelt_blocked_name_raises_naming_what_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "good,flexx")
+    with pytest.raises(ValueError, match=r"^RINGDILATED_BLOCK_PLUGINS='good,flexx'") as info:
+        _registry(good)
+    message = str(info.value)
+    assert message.startswith(
+        "RINGDILATED_BLOCK_PLUGINS='good,flexx' names 'flexx', not a built-in plugin (module or "
+        "short name) or an installed entry point; accepted: "
+    )
+    for accepted in ("flex", "good", "reference", "ringdilated.backends.flex", "sdpa"):
+        assert accepted in message.split("accepted: ")[1]
+
+
+def test_a_blocked_entry_point_is_checked_even_with_autoload_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
+    monkeypatch.setenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "good")
+    assert set(_registry(good).kernels) == BUILTIN_KERNELS
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "goood")
+    with pytest.raises(ValueError, match="names 'goood', not a built-in plugin"):
+        _registry(good)
+
+
+def test_a_misspelt_allowed_name_raises_naming_the_entry_points(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    one = FakeEntryPoint("one", lambda: _plugin(lambda: [_spec("k1")]))
+    two = FakeEntryPoint("two", lambda: _plugin(lambda: [_spec("k2")]))
+    monkeypatch.setenv("RINGDILATED_ALLOW_PLUGINS", "one, tow")
+    with pytest.raises(
+        ValueError,
+        match=r"^RINGDILATED_ALLOW_PLUGINS='one, tow' names 'tow', not an installed entry "
+        r"point; accepted: one, two \(comma-separated\)$",
+    ):
+        _registry(one, two)
+    monkeypatch.setenv("RINGDILATED_ALLOW_PLUGINS", "sdpa")
+    with pytest.raises(ValueError, match="built-ins always load unless RINGDILATED_BLOCK_PLUGINS"):
+        _registry(one, two)
+
+
+def test_names_given_as_arguments_are_taken_as_given() -> None:
+    one = FakeEntryPoint("one", lambda: _plugin(lambda: [_spec("k1")]))
+    assert set(_registry(one, allowed=["elsewhere"]).kernels) == BUILTIN_KERNELS
+    assert set(_registry(one, blocked=["elsewhere"]).kernels) == BUILTIN_KERNELS | {"k1"}
+
+
+@pytest.fixture
+def fresh_default_resolver() -> Iterator[None]:
+    from ringdilated.registry import default_resolver
+
+    load_registry.cache_clear()
+    default_resolver.cache_clear()
+    yield
+    load_registry.cache_clear()
+    default_resolver.cache_clear()
+
+
+def test_a_misspelt_package_raises_naming_the_packages_kernels_require(
+    monkeypatch: pytest.MonkeyPatch, fresh_default_resolver: None
+) -> None:
+    from ringdilated.registry import default_resolver
+
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "flash-attn,xformers")
+    with pytest.raises(
+        ValueError,
+        match=r"^RINGDILATED_PACKAGES='flash-attn,xformers' names 'flash-attn', not a package a "
+        r"loaded kernel requires; accepted: flash_attn, xformers",
+    ):
+        default_resolver()
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "flash_attn, xformers")
+    assert default_resolver().env.packages == {"flash_attn", "xformers"}
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "")
+    default_resolver.cache_clear()
+    assert default_resolver().env.packages == frozenset()
+
+
+def test_an_unknown_forced_kernel_names_the_variable_and_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ringdilated import Request
+    from ringdilated.registry import default_resolver
+
+    monkeypatch.setenv("RINGDILATED_KERNEL", "sdap")
+    with pytest.raises(
+        ValueError, match=r"unknown kernel 'sdap' \(RINGDILATED_KERNEL=sdap\); known kernels: "
+    ):
+        default_resolver().resolve(Request())

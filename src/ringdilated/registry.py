@@ -11,20 +11,41 @@ from __future__ import annotations
 
 import functools
 
-from ringdilated.core.capabilities import Environment
+from ringdilated.core.capabilities import PACKAGES_ENV_VAR, Environment
+from ringdilated.core.env import unknown_names
 from ringdilated.core.resolver import Resolver
-from ringdilated.plugins.manager import load_registry
+from ringdilated.plugins.manager import PluginRegistry, load_registry
 
 __all__ = ["default_resolver"]
 
 
 @functools.lru_cache(maxsize=1)
 def default_resolver() -> Resolver:
-    """The resolver over every loaded plugin's kernels and communicators."""
+    """The resolver over every loaded plugin's kernels and communicators, on the machine that
+    :meth:`Environment.from_environ <ringdilated.core.Environment.from_environ>` describes.
+
+    Raises ``ValueError`` when ``RINGDILATED_PACKAGES`` names a package that no loaded kernel
+    requires (a misspelt name would otherwise silently count a needed package as missing), and
+    whatever building the registry raises (:func:`~ringdilated.plugins.load_registry`)."""
     registry = load_registry()
+    env = Environment.from_environ()
+    _check_packages(env, registry)
     return Resolver(
         registry.kernels.values(),
-        env=Environment.from_environ(),
+        env=env,
         plugin_failures=registry.failures,
         communicators=registry.communicators.values(),
     )
+
+
+def _check_packages(env: Environment, registry: PluginRegistry) -> None:
+    """Raise ``ValueError`` naming ``RINGDILATED_PACKAGES`` for a package in ``env.packages``
+    that no kernel in ``registry`` lists in ``Capabilities.requires``."""
+    if env.packages is None:
+        return
+    known = {name for spec in registry.kernels.values() for name in spec.capabilities.requires}
+    unknown = sorted(env.packages - known)
+    if unknown:
+        raise ValueError(
+            unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a loaded kernel requires")
+        )

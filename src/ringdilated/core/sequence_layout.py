@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import os
 from collections.abc import Hashable
 
 import attrs
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from ringdilated.core import grid
 from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
+from ringdilated.core.env import env_flag
 from ringdilated.core.layout import DocumentLayout, Documents, Rows, read_documents, read_padding
 from ringdilated.core.opaque import OpaqueBase, register
 
@@ -45,24 +45,14 @@ __all__ = ["AGREE_EVERY_CALL_ENV", "SequenceLayout"]
 AGREE_EVERY_CALL_ENV = "RINGDILATED_AGREE_EVERY_CALL"
 """``1`` (or ``true``, ``yes``, ``on``) makes every layout check and agree every call."""
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
 #: Plans kept per layout (distinct call signatures: patterns, dtypes, devices...).
 PLANS_KEPT = 64
 
 
 def agree_every_call_default() -> bool:
-    """``RINGDILATED_AGREE_EVERY_CALL`` read strictly (raises ``ValueError`` naming it)."""
-    text = os.environ.get(AGREE_EVERY_CALL_ENV, "").strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(
-        f"{AGREE_EVERY_CALL_ENV} must be one of {_TRUE + _FALSE[1:]} (or unset), got "
-        f"{os.environ[AGREE_EVERY_CALL_ENV]!r}"
-    )
+    """``RINGDILATED_AGREE_EVERY_CALL`` read strictly (:func:`~ringdilated.core.env.env_flag`:
+    raises ``ValueError`` naming it)."""
+    return env_flag(AGREE_EVERY_CALL_ENV)
 
 
 class _Plans:

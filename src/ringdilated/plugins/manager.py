@@ -22,9 +22,15 @@ Controls, as arguments of :func:`build_registry` or as environment variables:
 
 - ``autoload=False`` / ``RINGDILATED_DISABLE_PLUGIN_AUTOLOAD=1``: load the built-ins only.
 - ``allowed=[...]`` / ``RINGDILATED_ALLOW_PLUGINS=name,other``: load only these entry points.
-- ``blocked=[...]`` / ``RINGDILATED_BLOCK_PLUGINS=name,other``: skip these entry points (or
-  built-ins, by module name).
+- ``blocked=[...]`` / ``RINGDILATED_BLOCK_PLUGINS=name,other``: skip these plugins: entry-point
+  names, or built-ins by module name (``ringdilated.backends.flex``) or short name (``flex``,
+  also the name of the backend it offers).
 - ``strict=True`` / ``RINGDILATED_STRICT_PLUGINS=1``: a failing plugin raises.
+
+The environment variables are read strictly when the registry is built
+(:mod:`ringdilated.core.env`): a switch that is not ``1/true/yes/on``, ``0/false/no/off``, empty
+or unset, and a name that is no built-in plugin (for ``ALLOW``: no installed entry point) raise
+``ValueError`` naming the variable, its value and what is accepted.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import pluggy
 
 from ringdilated.core.capabilities import KernelSpec
 from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.env import env_flag, env_names, unknown_names
 from ringdilated.core.rules import describe, describe_exception
 from ringdilated.core.spec_validation import SpecError, spec_label, validate_spec
 from ringdilated.plugins import hookspecs
@@ -126,6 +133,13 @@ class PluginRegistry:
         lines.extend(f"failed: {failure}" for failure in self.failures)
         return "\n".join(lines)
 
+    def failures_of(self, plugin: str) -> tuple[str, ...]:
+        """The failures reported for the plugin named ``plugin`` (an entry-point or built-in
+        plugin name): its import, its hooks, or one of its specs; ``()`` if none."""
+        return tuple(
+            f for f in self.failures if f.startswith((f"plugin {plugin!r} ", f"plugin {plugin!r}:"))
+        )
+
 
 class _Fail(Protocol):
     """Reports a failing plugin (or one of its specs): warns, or raises in strict mode."""
@@ -133,12 +147,50 @@ class _Fail(Protocol):
     def __call__(self, name: str, why: str, spec: str | None = None) -> None: ...
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _builtin_names(builtins: Sequence[BuiltinPlugin]) -> dict[str, frozenset[str]]:
+    """Every name that designates a built-in plugin: its module name and its short name (the
+    module's last part, also the backend it offers), mapped to the module names it designates."""
+    names: dict[str, set[str]] = {}
+    for builtin in builtins:
+        for alias in (builtin.name, builtin.name.rpartition(".")[2]):
+            names.setdefault(alias, set()).add(builtin.name)
+    return {alias: frozenset(modules) for alias, modules in names.items()}
 
 
-def _names(env_var: str) -> frozenset[str]:
-    return frozenset(n.strip() for n in os.environ.get(env_var, "").split(",") if n.strip())
+def _entry_point_names(entry_points: Sequence[importlib.metadata.EntryPoint]) -> frozenset[str]:
+    """The readable, non-empty str names among ``entry_points`` (for checking names)."""
+    names = (_attribute(ep, "name") for ep in entry_points)
+    return frozenset(n for n in names if type(n) is str and n)
+
+
+def _check_env_names(
+    allow: tuple[str, ...] | None,
+    block: tuple[str, ...] | None,
+    builtin_names: Mapping[str, frozenset[str]],
+    entry_point_names: frozenset[str],
+) -> None:
+    """Raise ``ValueError`` for a name in ``RINGDILATED_ALLOW_PLUGINS`` that is no installed
+    entry point, or in ``RINGDILATED_BLOCK_PLUGINS`` that is neither that nor a built-in plugin's
+    module or short name (``None``: the variable is unset or the argument was given)."""
+    unknown_allowed = [n for n in allow or () if n not in entry_point_names]
+    if unknown_allowed:
+        message = unknown_names(
+            ALLOW_ENV_VAR, unknown_allowed, entry_point_names, "an installed entry point"
+        )
+        if any(n in builtin_names for n in unknown_allowed):
+            message += f"; built-ins always load unless {BLOCK_ENV_VAR} names them"
+        raise ValueError(message)
+    accepted = set(builtin_names) | entry_point_names
+    unknown_blocked = [n for n in block or () if n not in accepted]
+    if unknown_blocked:
+        raise ValueError(
+            unknown_names(
+                BLOCK_ENV_VAR,
+                unknown_blocked,
+                accepted,
+                "a built-in plugin (module or short name) or an installed entry point",
+            )
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,29 +224,32 @@ def build_registry(
 ) -> PluginRegistry:
     """Build a registry. An argument left ``None`` comes from its environment variable.
 
-    ``allowed``: entry-point names to load (``None`` or empty: all). ``blocked``: entry-point
-    names or built-in plugin names (``ringdilated.backends.sdpa``) to skip; blocking an
-    essential built-in (``local``, ``reference``) raises :class:`PluginError`. ``strict``: raise
+    ``allowed``: entry-point names to load (``None`` or empty: all). ``blocked``: plugin names to
+    skip: entry-point names, and built-ins by module name (``ringdilated.backends.sdpa``) or
+    short name (``sdpa``); a name skips every plugin it names. Blocking an essential built-in
+    (``local``, ``reference``) raises :class:`PluginError`. ``strict``: raise
     :class:`PluginError` on the first failing plugin instead of warning and skipping it.
     ``entry_points``: lists the ``ringdilated`` entry-point group (default: from the installed
-    distributions' metadata).
+    distributions' metadata); it is called only when plugins autoload or an environment
+    variable names a plugin to check.
+
+    The environment variables are read strictly: a switch other than ``1/true/yes/on``,
+    ``0/false/no/off``, empty or unset, a name in ``RINGDILATED_ALLOW_PLUGINS`` that is no
+    listed entry point, or one in ``RINGDILATED_BLOCK_PLUGINS`` that is neither that nor a
+    built-in's module or short name, raises ``ValueError`` naming the variable, its value and
+    what is accepted. Names given as arguments are taken as given (a program may name a plugin
+    that is not installed here).
     """
+    builtins = tuple(builtins)
     if autoload is None:
-        autoload = not _env_flag(AUTOLOAD_ENV_VAR)
-    allow = frozenset(allowed) if allowed is not None else _names(ALLOW_ENV_VAR)
-    block = frozenset(blocked) if blocked is not None else _names(BLOCK_ENV_VAR)
-    essential = sorted(block & ESSENTIAL_PLUGINS)
-    if essential:
-        raise PluginError(
-            f"plugin(s) {', '.join(map(repr, essential))} cannot be blocked: they are essential "
-            f"(one-process calls and the fallback kernel need them); remove them from "
-            f"{BLOCK_ENV_VAR} or blocked="
-        )
-    strict = _env_flag(STRICT_ENV_VAR) if strict is None else strict
-    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
-    pm.add_hookspecs(hookspecs)
+        autoload = not env_flag(AUTOLOAD_ENV_VAR)
+    strict = env_flag(STRICT_ENV_VAR) if strict is None else strict
+    allow_env = env_names(ALLOW_ENV_VAR) if allowed is None else None
+    block_env = env_names(BLOCK_ENV_VAR) if blocked is None else None
+    allow = frozenset(allowed if allowed is not None else allow_env or ())
+    block = frozenset(blocked if blocked is not None else block_env or ())
+    builtin_names = _builtin_names(builtins)
     failures: list[str] = []
-    infos: dict[str, PluginInfo] = {}
 
     def fail(name: str, why: str, spec: str | None = None) -> None:
         if strict:
@@ -206,6 +261,29 @@ def build_registry(
         failures.append(message)
         warnings.warn(message, PluginWarning, stacklevel=3)
 
+    to_check = (allow_env or ()) + tuple(n for n in block_env or () if n not in builtin_names)
+    listed: Sequence[importlib.metadata.EntryPoint] = ()
+    if autoload or to_check:
+        listed = _entry_points_safely(entry_points or _entry_points, fail)
+    _check_env_names(allow_env, block_env, builtin_names, _entry_point_names(listed))
+    blocked_builtins = {module for name in block for module in builtin_names.get(name, ())}
+    essential = sorted(blocked_builtins & ESSENTIAL_PLUGINS)
+    if essential:
+        named = sorted(n for n in block if builtin_names.get(n, frozenset()) & ESSENTIAL_PLUGINS)
+        source = (
+            f"{BLOCK_ENV_VAR}={os.environ.get(BLOCK_ENV_VAR, '')!r}"
+            if blocked is None
+            else "blocked="
+        )
+        raise PluginError(
+            f"plugin(s) {', '.join(map(repr, named))} ({', '.join(essential)}) cannot be "
+            f"blocked: they are essential (one-process calls and the fallback kernel need "
+            f"them); remove them from {source}"
+        )
+    pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    infos: dict[str, PluginInfo] = {}
+
     def register(plugin: ModuleType | object, info: PluginInfo) -> None:
         try:
             pm.register(plugin, name=info.name)
@@ -215,12 +293,12 @@ def build_registry(
             infos[info.name] = info
 
     for builtin in builtins:
-        if builtin.name in block:
+        if builtin.name in blocked_builtins:
             continue
         dist, version = _distribution_of(builtin.name)
         register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
     if autoload:
-        for ep in _entry_points_safely(entry_points or _entry_points, fail):
+        for ep in listed:
             try:
                 ep_name = ep.name
             except Exception as exc:  # an entry point object may be broken in any way
