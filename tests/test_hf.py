@@ -174,27 +174,184 @@ def test_packing_follows_transformers_own_detection() -> None:
             assert float((a - b).abs().max()) < 1e-10, kwargs
 
 
-def test_an_overlay_on_packed_sequences_is_refused() -> None:
+def _packed(base, positions, ids, order):  # type: ignore[no-untyped-def]
+    """``base`` made packed-sequence compatible as transformers 5.23 (packed-sequence mask
+    first) or 5.24 (second, after any overlay) builds it."""
+    from transformers.masking_utils import (
+        and_masks,
+        packed_sequence_mask_function,
+        remap_positions_for_packed_sequence,
+    )
+
+    parts = [
+        packed_sequence_mask_function(ids),
+        remap_positions_for_packed_sequence(base, positions),
+    ]
+    return and_masks(*(parts if order == "5.23" else parts[::-1]))
+
+
+@pytest.mark.parametrize("order", ["5.23", "5.24"])
+def test_packed_mask_functions_are_recognised_in_either_order(order: str) -> None:
+    """transformers 5.24 puts the packed-sequence mask second in and_masks(...) (issue 21,
+    item 1): both orders, over causal or bidirectional, give the documents, no overlay."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
+    for base in (causal_mask_function, bidirectional_mask_function):
+        mask = ringdilated.hf.padding_mask(
+            mask_function=_packed(base, positions, ids, order), **common
+        )
+        assert mask.overlay is None, mask.overlay
+        assert mask.documents is ids
+        assert mask.layout is not None
+
+
+@pytest.mark.parametrize("order", ["5.23", "5.24"])
+def test_an_overlay_on_packed_sequences_is_refused(order: str) -> None:
     from transformers.masking_utils import (
         and_masks,
         bidirectional_mask_function,
         causal_mask_function,
         or_masks,
-        packed_sequence_compatibility_function,
+        packed_sequence_mask_function,
+        sliding_window_overlay,
     )
 
     ids = torch.tensor([[0, 0, 0, 1, 1]])
     positions = torch.tensor([[0, 1, 2, 0, 1]])
-    plain = packed_sequence_compatibility_function(causal_mask_function, positions, ids)
-    overlaid = packed_sequence_compatibility_function(
-        or_masks(causal_mask_function, bidirectional_mask_function), positions, ids
-    )
+    either = or_masks(causal_mask_function, bidirectional_mask_function)
     common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
-    assert not ringdilated.hf.padding_mask(mask_function=plain, **common).overlay
-    assert ringdilated.hf.padding_mask(mask_function=overlaid, **common).overlay
-    assert ringdilated.hf.padding_mask(
-        mask_function=and_masks(causal_mask_function, bidirectional_mask_function), **common
-    ).overlay
+    for function, found in (
+        (
+            _packed(either, positions, ids, order),
+            "or_masks(causal_mask_function, bidirectional_mask_function)",
+        ),
+        (
+            and_masks(
+                _packed(causal_mask_function, positions, ids, order), sliding_window_overlay(2)
+            ),
+            "sliding_window_overlay(...)",
+        ),
+        (  # two packed-sequence masks and no remapped one
+            and_masks(packed_sequence_mask_function(ids), packed_sequence_mask_function(ids)),
+            "and_masks(packed_sequence_mask_function(...), packed_sequence_mask_function(...))",
+        ),
+        (
+            and_masks(causal_mask_function, bidirectional_mask_function),
+            "and_masks(causal_mask_function, bidirectional_mask_function)",
+        ),
+    ):
+        overlay = ringdilated.hf.padding_mask(mask_function=function, **common).overlay
+        assert overlay is not None and found in overlay, overlay
+
+
+def test_a_mask_function_it_does_not_serve_is_reported_as_found() -> None:
+    """The error names how transformers built the mask function it got (issue 21, item 1:
+    never "an overlay" for a mask it merely failed to read)."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        sliding_window_overlay,
+    )
+
+    def custom(batch_idx, head_idx, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return kv_idx <= q_idx
+
+    model = _model([8], [1], "ringdilated").eval()
+    attention = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64)
+    kv = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
+    for function, found in (
+        (
+            and_masks(causal_mask_function, sliding_window_overlay(4)),
+            r"transformers asked for and_masks\(causal_mask_function, "
+            r"sliding_window_overlay\(\.\.\.\)\)",
+        ),
+        (custom, r"transformers asked for [\w.]*test_hf\.test_a_mask_function_it_does_not_serve"),
+    ):
+        mask = ringdilated.hf.padding_mask(mask_function=function, **common)
+        with pytest.raises(ValueError, match=found):
+            ringdilated.hf.attention_forward(attention, q, kv, kv, mask)
+
+
+def _cache_kwarg(model, cache):  # type: ignore[no-untyped-def]
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("columns", [25, 15])
+def test_an_attention_mask_not_one_column_per_key_is_refused(use_cache: bool, columns: int) -> None:
+    """A 2-D attention_mask must have one column per key (issue 21, item 5): 25 columns on 20
+    tokens were read from their last 20 (transformers reads the first), and 15 all-ones columns
+    passed as no padding; both raise an error about the mask naming both lengths."""
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    mask = torch.ones(1, columns, dtype=torch.long)
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            ValueError,
+            match=rf"one attention_mask column per key \(1 = token, 0 = padding\): 20 keys \(0 "
+            rf"cached \+ 20 new positions\), got an attention_mask of {columns} columns",
+        ),
+    ):
+        model(input_ids=_ids(1, 20), attention_mask=mask, use_cache=use_cache)
+
+
+def test_a_decode_step_takes_a_mask_over_cached_and_new_positions() -> None:
+    """With transformers' cache the keys are the cached positions then the new ones, and so is
+    the mask: a step with such a mask (left padding in the prompt) equals sdpa's logits; a mask
+    over the new positions only is refused, naming both lengths."""
+    ours, theirs = _model([64], [1], "ringdilated").eval(), _model([64], [1], "sdpa").eval()
+    ids = _ids(2, 20, seed=13)
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[1, :6] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    step = _ids(2, 1, seed=14)
+    grown = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    logits = []
+    with torch.no_grad():
+        for model in (ours, theirs):
+            past = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True
+            ).past_key_values
+            out = model(
+                input_ids=step, attention_mask=grown, position_ids=positions[:, -1:] + 1,
+                use_cache=True, **_cache_kwarg(model, past),
+            )  # fmt: skip
+            logits.append(out.logits)
+        assert float((logits[0] - logits[1]).abs().max()) < 1e-10
+        past = ours(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match=r"21 keys \(20 cached \+ 1 new positions\), got an "
+                           r"attention_mask of 1 columns"):  # fmt: skip
+            ours(
+                input_ids=step, attention_mask=torch.ones(2, 1), use_cache=True,
+                **_cache_kwarg(ours, past),
+            )  # fmt: skip
+
+
+def test_an_attention_mask_row_with_holes_is_refused_in_transformers_convention() -> None:
+    """The adapter takes transformers' attention_mask (1 = token, 0 = padding; issue 21, item
+    8): a row whose tokens are not one run is refused in those terms, not as a
+    key_padding_mask (True = padding) the user never passed."""
+    model = _model([4, 8], [1, 2], "ringdilated").eval()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 3:5] = 0
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            ValueError,
+            match=r"attention_mask row's tokens \(1 = token, 0 = padding\) in one contiguous run "
+            r"\(left or right padding\); row 1 has 10 tokens between columns 0 and 11",
+        ),
+    ):
+        model(input_ids=_ids(2, 12), attention_mask=mask)
 
 
 def test_a_tiny_llama_compiles_without_a_graph_break() -> None:
@@ -250,5 +407,5 @@ def test_decoding_reads_the_cache_without_copying_it() -> None:
 
         step = _ids(1, 1, seed=11)
         with Largest():
-            model(input_ids=step, past_key_values=past, use_cache=True)
+            model(input_ids=step, use_cache=True, **_cache_kwarg(model, past))
     assert Largest.largest < limit, (Largest.largest, limit)

@@ -4,7 +4,8 @@
 with ``transformers.AttentionInterface`` and a mask function with
 ``transformers.AttentionMaskInterface`` (without the latter, transformers hands a custom
 attention no mask at all, and padding would be silently ignored). Install with
-``pip install -e '.[hf]'`` (transformers 5; tested with 5.23.0)::
+``pip install -e '.[hf]'`` (declared ``transformers>=5,<6``; the tests run on 5.23.0, the pinned
+version, and 5.24.0, the newest 5.x when last checked: ``tox -e hf-latest``)::
 
     import ringdilated.hf  # registers "ringdilated"
     config = LlamaConfig(..., ringdilated_segment_lengths=[2048, 4096],
@@ -23,9 +24,12 @@ What the adapter does with transformers' arguments:
 - ``query`` ``(B, H, Lq, D)`` and ``key``, ``value`` ``(B, Hkv, L, D)`` (grouped-query heads are
   not repeated) are taken as ``(B, L, H, D)`` views; the result is ``(B, Lq, H, D)``, as
   transformers expects. Rotary embeddings are already applied to ``query`` and ``key``.
-- The user's 2-D ``attention_mask`` (``1`` = token) becomes ``key_padding_mask``: each row's
-  tokens must form one contiguous run (left or right padding), which is then its own document
-  (positions counted from its first token, as transformers' ``position_ids`` count them).
+- The user's 2-D ``attention_mask`` keeps transformers' convention, ``1`` = token, ``0`` =
+  padding (the inverse of ringdilated's ``key_padding_mask``, ``True`` = padding, which the
+  adapter makes from it): shape ``(batch, cached + new positions)``, one column per key, as
+  transformers' own attention reads it. Each row's tokens must form one contiguous run (left or
+  right padding), which is then its own document (positions counted from its first token, as
+  transformers' ``position_ids`` count them).
 - ``cu_seq_lens_k`` (packed inputs, e.g. ``DataCollatorWithFlattening``) becomes
   ``cu_seqlens``.
 - With transformers' KV cache, ``key`` and ``value`` hold every cached position and ``query``
@@ -36,18 +40,25 @@ What the adapter does with transformers' arguments:
   ``is_causal`` (``True`` for decoder models). Attention weights are never materialised:
   ``output_attentions`` gets ``None``.
 - Packed inputs that transformers itself detects in ``position_ids`` (its packed-sequence mask:
-  no mask and no cache) become ``cu_seqlens`` too, with transformers' boundaries.
+  no mask and no cache) become ``cu_seqlens`` too, with transformers' boundaries. The adapter
+  recognises that mask function by how transformers builds it, ``and_masks`` of
+  ``packed_sequence_mask_function`` and ``remap_positions_for_packed_sequence`` over plain
+  causal or bidirectional, in either order (5.23 puts the packed-sequence mask first, 5.24
+  second).
 
-What it refuses, with a ``ValueError``, rather than compute something else: a static or
-sliding-window cache layout (the queries must be the last positions of the keys: use the default
-dynamic cache), a custom 4-D mask, mask functions other than plain causal or bidirectional
-(sliding windows, chunked or prefix overlays), ``config.sliding_window``, ``softcap`` and
-attention sinks (``s_aux``).
+What it refuses, with a ``ValueError``, rather than compute something else: an
+``attention_mask`` whose length is not the key length (e.g. 25 columns for 20 tokens, or a
+shorter all-ones mask: never cut to its last columns nor taken as no padding) or whose row's
+tokens are not one run, both named in its convention; a static or sliding-window cache layout
+(the queries must be the last positions of the keys: use the default dynamic cache); a custom
+4-D mask; any mask function other than those above (sliding windows, chunked, prefix or
+bidirectional overlays, or one it does not recognise: the error names how it was built, e.g.
+``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``,
+``softcap`` and attention sinks (``s_aux``).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 import torch
@@ -73,45 +84,97 @@ def _setting(config: object, name: str, default: object = None) -> Any:
 
 class KeyMask(NamedTuple):
     """What the mask function hands every layer, made once per model forward: the 2-D padding
-    mask over the keys (``True`` = token; ``None`` when nothing is padded); the packed-sequence
-    ids transformers found in ``position_ids`` (``(B, L)``, one id per document; ``None`` when
-    not packed); whether it asked for anything else (``overlay``: windows, chunks, prefix or
-    bidirectional overlays); and, in eager mode, the batch's
-    :class:`~ringdilated.SequenceLayout` made from them (read once here, for every layer; under
-    ``torch.compile`` each layer's op reads the tensors instead). A named tuple, which
-    ``torch.compile`` traces (a frozen attrs class it cannot build)."""
+    mask over the keys (``True`` = token, transformers' convention; ``None`` when nothing is
+    padded); the packed-sequence ids transformers found in ``position_ids`` (``(B, L)``, one id
+    per document; ``None`` when not packed); ``overlay``, how transformers built a mask function
+    the adapter does not serve (windows, chunks, prefix or bidirectional overlays, anything it
+    does not recognise; ``None`` when it serves it), which every layer's call then reports; and,
+    in eager mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once
+    here, for every layer; under ``torch.compile`` each layer's op reads the tensors instead). A
+    named tuple, which ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
-    overlay: bool
+    overlay: str | None
     layout: SequenceLayout | None = None
 
 
-def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, bool]:
-    """``(packed-sequence ids, overlay)`` of transformers' mask function: plain causal or
-    bidirectional, the same made packed-sequence compatible (``and_masks`` of
-    ``packed_sequence_mask_function`` and ``remap_positions_for_packed_sequence`` over a plain
-    one, as ``create_causal_mask`` builds it), or anything else (an overlay)."""
+_MASKING = "transformers.masking_utils"
+
+
+def _maker(function: object) -> str | None:
+    """The ``transformers.masking_utils`` function whose closure ``function`` is (``"and_masks"``
+    for what ``and_masks(...)`` returns), else ``None``."""
+    if getattr(function, "__module__", None) != _MASKING:
+        return None
+    maker, nested, _ = str(getattr(function, "__qualname__", "")).partition(".<locals>.")
+    return maker if nested else None
+
+
+def _captured(function: object) -> dict[str, object]:
+    """The variables a closure captured, by name (empty for anything else)."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    captured: dict[str, object] = {}
+    for name, cell in zip(code.co_freevars, cells, strict=True):
+        try:
+            captured[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return captured
+
+
+def _functions(combination: object) -> tuple[object, ...]:
+    """The mask functions ``and_masks(...)`` or ``or_masks(...)`` combined (empty for others)."""
+    functions = _captured(combination).get("mask_functions")
+    return tuple(functions) if isinstance(functions, tuple) else ()
+
+
+def _operands(function: object) -> list[object]:
+    """The mask functions ``function`` intersects: ``and_masks(...)``'s operands, nested ones
+    flattened (an intersection in any grouping and order is the same mask); else ``[function]``."""
+    if _maker(function) != "and_masks":
+        return [function]
+    return [part for f in _functions(function) for part in _operands(f)]
+
+
+def _describe(function: object, depth: int = 0) -> str:
+    """How a mask function was built, for error messages, e.g. ``and_masks(causal_mask_function,
+    sliding_window_overlay(...))``; a function from elsewhere by its module and name."""
+    maker = _maker(function)
+    if maker is None:
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        module = getattr(function, "__module__", None)
+        return name if module in (None, _MASKING) else f"{module}.{name}"
+    captured = _captured(function)
+    inner = (captured["mask_function"],) if "mask_function" in captured else _functions(function)
+    if not inner or depth >= 8:
+        return f"{maker}(...)"
+    return f"{maker}({', '.join(_describe(f, depth + 1) for f in inner)})"
+
+
+def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, str | None]:
+    """``(packed-sequence ids, overlay)`` of transformers' mask function. Served: plain causal or
+    bidirectional (``(None, None)``), or the same made packed-sequence compatible: the
+    intersection, in either order (5.23 puts the packed-sequence mask first, 5.24 second), of
+    ``packed_sequence_mask_function(ids)`` and ``remap_positions_for_packed_sequence`` over a
+    plain one (``(ids, None)``). Anything else: ``(None, how it was built)``."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
-    plain = (None, causal_mask_function, bidirectional_mask_function)
-    if mask_function in plain:
-        return None, False
-    if callable(mask_function) and getattr(mask_function, "__qualname__", "").startswith(
-        "and_masks."
-    ):
-        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
-        names = [getattr(f, "__qualname__", "") for f in parts]
-        if (
-            len(parts) == 2
-            and names[0].startswith("packed_sequence_mask_function.")
-            and names[1].startswith("remap_positions_for_packed_sequence.")
-        ):
-            ids = inspect.getclosurevars(parts[0]).nonlocals.get("packed_sequence_mask")
-            base = inspect.getclosurevars(parts[1]).nonlocals.get("mask_function")
-            if base in plain and isinstance(ids, torch.Tensor):
-                return ids, False
-    return None, True
+    plain = (causal_mask_function, bidirectional_mask_function)
+    if mask_function is None or mask_function in plain:
+        return None, None
+    operands = sorted(_operands(mask_function), key=lambda f: str(_maker(f)))
+    if [_maker(f) for f in operands] == [
+        "packed_sequence_mask_function",
+        "remap_positions_for_packed_sequence",
+    ]:
+        ids = _captured(operands[0]).get("packed_sequence_mask")
+        base = _captured(operands[1]).get("mask_function")
+        if base in plain and isinstance(ids, torch.Tensor):
+            return ids, None
+    return None, _describe(mask_function)
 
 
 def _bounds(ids: torch.Tensor) -> torch.Tensor:
@@ -126,6 +189,47 @@ def _bounds(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([row.numel()], device=starts.device)]).cpu()
 
 
+def _check_mask(mask: torch.Tensor, batch_size: int, cached: int, new: int) -> None:
+    """Raise ``ValueError`` unless transformers' 2-D ``attention_mask`` (``1`` = token, ``0`` =
+    padding) has one row per batch row and one column per key: the ``cached`` positions then
+    the ``new`` ones (transformers' dynamic cache; ``cached = 0`` without a cache)."""
+    convention = "(1 = token, 0 = padding)"
+    if mask.dim() != 2:
+        raise ValueError(
+            f"attn_implementation={NAME!r} takes a 2-D attention_mask {convention}, got shape "
+            f"{tuple(mask.shape)}"
+        )
+    rows, columns = mask.shape
+    if columns != cached + new:
+        raise ValueError(
+            f"attn_implementation={NAME!r} needs one attention_mask column per key {convention}: "
+            f"{cached + new} keys ({cached} cached + {new} new positions), got an attention_mask "
+            f"of {columns} columns"
+        )
+    if rows != batch_size:
+        raise ValueError(
+            f"attn_implementation={NAME!r} needs one attention_mask row per batch row "
+            f"{convention}: {batch_size} rows, got {rows}"
+        )
+
+
+def _check_runs(mask: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless every row of ``mask`` (``True`` = token) holds its tokens in
+    one contiguous run, as left or right padding leaves them (reads the mask on the host)."""
+    length = mask.shape[1]
+    positions = torch.arange(length, device=mask.device)
+    first = torch.where(mask, positions, length).amin(1)
+    last = torch.where(mask, positions, -1).amax(1)
+    runs = torch.stack([mask.sum(1), first, last], 1).tolist()
+    for row, (count, start, end) in enumerate(runs):
+        if count and end - start + 1 != count:
+            raise ValueError(
+                f"attn_implementation={NAME!r} needs each attention_mask row's tokens (1 = token, "
+                "0 = padding) in one contiguous run (left or right padding); row "
+                f"{row} has {count} tokens between columns {start} and {end}"
+            )
+
+
 def padding_mask(
     *,
     batch_size: int,
@@ -137,33 +241,42 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> KeyMask:
-    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`). Raises for a
-    cache layout whose queries are not the last positions of the keys (a static or sliding
-    cache), which ringdilated's query suffix cannot place."""
+    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`).
+
+    ``attention_mask`` is transformers' 2-D padding mask, ``1`` = token, ``0`` = padding (any
+    nonzero value is a token), of shape ``(batch, cached + new positions)``: one column per key,
+    the first one the oldest. Raises ``ValueError`` for a mask of any other length (it is never
+    cut to its last columns nor taken as no padding), for a row whose tokens are not one
+    contiguous run (eager mode; compiled calls check it in the layer's op), and for a cache
+    layout whose queries are not the last positions of the keys (a static or sliding cache),
+    which ringdilated's query suffix cannot place. A mask function it does not serve is
+    reported in :attr:`KeyMask.overlay`, for the attention call to raise."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
-    if offset != 0 or start + q_length != kv_length:
+    keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
+    if attention_mask is not None and (
+        attention_mask.dim() != 2
+        # Without a cache transformers takes kv_length from the mask itself: a mask that does
+        # not fit the keys shows here as kv_length == its length != keys.
+        or (offset == 0 and kv_length in (keys, attention_mask.shape[-1]))
+    ):
+        _check_mask(attention_mask, batch_size, start, q_length)
+    if offset != 0 or keys != kv_length:
         raise ValueError(
             f"attn_implementation={NAME!r} needs the queries to be the last positions of the "
             f"keys (transformers' default dynamic cache); got queries [{start}, "
-            f"{start + q_length}) of {kv_length} keys from position {offset} (a static or "
+            f"{keys}) of {kv_length} keys from position {offset} (a static or "
             "sliding-window cache)"
         )
     documents, overlay = _mask_kind(mask_function)
-    mask = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                f"attn_implementation={NAME!r} takes a 2-D attention_mask (1 = token, 0 = "
-                f"padding), got shape {tuple(attention_mask.shape)}"
-            )
-        mask = attention_mask[:, -kv_length:].bool()
-    if torch.compiler.is_compiling() or overlay:
+    mask = None if attention_mask is None else attention_mask.bool()
+    if torch.compiler.is_compiling() or overlay is not None:
         return KeyMask(mask, documents, overlay)
     # Eager: the batch's layout, read here once for every layer.
     if mask is not None and bool(mask.all()):
         mask = None
     layout = None
     if mask is not None:
+        _check_runs(mask)
         layout = SequenceLayout(key_padding_mask=mask.logical_not())
     elif documents is not None:
         layout = SequenceLayout(cu_seqlens=_bounds(documents))
@@ -206,11 +319,12 @@ def attention_forward(
                 f"{type(attention_mask).__name__} of shape {tuple(attention_mask.shape)} (a "
                 "custom 4-D mask is not supported)"
             )
-        if attention_mask.overlay:
+        if attention_mask.overlay is not None:
             raise ValueError(
-                f"attn_implementation={NAME!r} serves plain causal or bidirectional masks, "
-                "padding and packed sequences; transformers asked for another mask (a sliding "
-                "window, a chunked, prefix or bidirectional overlay)"
+                f"attn_implementation={NAME!r} serves transformers' causal_mask_function or "
+                "bidirectional_mask_function, alone or made packed-sequence compatible (and_masks "
+                "of packed_sequence_mask_function and remap_positions_for_packed_sequence over "
+                f"one of them); transformers asked for {attention_mask.overlay}"
             )
         if attention_mask.padding is not None:
             layout["key_padding_mask"] = attention_mask.padding.logical_not()
