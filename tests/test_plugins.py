@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 import types
 from collections.abc import Callable, Iterator
+from xml.etree import ElementTree
 
 import attrs
 import pytest
@@ -366,3 +371,147 @@ def test_an_unknown_forced_kernel_names_the_variable_and_the_kernels(
         ValueError, match=r"unknown kernel 'sdap' \(RINGDILATED_KERNEL=sdap\); known kernels: "
     ):
         default_resolver().resolve(Request())
+
+
+# Issue 21, item 10: the pytest plugin tests the package under test, and fails (never skips)
+# when that package's plugin is broken. Each case is a plugin author's package in a temporary
+# directory: its pyproject.toml, its tests, and its distribution's metadata on PYTHONPATH (as
+# pip would install it), run by a pytest subprocess like the author's CI.
+
+GOOD_PLUGIN = """
+import attrs
+from ringdilated.backends.reference import REFERENCE_SPEC
+from ringdilated.plugins import hookimpl
+
+SPEC = attrs.evolve(REFERENCE_SPEC, name="goodk", priority=-100)
+
+
+@hookimpl
+def ringdilated_kernels():
+    return [SPEC]
+"""
+
+AUTHOR_TESTS = """
+def test_kernel_conforms(ringdilated_kernel):
+    assert isinstance(ringdilated_kernel, str)
+
+
+def test_communicator_conforms(ringdilated_communicator):
+    assert isinstance(ringdilated_communicator, str)
+"""
+
+
+def _package(
+    root: pathlib.Path, name: str, entry_points: dict[str, str] | None, ini: str = ""
+) -> pathlib.Path:
+    """A plugin author's checkout under ``root/name`` (installed when ``entry_points`` is not
+    ``None``: its metadata goes to ``root/site``); returns its tests folder."""
+    checkout = root / name
+    (checkout / "tests").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text(
+        f'[project]\nname = "{name}"\nversion = "0.1"\n'
+        + (f"\n[tool.pytest.ini_options]\n{ini}\n" if ini else "")
+    )
+    module = name.replace("-", "_")  # one basename per package: no rootdir-wide clash
+    (checkout / "tests" / f"test_{module}_conforms.py").write_text(AUTHOR_TESTS)
+    if entry_points is not None:
+        info = root / "site" / f"{module}-0.1.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+        lines = "".join(f"{ep} = {target}\n" for ep, target in entry_points.items())
+        (info / "entry_points.txt").write_text(f"[ringdilated]\n{lines}")
+    return checkout / "tests"
+
+
+def _run_author_tests(root: pathlib.Path, *paths: pathlib.Path) -> dict[str, tuple[str, str]]:
+    """Run pytest on ``paths``: ``{test id: (outcome, message)}`` from its JUnit report."""
+    (root / "site").mkdir(exist_ok=True)
+    (root / "site" / "good_pkg_plugin.py").write_text(GOOD_PLUGIN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDILATED_")}
+    env["PYTHONPATH"] = str(root / "site")
+    report = root / "report.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}"]
+        + [str(p) for p in paths],
+        cwd=paths[0].parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        found = [c for c in case if c.tag in ("failure", "error", "skipped")]
+        outcome = found[0].tag if found else "passed"
+        message = found[0].get("message", "") if found else ""
+        outcomes[case.get("name", "")] = (outcome, message)
+    return outcomes
+
+
+def test_the_pytest_plugin_fails_a_package_whose_plugin_cannot_import(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A broken import used to make the author's conformance tests skip (an empty parameter
+    set): their CI stayed green. Now each fails, quoting the import error."""
+    tests = _package(tmp_path, "broken-pkg", {"broken": "missing_module_of_broken_pkg"})
+    outcomes = _run_author_tests(tmp_path, tests)
+    assert set(outcomes) == {
+        "test_kernel_conforms[broken-plugin-failed]",
+        "test_communicator_conforms[broken-plugin-failed]",
+    }, outcomes
+    for outcome, message in outcomes.values():
+        assert outcome == "error", outcomes
+        assert "plugin 'broken' of the package under test, 'broken-pkg', failed" in message
+        assert "ModuleNotFoundError: No module named 'missing_module_of_broken_pkg'" in message
+
+
+def test_the_pytest_plugin_tests_only_the_package_under_test(tmp_path: pathlib.Path) -> None:
+    """Every installed plugin's backends used to be tested (here the example plugin's
+    ``chunked`` and the broken package's failure too); now only the package's own."""
+    _package(tmp_path, "broken-pkg", {"broken": "missing_module_of_broken_pkg"})
+    tests = _package(tmp_path, "good-pkg", {"good": "good_pkg_plugin"})
+    outcomes = _run_author_tests(tmp_path, tests)
+    assert outcomes == {
+        "test_kernel_conforms[goodk]": ("passed", ""),
+        "test_communicator_conforms[no-communicators]": (
+            "skipped",
+            "the package under test, 'good-pkg', offers no communicators",
+        ),
+    }
+
+
+def test_the_pytest_plugin_fails_when_the_package_is_not_installed_or_has_no_plugin(
+    tmp_path: pathlib.Path,
+) -> None:
+    missing = _package(tmp_path, "not-installed-pkg", None)
+    no_entry_point = _package(tmp_path, "no-entry-point-pkg", {})
+    outcomes = _run_author_tests(tmp_path, missing, no_entry_point)
+    assert {name: outcome for name, (outcome, _) in outcomes.items()} == {
+        "test_kernel_conforms[not-installed-pkg-not-installed]": "error",
+        "test_communicator_conforms[not-installed-pkg-not-installed]": "error",
+        "test_kernel_conforms[no-entry-point-pkg-no-entry-point]": "error",
+        "test_communicator_conforms[no-entry-point-pkg-no-entry-point]": "error",
+    }
+    messages = " ".join(message for _, message in outcomes.values())
+    assert "'not-installed-pkg' (from " in messages and "is not installed" in messages
+    assert "'no-entry-point-pkg' (from " in messages and "declares no entry point" in messages
+
+
+def test_the_pytest_plugin_fails_a_named_backend_that_is_not_loaded(
+    tmp_path: pathlib.Path,
+) -> None:
+    """With the ini option naming the backend (as the example plugin does), a broken import
+    used to reach the test as a plain name; now the test fails quoting the import error."""
+    tests = _package(
+        tmp_path,
+        "broken-pkg",
+        {"broken": "missing_module_of_broken_pkg"},
+        ini='ringdilated_kernels = ["broken"]\nringdilated_communicators = ["ringpass"]',
+    )
+    outcomes = _run_author_tests(tmp_path, tests)
+    assert outcomes["test_communicator_conforms[ringpass]"] == ("passed", "")
+    outcome, message = outcomes["test_kernel_conforms[broken]"]
+    assert outcome == "error"
+    assert "kernel 'broken' (ini option ringdilated_kernels) is not loaded" in message
+    assert "No module named 'missing_module_of_broken_pkg'" in message
