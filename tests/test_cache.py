@@ -579,3 +579,219 @@ def test_a_longnet_chunk_step_keeps_a_non_finite_lse_non_finite() -> None:
     assert bool(torch.isnan(expected).any()), "the case holds a NaN lse"
     assert not bool((torch.isnan(expected) & torch.isneginf(lse)).any())
     assert bool(torch.isnan(lse[torch.isnan(expected)]).all())
+
+
+# -- a cache fits its module, and only its module (issue 21) ------------------------------------
+
+
+def _module(**kw: Any) -> MultiheadDilatedAttention:
+    torch.manual_seed(0)
+    args: dict[str, Any] = {"segment_lengths": [4, 8], "dilation_rates": [1, 2],
+                            "num_kv_heads": 2, "causal": True, "dtype": torch.float64}  # fmt: skip
+    return MultiheadDilatedAttention(16, 4, **{**args, **kw}).eval()
+
+
+def _counted(module: torch.nn.Module) -> list[int]:
+    """Calls of ``module``'s forward from now on (a list that grows by one per call)."""
+    calls: list[int] = []
+    module.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"segment_lengths": [8], "dilation_rates": [1]},
+         r"segment_lengths: the cache's \(8,\), the module's \(4, 8\); dilation_rates: the "
+         r"cache's \(1,\), the module's \(1, 2\)"),
+        ({"mode": "longnet"}, "mode: the cache's 'longnet', the module's 'head_groups'"),
+        ({"causal": False}, "causal: the cache's False, the module's True"),
+        ({"scale": 0.25}, "scale: the cache's 0.25, the module's 0.5"),
+        ({"num_kv_heads": 4}, "num_kv_heads: the cache's 4, the module's 2"),
+    ],
+)  # fmt: skip
+def test_a_module_refuses_a_cache_made_for_another_configuration(
+    changed: dict[str, Any], message: str
+) -> None:
+    """Issue 21, item 2: such a cache gave outputs off by 3.9 (another pattern) or 3.2 (not
+    causal). Now each differing field is named with both values, before any work (the
+    projections never run) and with the cache untouched."""
+    m = _module()
+    config: dict[str, Any] = {"segment_lengths": [4, 8], "dilation_rates": [1, 2],
+                              "num_heads": 4, "num_kv_heads": 2, "causal": True}  # fmt: skip
+    config.update(changed)
+    cache = DilatedKVCache(config.pop("segment_lengths"), config.pop("dilation_rates"), **config)
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    calls = _counted(m.q_proj)
+    with pytest.raises(ValueError, match=f"does not fit MultiheadDilatedAttention.*{message}"):
+        m(x, x, x, cache=cache)
+    assert calls == [] and cache.positions is None and cache.owner is None
+
+
+def test_a_module_refuses_a_cache_holding_another_head_dim_dtype_or_device() -> None:
+    """A sequence's head dim, dtype and device, compared before the projections; a module on
+    another device (meta, here) is refused before it computes anything."""
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=4, num_kv_heads=2)
+    y = torch.randn(1, 5, 4, 8)
+    cache.attend(y, y[:, :, :2], y[:, :, :2])  # head dim 8, float32, on the CPU
+    for m, field in (
+        (_module(), "head_dim: the cache's 8, the module's 4; dtype: the cache's "
+                    r"torch.float32, the module's torch.float64 \(.*reset\(\)"),
+        (_module(device="meta", dtype=torch.float32), "device: the cache's cpu, the module's meta"),
+    ):  # fmt: skip
+        calls = _counted(m.q_proj)
+        x = torch.randn(1, 1, 16, dtype=m.dtype, device=m.q_proj.weight.device)
+        with pytest.raises(ValueError, match=field):
+            m(x, x, x, cache=cache)
+        assert calls == [] and cache.lengths == (5,) and cache.owner is None
+
+
+def test_a_hand_built_cache_of_the_module_s_configuration_serves_it() -> None:
+    """Fitting compares the effective scale: ``scale=head_dim ** -0.5`` is the module's
+    ``None``. Decoded through the module, it equals the module on the whole sequence."""
+    m = _module()
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=4, num_kv_heads=2, scale=0.5)
+    x = torch.randn(2, 11, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x, x, x)[0]
+        steps = [m(x[:, :6], x[:, :6], x[:, :6], cache=cache)[0]]
+        steps += [m(*(x[:, t : t + 1],) * 3, cache=cache)[0] for t in range(6, 11)]
+    assert cache.owner is m
+    assert float((torch.cat(steps, 1) - full).abs().max()) < 1e-12
+
+
+def _state(cache: DilatedKVCache) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+    """A copy of what the cache holds: its rows' lengths, keys and values."""
+    assert cache._keys is not None and cache._values is not None
+    return cache.lengths, cache._keys.clone(), cache._values.clone()
+
+
+def test_swapped_per_layer_caches_are_refused_naming_their_owner() -> None:
+    """Two blocks of identical configuration: passing one's cache to the other (before or
+    after a reset) raises, naming the owner so that ``named_modules()`` finds it, and changes
+    neither cache; decoding in the right order then equals the blocks on the whole sequence.
+    A hand-built cache belongs to the first module it is passed to."""
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"segment_lengths": [4, 8], "dilation_rates": [1, 2], "causal": True,
+                          "dtype": torch.float64}  # fmt: skip
+    model = torch.nn.Sequential(*(DilatedTransformerBlock(16, 4, **kw) for _ in range(2))).eval()
+    caches = [block.make_cache() for block in model]
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = model(x)
+        h = x[:, :7]
+        outs = []
+        for block, cache in zip(model, caches, strict=True):
+            h = block(h, cache=cache)
+        outs.append(h)
+        kept = [_state(c) for c in caches]
+        calls = _counted(model[0].attn_norm)
+        owner = f"belongs to another module, MultiheadDilatedAttention at {id(model[1].attn):#x}"
+        with pytest.raises(ValueError, match=owner) as error:
+            model[0](x[:, 7:8], cache=caches[1])
+        hint = str(error.value).split("swapped? ")[1].split(" names it")[0]
+        assert eval(hint, {"model": model}) == ["1.attn"]
+        assert calls == []
+        for cache, state in zip(caches, kept, strict=True):
+            assert cache.lengths == state[0] and all(map(torch.equal, _state(cache)[1:], state[1:]))
+        for t in range(7, 12):
+            h = x[:, t : t + 1]
+            for block, cache in zip(model, caches, strict=True):
+                h = block(h, cache=cache)
+            outs.append(h)
+        assert float((torch.cat(outs, 1) - full).abs().max()) < 1e-12
+        caches[0].reset()  # the owner stays
+        with pytest.raises(ValueError, match="belongs to another module"):
+            model[1](x[:, :3], cache=caches[0])
+        mine = DilatedKVCache([4, 8], [1, 2], num_heads=4)
+        model[1](x[:, :3], cache=mine)
+        assert mine.owner is model[1].attn
+        with pytest.raises(ValueError, match="belongs to another module"):
+            model[0](x[:, 3:4], cache=mine)
+
+
+def test_a_cache_whose_module_no_longer_exists_is_refused() -> None:
+    """Its buffers may hold a deleted module's keys: refused, not adopted."""
+    import gc
+
+    cache = _module().make_cache()
+    gc.collect()
+    assert cache.owner is None
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="belongs to a module that no longer exists, Multihead"):
+        _module()(x, x, x, cache=cache)
+
+
+def test_a_module_in_training_mode_with_dropout_refuses_a_cache() -> None:
+    """Issue 21, item 7: the cache drops no attention probability, so a module whose dropout
+    applies (training mode, dropout > 0) refuses it before any work; in eval mode it decodes
+    what the module computes on the whole sequence."""
+    m = _module(dropout=0.1).train()
+    block = DilatedTransformerBlock(16, 4, segment_lengths=[4, 8], dilation_rates=[1, 2],
+                                    causal=True, dropout=0.1, dtype=torch.float64)  # fmt: skip
+    x = torch.randn(1, 9, 16, dtype=torch.float64)
+    calls = _counted(m.q_proj), _counted(block.attn_norm)
+    caches = m.make_cache(), block.make_cache()
+    with pytest.raises(ValueError, match=r"training mode with dropout=0\.1.*call \.eval\(\)"):
+        m(x, x, x, cache=caches[0])
+    with pytest.raises(ValueError, match=r"training mode with dropout=0\.1.*call \.eval\(\)"):
+        block(x, cache=caches[1])
+    assert calls == ([], []) and caches[0].positions is None and caches[1].positions is None
+    m.eval()
+    cache = m.make_cache()
+    with torch.no_grad():
+        steps = [m(x[:, :5], x[:, :5], x[:, :5], cache=cache)[0]]
+        steps += [m(*(x[:, t : t + 1],) * 3, cache=cache)[0] for t in range(5, 9)]
+        assert float((torch.cat(steps, 1) - m(x, x, x)[0]).abs().max()) < 1e-12
+
+
+def test_an_unknown_kernel_is_rejected_on_construction() -> None:
+    """Issue 21, item 9: not at the first attend, and naming the valid kernels."""
+    with pytest.raises(ValueError, match=r"unknown kernel 'nonsense'; known kernels: .*reference"):
+        DilatedKVCache([4], [1], num_heads=2, kernel="nonsense")
+    with pytest.raises(TypeError, match="kernel must be 'auto'"):
+        DilatedKVCache([4], [1], num_heads=2, kernel=3)  # type: ignore[arg-type]
+
+
+class _Tag(torch.autograd.Function):
+    """The identity, whose graph node holds ``tag``: alive exactly while the graph is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tag: object) -> torch.Tensor:
+        ctx.tag = tag
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def test_decoding_under_autograd_keeps_the_graph_until_reset() -> None:
+    """Issue 21, item 9 (the documented behaviour): under autograd the buffers hold every
+    step's graph (a step's keys with what they were computed from), under ``torch.no_grad()``
+    none; ``reset()`` releases it (it used to zero the buffers in place, which kept it)."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    cache = DilatedKVCache([4, 8], [1, 2], num_heads=2)
+    leaf = torch.randn(1, 6, 2, 4, requires_grad=True)
+    tags = [Marker() for _ in range(4)]  # the prompt's, then each step's
+    alive = [weakref.ref(t) for t in tags]
+    x = _Tag.apply(leaf[:, :3], tags[0])
+    cache.attend(x, x, x)
+    for t in range(3, 6):
+        x = _Tag.apply(leaf[:, t : t + 1], tags[t - 2])
+        cache.attend(x, x, x)  # the output is dropped: only the buffers hold the graph
+    del tags, x
+    gc.collect()
+    assert all(r() is not None for r in alive)
+    cache.reset()
+    gc.collect()
+    assert all(r() is None for r in alive)
+    with torch.no_grad():
+        cache.attend(leaf[:, :3], leaf[:, :3], leaf[:, :3])
+        cache.attend(leaf[:, 3:4], leaf[:, 3:4], leaf[:, 3:4])
+    assert cache._keys is not None and not cache._keys.requires_grad

@@ -49,6 +49,18 @@ keys into the buffers.
 its prompt, at positions ``0..n_b - 1``; padded positions give ``out = 0``. After it, every call
 gives each row its next tokens, at that row's own positions.
 
+**One cache, one module.** A module (:class:`~ringdilated.MultiheadDilatedAttention`, and
+:class:`~ringdilated.DilatedTransformerBlock` through it) calls :meth:`DilatedKVCache.bind` before
+any work: a cache made for another pattern, mode, causality, scale or head counts, or holding a
+sequence of another head dim, dtype or device, is refused with every field that differs; so is a
+cache that belongs to another module, even one of identical configuration (per-layer caches
+swapped: its buffers hold that module's keys). A cache belongs to the module whose
+``make_cache()`` made it, or else to the first module it is passed to, for its whole life.
+
+**No dropout, no gradient truncation.** :meth:`DilatedKVCache.attend` drops nothing; a module in
+training mode with attention dropout refuses a cache. Under autograd the buffers record every
+write, so decoding without ``torch.no_grad()`` keeps every step's graph (see the class).
+
 Call flow::
 
     cache = DilatedKVCache([2048, 4096], [1, 2], num_heads=8, causal=True)
@@ -58,6 +70,7 @@ Call flow::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import attrs
@@ -68,6 +81,7 @@ from ringdilated.core.layout import read_padding
 from ringdilated.core.pattern import DilationPattern, HeadRun, Mode, split_by_kv
 from ringdilated.core.validation import check_bool, check_options
 from ringdilated.functional import attend
+from ringdilated.registry import default_resolver
 
 __all__ = ["DilatedKVCache"]
 
@@ -194,6 +208,11 @@ def _tables(
     )
 
 
+def _shown(value: object) -> str:
+    """A field's value in an error: dtypes and devices as torch prints them, the rest repr."""
+    return str(value) if isinstance(value, (torch.dtype, torch.device)) else repr(value)
+
+
 class DilatedKVCache:
     """Keys and values that future queries can still see, in buffers of fixed size.
 
@@ -210,9 +229,22 @@ class DilatedKVCache:
     the buffers; :meth:`reset` starts every row over at position 0 and keeps them (a call of
     another batch, head dim, dtype or device after a reset allocates new ones).
 
-    Decoding is inference: run it under ``torch.no_grad()`` or ``torch.inference_mode()``. Under
-    autograd a step is differentiable until the next step writes the buffers in place, and the
-    buffers' autograd history grows with every step.
+    ``kernel`` (``"auto"``, a known kernel's name or a Kernel) is checked on construction; it
+    serves the steps of several tokens, whose results do not depend on it (up to the tolerance
+    rule), so a module does not compare it (:meth:`bind`).
+
+    **No dropout.** :meth:`attend` drops no attention probability, in any mode; a module in
+    training mode with ``dropout > 0`` refuses a cache rather than silently decode without it
+    (call ``.eval()`` for decoding).
+
+    **Decoding is inference: run it under** ``torch.no_grad()`` **or**
+    ``torch.inference_mode()``. Under autograd (``k`` or ``v`` requiring grad, as a module's
+    projections give with grad enabled) every write into the buffers is recorded on them: a step
+    is differentiable exactly (gradients reach every earlier token still held) until the next
+    step writes the buffers in place (a backward through an older step then raises), and the
+    buffers hold the graph of every step since construction or :meth:`reset`, each step's keys
+    and values with everything they were computed from: **memory grows with every token**.
+    :meth:`reset` drops that graph (the buffers are detached, their storage kept).
     """
 
     def __init__(
@@ -234,6 +266,7 @@ class DilatedKVCache:
                 raise TypeError(f"{name} must be an int, got {value!r}")
         self.pattern.check_heads(num_heads, kv_heads)
         check_options(scale, 0.0)
+        default_resolver().check_kernel_name(kernel)
         self.causal = check_bool("causal", causal)
         self.scale = scale
         self.kernel = kernel
@@ -249,6 +282,8 @@ class DilatedKVCache:
         self._work = torch.float32  # the one-token step's arithmetic (float64 for float64)
         self._scale = 1.0
         self._started = False  # a prompt was attended since construction or reset()
+        self._owner: weakref.ReferenceType[object] | None = None  # see bind()
+        self._owner_name = ""
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -291,13 +326,97 @@ class DilatedKVCache:
         return sum(t.untyped_storage().nbytes() for t in buffers)
 
     def reset(self) -> None:
-        """Start every row over at position 0. The buffers are kept, and zeroed in place (a
+        """Start every row over at position 0. The buffers' storage is kept, zeroed in place (a
         slot becomes visible only once written again, but a NaN or infinite value left from the
-        last sequence must not meet a zero probability in the next)."""
-        for buffer in (self._positions, self._keys, self._values):
-            if buffer is not None:
-                buffer.zero_()
+        last sequence must not meet a zero probability in the next), and detached: the autograd
+        graph that writes under autograd recorded on them is released. The cache's module
+        (:attr:`owner`) stays."""
+        if self._keys is not None and self._values is not None:
+            self._keys = self._keys.detach().zero_()
+            self._values = self._values.detach().zero_()
+        if self._positions is not None:
+            self._positions.zero_()
         self._started = False
+
+    @property
+    def owner(self) -> object | None:
+        """The module this cache serves (see :meth:`bind`): ``None`` before one made it or used
+        it, or once that module no longer exists."""
+        return None if self._owner is None else self._owner()
+
+    def bind(
+        self,
+        module: object,
+        *,
+        pattern: DilationPattern,
+        causal: bool,
+        scale: float | None,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype | None,
+    ) -> None:
+        """Make this cache ``module``'s, or raise ``ValueError`` naming every field in which it
+        does not fit ``module`` (both values) and the module that owns it.
+
+        It fits when its pattern (``segment_lengths``, ``dilation_rates``, ``mode``),
+        ``causal``, effective scale (``scale``, or ``head_dim ** -0.5`` for ``None``) and head
+        counts are the module's; when, holding a sequence, that sequence's head dim, device and
+        (unless ``dtype`` is ``None``: not known before the projections, as under autocast)
+        dtype are the module's; and when it belongs to no module or to ``module``. A cache
+        belongs to the first module bound to it for its whole life (``make_cache()`` binds
+        the cache it makes; :meth:`reset` keeps the owner): a cache of identical configuration
+        used by another module holds that module's keys and values (per-layer caches swapped),
+        and one whose module no longer exists holds a deleted module's. Changes nothing when it
+        raises. The modules call it before any work; a direct :meth:`attend` needs no owner."""
+        default = head_dim**-0.5  # the effective scale of scale=None
+        p, given = self.pattern, pattern
+        made: list[tuple[str, object, object]] = [
+            ("segment_lengths", p.segment_lengths, given.segment_lengths),
+            ("dilation_rates", p.dilation_rates, given.dilation_rates),
+            ("mode", p.mode, given.mode),
+            ("causal", self.causal, causal),
+            ("scale", default if self.scale is None else self.scale,
+             default if scale is None else scale),
+            ("num_heads", self.num_heads, num_heads),
+            ("num_kv_heads", self.num_kv_heads, num_kv_heads),
+        ]  # fmt: skip
+        holds: list[tuple[str, object, object]] = []
+        if self._started and self._values is not None:
+            held = self._values
+            holds += [("head_dim", held.shape[3], head_dim), ("device", held.device, device)]
+            if dtype is not None:
+                holds.append(("dtype", held.dtype, dtype))
+        problems = []
+        for fields, rule in (
+            (made, "a cache serves only a module of its pattern, mode, causality, scale and "
+                   "head counts: make it with the module's make_cache()"),
+            (holds, "the sequence it holds must be in the module's head dim, device and dtype: "
+                    "reset() it to start another"),
+        ):  # fmt: skip
+            differ = [f"{name}: the cache's {_shown(a)}, the module's {_shown(b)}"
+                      for name, a, b in fields if a != b]  # fmt: skip
+            if differ:
+                problems.append("; ".join(differ) + f" ({rule})")
+        named = f"{type(module).__name__} at {id(module):#x}"
+        owner = self.owner
+        if self._owner is not None and owner is not module:
+            whose = (
+                f"another module, {self._owner_name} (per-layer caches swapped? [name for name, "
+                f"m in model.named_modules() if id(m) == {id(owner):#x}] names it)"
+                if owner is not None
+                else f"a module that no longer exists, {self._owner_name}"
+            )
+            problems.append(
+                f"it belongs to {whose}, and a cache serves one module for its life: the one "
+                "whose make_cache() made it, or else the first one it was passed to (make one "
+                "per module)"
+            )
+        if problems:
+            raise ValueError(f"this DilatedKVCache does not fit {named}: " + "; ".join(problems))
+        if self._owner is None:
+            self._owner, self._owner_name = weakref.ref(module), named
 
     def rotary_positions(
         self, tokens: int, device: torch.device, key_padding_mask: torch.Tensor | None = None

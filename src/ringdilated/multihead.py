@@ -196,6 +196,13 @@ class MultiheadDilatedAttention(nn.Module):
         attending them over everything it has seen in that row; no ``cu_seqlens``, no process
         group. ``key_padding_mask`` with a cache: on its first call only (a padded prompt batch;
         each row then decodes at its own position). A one-token step reads nothing on the host.
+        Before any work, a cache that does not fit this module raises ``ValueError`` naming
+        each field that differs (pattern, mode, causality, scale, heads; the head dim, device
+        and dtype of a sequence it holds) or the other module it belongs to
+        (:meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`); so does a cache in
+        training mode with ``dropout > 0`` (a cache drops no attention probability: call
+        ``.eval()``). Decode under ``torch.no_grad()``: under autograd the cache keeps every
+        step's graph (see :class:`~ringdilated.DilatedKVCache`).
 
         ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, the
         process layout, made once per batch for every layer), instead of ``key_padding_mask``
@@ -206,9 +213,7 @@ class MultiheadDilatedAttention(nn.Module):
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
             if cache is not None:
-                self._check_cache(cache, key_padding_mask, cu_seqlens)
-                if layout is not None:
-                    raise ValueError("a cache decodes without a layout: pass layout=None")
+                self._check_cache(cache, key_padding_mask, cu_seqlens, layout)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
@@ -315,9 +320,11 @@ class MultiheadDilatedAttention(nn.Module):
 
     def make_cache(self) -> DilatedKVCache:
         """An empty :class:`~ringdilated.DilatedKVCache` for this module's pattern, heads,
-        causality, scale and kernel, to pass to ``forward(..., cache=)`` while decoding."""
+        causality, scale and kernel, to pass to ``forward(..., cache=)`` while decoding. It
+        belongs to this module (:meth:`~ringdilated.DilatedKVCache.bind`): another module
+        refuses it, so make one per layer."""
         a = self.attention
-        return DilatedKVCache(
+        cache = DilatedKVCache(
             a.pattern.segment_lengths,
             a.pattern.dilation_rates,
             num_heads=self.num_heads,
@@ -327,10 +334,44 @@ class MultiheadDilatedAttention(nn.Module):
             scale=a.scale,
             kernel=a.kernel,
         )
+        self._bind_cache(cache)
+        return cache
 
-    def _check_cache(self, cache: object, key_padding_mask: object, cu_seqlens: object) -> None:
+    def _bind_cache(self, cache: DilatedKVCache) -> None:
+        """:meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>` with this module's
+        pattern, causality, scale, heads, head dim, parameter device, and the dtype its
+        projections give where that is known before them (no autocast on the parameters'
+        device, no rotary callable, which may return another dtype); otherwise the cache's
+        own check compares the dtype, after the projections and before the cache changes."""
+        a, weight = self.attention, self.q_proj.weight
+        known = self.rotary is None and not autocast_enabled(weight.device.type)
+        cache.bind(
+            self,
+            pattern=a.pattern,
+            causal=a.causal,
+            scale=a.scale,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            device=weight.device,
+            dtype=weight.dtype if known else None,
+        )
+
+    def _check_cache(
+        self, cache: object, key_padding_mask: object, cu_seqlens: object, layout: object
+    ) -> None:
+        """Raise unless ``cache`` can serve this call; then it is this module's (see
+        :meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`)."""
         if not isinstance(cache, DilatedKVCache):
             raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
+        if self.attention.training and self.attention.dropout > 0:
+            raise ValueError(
+                f"this module is in training mode with dropout={self.attention.dropout}, and a "
+                "cache applies no attention dropout (its steps would silently drop none): call "
+                ".eval() to decode, or build the module with dropout=0.0"
+            )
+        if layout is not None:
+            raise ValueError("a cache decodes without a layout: pass layout=None")
         if cu_seqlens is not None:
             raise ValueError(
                 "a cache holds one sequence per row, not packed documents: pass cu_seqlens=None "
@@ -343,6 +384,7 @@ class MultiheadDilatedAttention(nn.Module):
             )
         if self.attention.process_group is not None:
             raise ValueError("cache= is for decoding on one process; this module is sharded")
+        self._bind_cache(cache)
 
     def explain(self) -> str:
         """Which kernel and communicator serve this module, and why the others were rejected."""

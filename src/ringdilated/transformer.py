@@ -102,7 +102,8 @@ class DilatedTransformerBlock(nn.Module):
 
     def make_cache(self) -> DilatedKVCache:
         """An empty cache for decoding with this block (its attention's
-        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`)."""
+        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`, which it belongs to: make
+        one per block)."""
         return self.attn.make_cache()
 
     def forward(
@@ -121,9 +122,15 @@ class DilatedTransformerBlock(nn.Module):
         ``layout``, the batch's :class:`~ringdilated.SequenceLayout` made once for every block.
         ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding each row's next tokens
         (with ``key_padding_mask`` on the cache's first call only: a padded prompt batch, whose
-        rows then decode at their own positions); a one-token step reads nothing on the host."""
+        rows then decode at their own positions); a one-token step reads nothing on the host.
+        A cache that does not fit this block's attention, or belongs to another block, or a
+        block in training mode with ``dropout > 0``, raises before any work (see
+        :meth:`MultiheadDilatedAttention.forward <ringdilated.MultiheadDilatedAttention.forward>`).
+        Decode under ``torch.no_grad()``: under autograd the cache keeps every step's graph."""
         embed_dim = self.attn.embed_dim
         try:
+            if cache is not None:
+                self.attn._check_cache(cache, key_padding_mask, cu_seqlens, layout)
             if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
                 raise TypeError("x must be a dense (strided) tensor, got a nested or sparse one")
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
