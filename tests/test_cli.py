@@ -4,9 +4,15 @@ files, fails with one line (and a non-zero status), and has ``--help``."""
 from __future__ import annotations
 
 import csv
+import datetime
 import json
+import os
+import pathlib
+import platform
 import subprocess
 import sys
+import types
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -173,3 +179,86 @@ def test_verify_exits_non_zero_when_nothing_or_not_everything_was_checked(
     out = capsys.readouterr().out
     assert "broken     unavailable  ImportError: its extension did not load" in out
     assert "on cpu: 1 passed, 0 failed, 1 unavailable, 0 skipped" in out
+
+
+SMALL_BENCH = ["bench", "--lengths", "64,128", "--segments", "32,64", "--rates", "1,2"]
+SMALL_BENCH += ["--heads", "2", "--head-dim", "8", "--repeats", "1", "--no-progress"]
+
+
+class _Axis:
+    """A matplotlib axis that records the labels of the lines drawn on it."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def plot(self, x: list[int], y: list[float], **kwargs: object) -> None:
+        assert len(x) == len(y) and all(isinstance(value, float) for value in y)
+        self.lines.append(str(kwargs["label"]))
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _fake_matplotlib(monkeypatch: pytest.MonkeyPatch) -> tuple[_Axis, _Axis]:
+    """Install a matplotlib whose ``subplots`` hands out two recording axes (time, memory)."""
+    left, right = _Axis(), _Axis()
+    figure = types.SimpleNamespace(
+        suptitle=lambda *a: None,
+        tight_layout=lambda: None,
+        savefig=lambda path, **kw: pathlib.Path(path).write_bytes(b"png"),
+    )
+    pyplot = types.ModuleType("matplotlib.pyplot")
+    pyplot.subplots = lambda *a, **kw: (figure, (left, right))  # type: ignore[attr-defined]
+    pyplot.close = lambda fig: None  # type: ignore[attr-defined]
+    matplotlib = types.ModuleType("matplotlib")
+    matplotlib.use = lambda backend: None  # type: ignore[attr-defined]
+    matplotlib.pyplot = pyplot  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "matplotlib", matplotlib)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    return left, right
+
+
+def test_bench_plot_draws_every_series_dense_included(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21, item 10: ``--plot`` drew forward and forward+backward but not ``--dense``."""
+    time_axis, memory_axis = _fake_matplotlib(monkeypatch)
+    plot = tmp_path / "b.png"
+    assert main([*SMALL_BENCH, "--backward", "--dense", "--plot", str(plot)]) == 0
+    assert plot.read_bytes() == b"png"
+    assert time_axis.lines == ["forward", "forward+backward", "dense SDPA"]
+    assert memory_axis.lines == ["forward", "forward+backward", "dense SDPA"]
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[-3:] == ["dense_s", "dense_gflops", "dense_peak_mib"]
+
+
+def test_bench_json_records_versions_device_and_machine(tmp_path: pathlib.Path) -> None:
+    """Issue 21, item 10: the JSON recorded no torch version, device or machine."""
+    import ringdilated
+
+    assert main([*SMALL_BENCH, "--json", str(tmp_path / "b.json")]) == 0
+    environment = json.loads((tmp_path / "b.json").read_text())["environment"]
+    assert environment["torch"] == torch.__version__
+    assert environment["ringdilated"] == ringdilated.__version__
+    assert environment["python"] == platform.python_version()
+    device = environment["device"]
+    assert device["type"] == "cpu" and isinstance(device["name"], str) and device["name"]
+    machine = environment["machine"]
+    assert machine["architecture"] == platform.machine()
+    assert machine["system"] == platform.platform()
+    assert machine["logical_cpus"] == os.cpu_count() and machine["ranks"] == 1
+    assert machine["threads_per_rank"] == torch.get_num_threads()
+    assert machine["memory_gib"] is None or machine["memory_gib"] > 0
+    when = datetime.datetime.fromisoformat(environment["time_utc"])
+    assert when.utcoffset() == datetime.timedelta(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_environment_names_the_cuda_device() -> None:
+    from ringdilated.cli.bench import environment
+
+    device = environment("cuda")["device"]
+    assert device["name"] == torch.cuda.get_device_name(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    assert device["compute_capability"] == f"{major}.{minor}"
+    assert device["cuda"] == torch.version.cuda and device["memory_gib"] > 0

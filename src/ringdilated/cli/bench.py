@@ -5,17 +5,26 @@ with ``--backward``, forward+backward), GFLOP/s of the pattern's own work
 (``DilationPattern.flops``; backward counted 2.5x forward), and the peak resident memory the
 call added (Linux ``VmHWM``, reset before the call). ``--world-size N`` spawns N local gloo
 ranks, each holding ``L / N`` of the sequence; times and memory are then the slowest rank's.
-``--dense`` adds dense ``scaled_dot_product_attention`` over the whole sequence (forward) for
-comparison; ``--device cuda`` measures on a GPU (CUDA-synchronised times, allocator peaks).
-Every flag is checked before any work, the memory the largest row needs included
-(:func:`ringdilated.cli.memory.bench_bytes`).
+``--dense`` adds dense ``scaled_dot_product_attention`` over the whole sequence (forward: its
+time and peak memory) for comparison; ``--device cuda`` measures on a GPU (CUDA-synchronised
+times, allocator peaks). Every flag is checked before any work, the memory the largest row
+needs included (:func:`ringdilated.cli.memory.bench_bytes`).
+
+Outputs: the table; ``--json`` writes ``{"config", "environment", "rows"}``, the environment
+being what the figures depend on (:func:`environment`: versions, the device, the machine);
+``--csv`` writes the table's rows; ``--plot`` draws every timed series (forward, with
+``--backward`` forward+backward, with ``--dense`` dense SDPA) and every measured peak against
+the sequence length.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import os
+import platform
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +34,7 @@ import torch
 from ringdilated.cli import flags, memory
 from ringdilated.cli.progress import progress, table
 
-__all__ = ["add_arguments", "measure", "run"]
+__all__ = ["add_arguments", "environment", "measure", "run"]
 
 DEFAULT_LENGTHS = [2048, 4096, 8192, 16384, 32768]
 
@@ -133,24 +142,25 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
         out = attend(leaves[0], leaves[1], leaves[2])
         torch.autograd.backward(out, torch.ones_like(out))
 
+    def dense() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=config["causal"],
+            )
+
     # Peaks first: a cold call, before timing loops leave freed memory resident.
     row: dict[str, Any] = {"forward_peak_mib": _peak_extra(forward, device) / 2**20}
     if config["backward"]:
         row["fwd_bwd_peak_mib"] = _peak_extra(forward_backward, device) / 2**20
+    if config.get("dense"):
+        row["dense_peak_mib"] = _peak_extra(dense, device) / 2**20
     row["forward_s"] = _best(forward, config["repeats"], device)
     if config["backward"]:
         row["fwd_bwd_s"] = _best(forward_backward, config["repeats"], device)
     if config.get("dense"):
-
-        def dense() -> torch.Tensor:
-            with torch.no_grad():
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(1, 2),
-                    k.transpose(1, 2),
-                    v.transpose(1, 2),
-                    is_causal=config["causal"],
-                )
-
         row["dense_s"] = _best(dense, config["repeats"], device)
     return row
 
@@ -297,7 +307,7 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     if args.backward:
         columns += ["fwd_bwd_s", "fwd_bwd_gflops", "fwd_bwd_peak_mib"]
     if args.dense:
-        columns += ["dense_s", "dense_gflops"]
+        columns += ["dense_s", "dense_gflops", "dense_peak_mib"]
     fmt = {"s": "{:.4f}", "gflops": "{:.1f}", "mib": "{:.1f}"}
 
     def cell(key: str, value: Any) -> str:
@@ -308,7 +318,14 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"config": vars(args) | {"run": None}, "rows": rows}, f, indent=2, default=str
+                {
+                    "config": vars(args) | {"run": None},
+                    "environment": environment(args.device, args.world_size),
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+                default=str,
             )
     if args.csv:
         with open(args.csv, "w", newline="") as f:
@@ -316,10 +333,21 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             writer.writeheader()
             writer.writerows(rows)
     if args.plot:
-        _plot(rows, args.plot, args.backward)
+        _plot(rows, args.plot)
 
 
-def _plot(rows: list[dict[str, Any]], path: str, backward: bool) -> None:
+#: The plotted series: (time column, peak memory column, legend label), each drawn when the
+#: rows hold it.
+SERIES = (
+    ("forward_s", "forward_peak_mib", "forward"),
+    ("fwd_bwd_s", "fwd_bwd_peak_mib", "forward+backward"),
+    ("dense_s", "dense_peak_mib", "dense SDPA"),
+)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Time (left) and peak extra memory (right) against sequence length: one line for each
+    series in :data:`SERIES` that the rows hold."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,11 +355,11 @@ def _plot(rows: list[dict[str, Any]], path: str, backward: bool) -> None:
 
     lengths = [r["length"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(lengths, [r["forward_s"] for r in rows], marker="o", label="forward")
-    right.plot(lengths, [r["forward_peak_mib"] for r in rows], marker="o", label="forward")
-    if backward:
-        left.plot(lengths, [r["fwd_bwd_s"] for r in rows], marker="o", label="forward+backward")
-        right.plot(lengths, [r["fwd_bwd_peak_mib"] for r in rows], marker="o", label="fwd+bwd")
+    for time_key, peak_key, label in SERIES:
+        if time_key in rows[0]:
+            left.plot(lengths, [r[time_key] for r in rows], marker="o", label=label)
+        if peak_key in rows[0]:
+            right.plot(lengths, [r[peak_key] for r in rows], marker="o", label=label)
     for axis, label in ((left, "time (s)"), (right, "peak extra memory (MiB)")):
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
@@ -343,3 +371,65 @@ def _plot(rows: list[dict[str, Any]], path: str, backward: bool) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def environment(device: str, world_size: int = 1) -> dict[str, Any]:
+    """What a benchmark's figures depend on besides its flags, for the JSON output: the
+    ringdilated, torch and Python versions, the device measured (type, name, and for CUDA the
+    compute capability, memory and CUDA version), the machine (architecture, OS, CPU model,
+    logical CPUs, memory, the threads each rank ran with) and the UTC time of the run."""
+    import ringdilated
+
+    where = torch.device(device)
+    measured: dict[str, Any] = {"type": where.type, "name": _cpu_model()}
+    if where.type == "cuda":
+        index = where.index if where.index is not None else torch.cuda.current_device()
+        properties = torch.cuda.get_device_properties(index)
+        measured = {
+            "type": "cuda",
+            "index": index,
+            "name": properties.name,
+            "compute_capability": f"{properties.major}.{properties.minor}",
+            "memory_gib": properties.total_memory / 2**30,
+            "cuda": torch.version.cuda,
+        }
+    return {
+        "ringdilated": ringdilated.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": measured,
+        "machine": {
+            "architecture": platform.machine(),
+            "system": platform.platform(),
+            "cpu": _cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "memory_gib": _memory_gib(),
+            "threads_per_rank": max(1, torch.get_num_threads() // world_size),
+            "ranks": world_size,
+        },
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``), else what :mod:`platform` says."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    """Total memory (Linux ``MemTotal``), ``None`` where ``/proc/meminfo`` does not exist."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024 / 2**30
+    except OSError:
+        pass
+    return None
