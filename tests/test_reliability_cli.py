@@ -267,3 +267,36 @@ def test_verify_max_examples_zero_checks_nothing_and_says_so(
     status, out, err = run_cli(["verify", "--max-examples", "0", "--no-progress"], capsys)
     assert status == 2 and out == ""
     assert_one_line_error(err, "verify", "argument --max-examples: must be at least 1, got 0")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("RINGDILATED_STRICT_PLUGINS", "yes-please", "must be one of ('1', 'true'"),
+        ("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "maybe", "must be one of ('1', 'true'"),
+        ("RINGDILATED_BLOCK_PLUGINS", "flexx", "names 'flexx', not a built-in plugin"),
+        ("RINGDILATED_PACKAGES", "flash-attn", "names 'flash-attn', not a package"),
+    ],
+)
+def test_doctor_refuses_a_variable_it_does_not_understand(
+    variable: str,
+    value: str,
+    fragment: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 21, item 6: these were taken as unset, and doctor reported a healthy setup."""
+    from ringdilated.plugins import load_registry
+    from ringdilated.registry import default_resolver
+
+    monkeypatch.setenv(variable, value)
+    load_registry.cache_clear()
+    default_resolver.cache_clear()
+    try:
+        status, _, err = run_cli(["doctor", "--device", "cpu", "--dtype", "float32"], capsys)
+    finally:
+        monkeypatch.delenv(variable)
+        load_registry.cache_clear()
+        default_resolver.cache_clear()
+    assert status == 1
+    assert_one_line_error(err, "doctor", f"ValueError: {variable}", repr(value), fragment)
