@@ -60,7 +60,7 @@ def test_an_empty_shard_raises_on_every_rank(workers2: Workers) -> None:
     results = workers2.results(f"{TASKS}:call_with_fault", {"fault": "empty shard", "rank": 1})
     assert all(r["raised"] == "ValueError" and r["seconds"] < BOUND_S for r in results), results
     assert "shard lengths (8, 0) (rank 1 holds 0)" in results[0]["message"]
-    assert results[1]["message"] == "q must have no empty dimension, got shape (1, 0, 2, 8)"
+    assert results[1]["message"] == results[0]["message"]  # one wording on every rank
 
 
 def test_a_fault_on_a_middle_rank_of_four_stops_all_four(workers4: Workers) -> None:

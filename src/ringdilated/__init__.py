@@ -29,6 +29,7 @@ from ringdilated.core import (
 )
 from ringdilated.core.communicator import TransferStats
 from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
+from ringdilated.core.grid import DistributedNotInitializedWarning
 from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
@@ -46,6 +47,7 @@ __all__ = [
     "DilatedKVCache",
     "DilatedTransformerBlock",
     "DilationPattern",
+    "DistributedNotInitializedWarning",
     "Environment",
     "KernelSpec",
     "MultiheadDilatedAttention",

@@ -376,11 +376,17 @@ def dilated_attention(
     - ``cu_seqlens``: a 1-D integer tensor ``[0, e_1, ..., L]``, strictly increasing, shared by
       every batch row: packed documents, each attended as its own sequence (positions and
       segments restart at its start; no query sees another document's keys).
-    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding. Each row's valid positions must
-      form one contiguous run (left or right padding), attended as its one document; padded
-      positions are nobody's keys and give ``out = 0``, ``lse = -inf``. Not with ``cu_seqlens``.
-      Both are read to the host once per call (the blocks are planned there): for many layers
-      of one batch, pass them once to a ``layout`` instead.
+    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding (the convention of
+      ``torch.nn.MultiheadAttention``; the opposite of a Hugging Face ``attention_mask``, where
+      1 = token: pass ``attention_mask == 0``). Each row's valid (``False``) positions must form
+      one contiguous run (left or right padding), attended as its one document; padded
+      positions are nobody's keys and give ``out = 0``, ``lse = -inf``; a row of padding only
+      gives zeros. An inverted mask is mostly valid (a right-padded row's negation reads as a
+      left-padded one, an unpadded row's as all padding) and then silently attends the padding
+      instead of the tokens: it raises only where a row's valid positions are not one run. Not
+      with ``cu_seqlens``. Both are read to the host once per call (the blocks are planned
+      there), so they must hold data (a ``meta`` tensor raises ``ValueError`` naming it): for
+      many layers of one batch, pass them once to a ``layout`` instead.
     - ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, process
       group and shard lengths, read and agreed once per batch). A call on a layout is planned and
       agreed at its first call with each signature; later ones read nothing from the device and
@@ -399,7 +405,13 @@ def dilated_attention(
       ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
       (``"ringpass"``, ``"allgather"``) or a
       :class:`~ringdilated.core.communicator.Communicator` instance.
-      Inputs are checked on every rank and a rejection raises on every rank.
+      Inputs are checked on every rank and a rejection raises on every rank; every shard must
+      hold at least one position (an empty one raises on every rank, naming its rank).
+      ``dist.group.WORLD`` is ``None`` until ``torch.distributed.init_process_group()``: passed
+      before it, the call runs as one process over the rank's own shard. A one-process call in
+      a process whose environment says ``WORLD_SIZE > 1`` (a launcher such as ``torchrun``)
+      while ``torch.distributed`` is not initialised warns with
+      :class:`~ringdilated.DistributedNotInitializedWarning`, once per process.
     - ``transfer_stats``: a :class:`~ringdilated.core.communicator.TransferStats` to which a
       sharded call adds the bytes this rank sends and receives (forward, and backward when it
       runs).

@@ -29,7 +29,8 @@ class DilatedAttention(nn.Module):
 
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
     semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens`` (packed
-    documents), ``key_padding_mask``, ``layout`` (the batch's
+    documents), ``key_padding_mask`` (``(B, L)`` bool, ``True`` = padding, one contiguous valid
+    run per row: the negation of a Hugging Face ``attention_mask``), ``layout`` (the batch's
     :class:`~ringdilated.SequenceLayout`, made once for every layer; its process group must be
     the module's) and a ``q`` shorter than ``k`` (a query suffix). ``dropout`` applies in
     training mode only.

@@ -48,7 +48,7 @@ from ringdilated.core.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Res
 from ringdilated.core.sequence_layout import SequenceLayout
 from ringdilated.core.shard_plan import ShardPlan, shard_plan
 from ringdilated.core.sharded_run import ShardedRun
-from ringdilated.core.validation import check_bool, check_inputs, check_options
+from ringdilated.core.validation import check_bool, check_inputs, check_options, check_shards
 
 __all__ = [
     "WHOLE_SEQUENCES",
@@ -380,6 +380,9 @@ def _check(
         if isinstance(pattern_args, DilationPattern)
         else DilationPattern(*pattern_args)  # type: ignore[arg-type]
     )
+    if ranks > 1:  # an empty shard: one message on every rank, naming it
+        rank = None if lengths is not None else grid.rank(group)  # type: ignore[arg-type]
+        check_shards(lengths, rank, q, k)
     q, k, v = check_inputs(q, k, v, pattern)
     if ranks > 1 and q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -541,6 +544,8 @@ def prepare_call(
 
     if ranks == 1:
         checked = check()
+        if group is None:  # one process: say so if a launcher started several (once)
+            grid.warn_if_launched_alone()
     else:
         # Nothing a caller passed may raise on one rank outside this guard: the peers would be
         # left waiting in the agreement's collective.

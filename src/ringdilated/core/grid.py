@@ -13,11 +13,76 @@ flat rank order. Nothing here creates a process group.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["Grid", "as_process_group", "gather", "gather_objects", "group_size", "rank", "size"]
+__all__ = [
+    "LAUNCHER_WORLD_SIZE_ENV",
+    "DistributedNotInitializedWarning",
+    "Grid",
+    "as_process_group",
+    "gather",
+    "gather_objects",
+    "group_size",
+    "rank",
+    "size",
+    "warn_if_launched_alone",
+]
+
+LAUNCHER_WORLD_SIZE_ENV = "WORLD_SIZE"
+"""The variable a launcher (``torchrun``, ``torch.distributed.launch``, SLURM setups) sets to the
+number of ranks it started, beside ``RANK`` and ``LOCAL_RANK``."""
+
+
+class DistributedNotInitializedWarning(UserWarning):
+    """A one-process call (``process_group=None``) in a process that a launcher started as one
+    of several ranks (``WORLD_SIZE > 1`` in its environment) while ``torch.distributed`` is not
+    initialised: each rank then attends over its own shard as if it were the whole sequence.
+    The usual cause: ``process_group=dist.group.WORLD`` passed before
+    ``torch.distributed.init_process_group()`` (``dist.group.WORLD`` is ``None`` until then).
+    Emitted once per process (:func:`warn_if_launched_alone`)."""
+
+
+_warned_alone = False
+"""Whether :func:`warn_if_launched_alone` has warned in this process."""
+
+
+def warn_if_launched_alone() -> None:
+    """Warn, once per process, with :class:`DistributedNotInitializedWarning` when the
+    environment says this process is one of several ranks (``WORLD_SIZE``, an integer above 1)
+    and ``torch.distributed`` is not initialised; the caller is about to run a call as one
+    process. Does nothing otherwise (``WORLD_SIZE`` unset, ``1``, not an integer, or the default
+    group initialised: a one-process call beside it is then the caller's choice). Reads the
+    environment only until it has warned; called once per planned call, never per step."""
+    global _warned_alone
+    if _warned_alone:
+        return
+    value = os.environ.get(LAUNCHER_WORLD_SIZE_ENV)
+    if value is None:
+        return
+    try:
+        ranks = int(value.strip())
+    except ValueError:  # not a launcher's value: nothing to say about it
+        return
+    if ranks <= 1 or (dist.is_available() and dist.is_initialized()):
+        return
+    _warned_alone = True  # before warning: a filter may turn the warning into an error
+    warnings.warn(
+        f"{LAUNCHER_WORLD_SIZE_ENV}={value.strip()} in the environment says this process is one "
+        f"of {ranks} ranks (a launcher such as torchrun set it), but torch.distributed is not "
+        "initialised, so this call runs as one process over this rank's tensors alone, as if "
+        "they were the whole sequence (process_group=None; dist.group.WORLD is None until "
+        "torch.distributed.init_process_group() is called). Call "
+        "torch.distributed.init_process_group() before taking the process_group you pass, or "
+        f"unset {LAUNCHER_WORLD_SIZE_ENV} if every process should attend on its own. (Warned "
+        "once per process.)",
+        DistributedNotInitializedWarning,
+        stacklevel=3,
+    )
 
 
 @attrs.frozen

@@ -22,7 +22,15 @@ import itertools
 import attrs
 import torch
 
-__all__ = ["DocumentLayout", "Documents", "Rows", "read_documents", "read_layout", "read_padding"]
+__all__ = [
+    "DocumentLayout",
+    "Documents",
+    "Rows",
+    "check_readable",
+    "read_documents",
+    "read_layout",
+    "read_padding",
+]
 
 Documents = tuple[tuple[int, int], ...]
 """``[start, stop)`` spans, increasing, disjoint."""
@@ -127,6 +135,18 @@ def read_layout(
     return DocumentLayout.whole(batch, length, query_length)
 
 
+def check_readable(name: str, tensor: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` and the device unless ``tensor`` holds data the host
+    can read (a ``meta`` tensor has a shape only): documents and padding are read to the host
+    once per layout."""
+    if tensor.device.type == "meta":
+        raise ValueError(
+            f"{name} must hold data the host can read (it is read to the host once per layout, "
+            f"to plan the call), got a tensor on device {tensor.device}: make it on the CPU or "
+            "on the inputs' device"
+        )
+
+
 def read_documents(cu_seqlens: object, length: int | None) -> Documents:
     """The documents of ``cu_seqlens`` ``[0, e_1, ..., L]``, which must run to ``length`` (any
     end when ``None``). One read of the tensor to the host."""
@@ -145,6 +165,7 @@ def read_documents(cu_seqlens: object, length: int | None) -> Documents:
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
         )
+    check_readable("cu_seqlens", cu_seqlens)
     bounds = [int(x) for x in cu_seqlens.tolist()]
     if length is None and len(bounds) >= 2:
         length = bounds[-1]
@@ -171,7 +192,9 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
         )
     if mask.dtype != torch.bool:
         raise TypeError(
-            f"key_padding_mask must be a bool tensor (True = padding), got {mask.dtype}"
+            "key_padding_mask must be a bool tensor, True = padding (the convention of "
+            "torch.nn.MultiheadAttention; a transformers attention_mask, 1 = token, is its "
+            f"negation: pass attention_mask == 0), got {mask.dtype}"
         )
     if mask.dim() != 2:
         raise ValueError(
@@ -184,6 +207,7 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
             f"key_padding_mask must be (batch, seq_len) = {(batch, length)}, got "
             f"{tuple(mask.shape)}"
         )
+    check_readable("key_padding_mask", mask)
     valid = mask.logical_not()
     counts = valid.sum(1)
     positions = torch.arange(length, device=mask.device)
@@ -195,8 +219,8 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
         if count and end - start + 1 != count:
             raise ValueError(
                 f"key_padding_mask row {b} must hold one contiguous run of valid (False) "
-                f"positions (left or right padding), got {count} valid positions between "
-                f"{start} and {end}"
+                f"positions (left or right padding; True = padding), got {count} valid "
+                f"positions between {start} and {end}"
             )
         documents: Documents = ((start, end + 1),) if count else ()
         if rows and rows[-1].documents == documents:

@@ -39,6 +39,7 @@ from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
 from ringdilated.core.env import env_flag
 from ringdilated.core.layout import DocumentLayout, Documents, Rows, read_documents, read_padding
 from ringdilated.core.opaque import OpaqueBase, register
+from ringdilated.core.validation import check_shard_lengths
 
 __all__ = ["AGREE_EVERY_CALL_ENV", "SequenceLayout"]
 
@@ -93,8 +94,12 @@ class SequenceLayout(OpaqueBase):
 
     - ``cu_seqlens``: packed documents, a 1-D integer tensor ``[0, e_1, ..., L]`` of global
       positions, shared by every batch row (flash-attn's convention).
-    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding; each row's valid positions one
-      contiguous run. Not with ``cu_seqlens``.
+    - ``key_padding_mask``: ``(B, L)`` bool, ``True`` = padding (``torch.nn.MultiheadAttention``'s
+      convention; a Hugging Face ``attention_mask``, 1 = token, is its negation: pass
+      ``attention_mask == 0``); each row's valid (``False``) positions one contiguous run, a row
+      of padding only allowed. An inverted mask is mostly valid and attends the padding
+      instead of the tokens: it raises only where a row's valid positions are not one run. Not
+      with ``cu_seqlens``.
     - ``process_group``: ``None`` (one process), a ``ProcessGroup``, a 1-D ``DeviceMesh``,
       ``(mesh, "cp")``, or a 2-D layout for ``communicator="hybrid"`` (``(mesh, ("ring",
       "ulysses"))`` or ``(outer group, inner group)``).
@@ -103,7 +108,11 @@ class SequenceLayout(OpaqueBase):
     - ``agree_every_call``: check and agree every call (debugging); default: the environment
       variable ``RINGDILATED_AGREE_EVERY_CALL``.
 
-    Both tensors are read to the host here, once. On a process group the constructor is
+    Both tensors are read to the host here, once (so they must hold data: a ``meta`` tensor
+    raises ``ValueError`` naming the argument and its device). A layout without a process
+    group in a process that a launcher started as one of several ranks (``WORLD_SIZE > 1``)
+    before ``torch.distributed.init_process_group()`` plans one-process calls: the first warns
+    (:class:`~ringdilated.DistributedNotInitializedWarning`). On a process group the constructor is
     collective (every rank must build its layout together) and every error raises on every
     rank. Raises ``TypeError``/``ValueError`` naming the value and the rule.
 
@@ -357,12 +366,7 @@ def _place(
     say, which must agree; equal shards of a known length; ``(None, None)`` when nothing says."""
     width = read.width
     if lengths is not None:
-        empty = next((r for r, n in enumerate(lengths) if n < 1), None)
-        if empty is not None:
-            raise ValueError(
-                f"every rank's shard must hold at least one position, got shard lengths "
-                f"{_brief(lengths)} (rank {empty} holds {lengths[empty]})"
-            )
+        check_shard_lengths(lengths)
         total = sum(lengths)
         shards = "" if ranks == 1 else f" (every rank's shard: {_brief(lengths)})"
         if read.documents is not None and width != total:

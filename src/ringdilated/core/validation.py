@@ -10,9 +10,20 @@ import torch
 from ringdilated.core.agreement import safe_repr
 from ringdilated.core.pattern import DilationPattern
 
-__all__ = ["FLOAT_DTYPES", "check_bool", "check_inputs", "check_options"]
+__all__ = [
+    "EMPTY_SHARD_RULE",
+    "FLOAT_DTYPES",
+    "check_bool",
+    "check_inputs",
+    "check_options",
+    "check_shard_lengths",
+    "check_shards",
+]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+EMPTY_SHARD_RULE = "every rank's shard must hold at least one position"
+"""How every error about an empty shard begins, on every rank."""
 
 
 def check_inputs(
@@ -94,3 +105,39 @@ def check_options(scale: object, dropout_p: object) -> None:
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if not 0.0 <= _real("dropout_p", dropout_p, "a float") < 1.0:
         raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p!r}")
+
+
+def check_shard_lengths(lengths: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless every rank's shard in ``lengths`` (in rank order) holds a
+    position, naming every empty one. Every rank that knows the lengths raises the same
+    message."""
+    empty = [r for r, n in enumerate(lengths) if n < 1]
+    if not empty:
+        return
+    shown = str(tuple(lengths))
+    if len(lengths) > 8:
+        shown = f"({', '.join(map(str, lengths[:4]))}, ..., {', '.join(map(str, lengths[-2:]))})"
+    holders = (
+        f"rank {empty[0]} holds {lengths[empty[0]]}"
+        if len(empty) == 1
+        else f"ranks {', '.join(map(str, empty))} hold none"
+    )
+    raise ValueError(f"{EMPTY_SHARD_RULE}, got shard lengths {shown} ({holders})")
+
+
+def check_shards(lengths: tuple[int, ...] | None, rank: int | None, q: object, k: object) -> None:
+    """On a process group, before anything else is checked: raise ``ValueError`` for an empty
+    shard, naming its rank, worded alike wherever it is found. ``lengths``: every rank's shard
+    length once the ranks have exchanged them (:func:`check_shard_lengths`: every rank raises
+    the same message); else ``None``, and this ``rank``'s own ``q`` and ``k`` (when 4-D
+    tensors) must hold a position (its peers then raise ``rank <rank> rejected its input``,
+    quoting this message). Anything not a dense 4-D tensor is left to :func:`check_inputs`."""
+    if lengths is not None:
+        check_shard_lengths(lengths)
+        return
+    for name, x in (("q", q), ("k", k)):
+        if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 4 and x.shape[1] == 0:
+            raise ValueError(
+                f"{EMPTY_SHARD_RULE}, got an empty shard on rank {rank}: {name} of shape "
+                f"{tuple(x.shape)}"
+            )
