@@ -795,3 +795,32 @@ def test_decoding_under_autograd_keeps_the_graph_until_reset() -> None:
         cache.attend(leaf[:, :3], leaf[:, :3], leaf[:, :3])
         cache.attend(leaf[:, 3:4], leaf[:, 3:4], leaf[:, 3:4])
     assert cache._keys is not None and not cache._keys.requires_grad
+
+
+def test_a_saved_or_copied_cache_keeps_its_sequence_and_no_owner() -> None:
+    """A review found a bound cache could not be pickled (its owner is a weak reference) and a
+    deep-copied model refused its own copied caches as another module's. A copy or a loaded
+    cache keeps every buffer, and belongs to the first module it is passed to."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    module = MultiheadDilatedAttention(
+        16, 2, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=True, dtype=torch.float64
+    )
+    cache = module.make_cache()
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    with torch.no_grad():
+        module(x, x, x, cache=cache)
+    buffer = io.BytesIO()
+    torch.save(cache, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    model_copy, cache_copy = copy.deepcopy((module, cache))
+    step = torch.randn(1, 1, 16, dtype=torch.float64)
+    with torch.no_grad():
+        expected = module(step, step, step, cache=cache)[0]
+        from_loaded = module(step, step, step, cache=loaded)[0]  # its first module: this one
+        from_copy = model_copy(step, step, step, cache=cache_copy)[0]
+    assert loaded.owner is module and cache_copy.owner is model_copy
+    assert torch.equal(from_loaded, expected) and torch.equal(from_copy, expected)

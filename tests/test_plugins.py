@@ -350,7 +350,7 @@ def test_a_misspelt_package_raises_naming_the_packages_kernels_require(
     with pytest.raises(
         ValueError,
         match=r"^RINGDILATED_PACKAGES='flash-attn,xformers' names 'flash-attn', not a package a "
-        r"loaded kernel requires; accepted: flash_attn, xformers",
+        r"kernel requires; accepted: flash_attn, xformers",
     ):
         default_resolver()
     monkeypatch.setenv("RINGDILATED_PACKAGES", "flash_attn, xformers")
@@ -358,6 +358,20 @@ def test_a_misspelt_package_raises_naming_the_packages_kernels_require(
     monkeypatch.setenv("RINGDILATED_PACKAGES", "")
     default_resolver.cache_clear()
     assert default_resolver().env.packages == frozenset()
+
+
+def test_a_package_of_a_blocked_builtin_kernel_is_still_a_known_package(
+    monkeypatch: pytest.MonkeyPatch, fresh_default_resolver: None
+) -> None:
+    """A review found RINGDILATED_PACKAGES=flash_attn refused once the flash plugin was blocked:
+    naming a package that a blocked (or failed) plugin's kernel needs must not break calls."""
+    from ringdilated.registry import default_resolver
+
+    monkeypatch.setenv("RINGDILATED_BLOCK_PLUGINS", "flash")
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "flash_attn")
+    resolver = default_resolver()
+    assert resolver.env.packages == {"flash_attn"}
+    assert "flash" not in resolver.specs
 
 
 def test_an_unknown_forced_kernel_names_the_variable_and_the_kernels(

@@ -276,6 +276,7 @@ def test_verify_max_examples_zero_checks_nothing_and_says_so(
         ("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", "maybe", "must be one of ('1', 'true'"),
         ("RINGDILATED_BLOCK_PLUGINS", "flexx", "names 'flexx', not a built-in plugin"),
         ("RINGDILATED_PACKAGES", "flash-attn", "names 'flash-attn', not a package"),
+        ("RINGDILATED_AGREE_EVERY_CALL", "2", "must be one of ('1', 'true'"),
     ],
 )
 def test_doctor_refuses_a_variable_it_does_not_understand(

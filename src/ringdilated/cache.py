@@ -338,6 +338,14 @@ class DilatedKVCache:
             self._positions.zero_()
         self._started = False
 
+    def __getstate__(self) -> dict[str, object]:
+        """Pickling and ``copy.deepcopy`` keep everything but the owner: a saved, loaded or
+        copied cache (a copied model's, say) belongs to no module until one is passed it
+        (:meth:`bind`)."""
+        state = dict(self.__dict__)
+        state["_owner"], state["_owner_name"] = None, ""
+        return state
+
     @property
     def owner(self) -> object | None:
         """The module this cache serves (see :meth:`bind`): ``None`` before one made it or used

@@ -14,6 +14,7 @@ import functools
 from ringdilated.core.capabilities import PACKAGES_ENV_VAR, Environment
 from ringdilated.core.env import unknown_names
 from ringdilated.core.resolver import Resolver
+from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 from ringdilated.plugins.manager import PluginRegistry, load_registry
 
 __all__ = ["default_resolver"]
@@ -40,12 +41,15 @@ def default_resolver() -> Resolver:
 
 def _check_packages(env: Environment, registry: PluginRegistry) -> None:
     """Raise ``ValueError`` naming ``RINGDILATED_PACKAGES`` for a package in ``env.packages``
-    that no kernel in ``registry`` lists in ``Capabilities.requires``."""
-    if env.packages is None:
+    that no kernel lists in ``Capabilities.requires``: a loaded one, or a built-in one even when
+    blocked. When a plugin failed to load its kernels' packages are unknown, so nothing is
+    refused then (the failure itself is reported: one plugin must not break other calls)."""
+    if env.packages is None or registry.failures:
         return
-    known = {name for spec in registry.kernels.values() for name in spec.capabilities.requires}
+    specs = [*registry.kernels.values(), *(k for p in BUILTIN_PLUGINS for k in p.kernels)]
+    known = {name for spec in specs for name in spec.capabilities.requires}
     unknown = sorted(env.packages - known)
     if unknown:
         raise ValueError(
-            unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a loaded kernel requires")
+            unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a kernel requires")
         )

@@ -60,12 +60,14 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def run(args: argparse.Namespace) -> int:
     import ringdilated
     from ringdilated.core import Environment, Request
+    from ringdilated.core.sequence_layout import agree_every_call_default
     from ringdilated.plugins import PluginError, load_registry
     from ringdilated.registry import default_resolver
 
     if args.device is not None:
         flags.require_device(args.device)
     env = Environment.from_environ()
+    agree_every_call_default()  # read strictly here too: a bad value raises, naming it
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _dtype(args.dtype, device)
     print(
