@@ -640,3 +640,74 @@ def nccl_only_group(payload: dict[str, Any]) -> dict[str, Any]:
     result["made"] = made
     result["used"] = used
     return result
+
+
+def hook_on_the_attention_module(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every rank runs a sharded ``MultiheadDilatedAttention`` (with ``payload['block']``, a
+    ``DilatedTransformerBlock``); on rank ``payload['rank']`` a forward pre-hook registered on
+    that module itself raises, before the module's forward (and so its checks) starts. Returns
+    each rank's outcome and how long it took."""
+    import ringdilated
+
+    torch.manual_seed(0)
+    kwargs: dict[str, Any] = {
+        "segment_lengths": [16],
+        "dilation_rates": [1],
+        "process_group": dist.group.WORLD,
+        "dtype": torch.float64,
+    }
+    block = payload["block"]
+    module = (
+        ringdilated.DilatedTransformerBlock(16, 2, **kwargs)
+        if block
+        else ringdilated.MultiheadDilatedAttention(16, 2, **kwargs)
+    )
+    if dist.get_rank() == payload["rank"]:
+
+        def failing(*args: Any) -> None:
+            raise KeyError("a forward pre-hook failed")
+
+        module.register_forward_pre_hook(failing)
+    x = torch.randn(1, 8, 16, dtype=torch.float64)
+    start = time.monotonic()
+    try:
+        module(x) if block else module(x, x, x)
+    except Exception as exc:
+        result = {"raised": type(exc).__name__, "message": str(exc)}
+    else:
+        result = {"raised": None, "message": ""}
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def mesh_group_timeouts(payload: dict[str, Any]) -> dict[str, float]:
+    """The timeout, in seconds, of the world group and of this rank's "cp" group of a 2 x 2
+    ``init_device_mesh``: plain, with ``backend_override`` giving gloo options with a timeout,
+    and of a ``new_group(timeout=...)``."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def timeout_s(group: Any) -> float:
+        backend = group._get_backend(torch.device("cpu"))
+        return float(backend.options._timeout.total_seconds())
+
+    world = dist.get_world_size()
+    bound = datetime.timedelta(seconds=payload["seconds"])
+    plain = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))
+    options = dist.ProcessGroupGloo.Options("gloo", timeout=bound)
+    bounded = init_device_mesh(
+        "cpu", (2, world // 2), mesh_dim_names=("dp", "cp"), backend_override={"cp": options}
+    )
+    rows = [list(range(r, r + world // 2)) for r in range(0, world, world // 2)]
+    mine = None
+    for ranks in rows:  # new_group is a collective over the whole default group
+        group = dist.new_group(ranks, timeout=bound)
+        if dist.get_rank() in ranks:
+            mine = group
+    return {
+        "world": timeout_s(dist.group.WORLD),
+        "mesh": timeout_s(plain.get_group("cp")),
+        "mesh_override": timeout_s(bounded.get_group("cp")),
+        "new_group": timeout_s(mine),
+    }

@@ -377,3 +377,41 @@ def test_a_module_check_on_a_planned_layout_raises_at_once_joining_no_agreement(
         assert "need_weights=True is not supported" in result["message"], result
         assert result["controls"] == 0, result
         assert result["seconds"] < BOUND_S, result
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_a_pre_hook_on_the_attention_module_raising_on_one_rank_strands_its_peer_until_the_timeout(
+    block: bool,
+) -> None:
+    """docs/failures.md: a forward pre-hook on the attention module itself runs before the
+    module's forward, so nothing reaches the peer: the hook's rank raises its own error at once,
+    the peer waits in the call's agreement until the group's timeout (3 s here), then raises."""
+    pool = Workers(2, timeout_s=3, tasks=TASKS)
+    try:
+        payload = {"rank": 1, "block": block}
+        outcomes = dict(
+            (rank, (ok, result))
+            for rank, ok, result in _outcomes(pool, "hook_on_the_attention_module", payload, 60)
+        )
+        assert sorted(outcomes) == [0, 1], outcomes
+        (ok0, peer), (ok1, hooked) = outcomes[0], outcomes[1]
+        assert ok0 and ok1, outcomes
+        assert hooked["raised"] == "KeyError", hooked
+        assert "a forward pre-hook failed" in hooked["message"]
+        assert hooked["seconds"] < BOUND_S / 2, hooked
+        assert peer["raised"] is not None, peer
+        assert 3 - 0.5 <= peer["seconds"] < 3 + BOUND_S, peer
+    finally:
+        pool.close()
+
+
+def test_mesh_groups_take_torch_s_default_timeout_unless_given_one(workers4: Workers) -> None:
+    """docs/distributed.md: the groups ``init_device_mesh`` makes for a dimension smaller than
+    the world do not inherit ``init_process_group(timeout=...)`` (the pool's 60 s): they get
+    torch's default (30 minutes), unless ``backend_override`` gives options with a timeout;
+    ``new_group(timeout=...)`` takes its own."""
+    for result in workers4.results(f"{TASKS}:mesh_group_timeouts", {"seconds": 7}):
+        assert result["world"] == 60, result
+        assert result["mesh"] == 1800, result
+        assert result["mesh_override"] == 7, result
+        assert result["new_group"] == 7, result

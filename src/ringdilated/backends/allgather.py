@@ -22,6 +22,13 @@ copy the same payload once per peer into its input and runs as P - 1 point-to-po
 both backends, which is ``ringpass`` with less overlap. The padding is at most the difference
 between the largest and a rank's payload, and is counted.
 
+CPU tensors (gloo) move point to point instead, the same payload to every peer (what gloo's ring
+``all_gather`` sends too): gloo runs a collective on a worker thread that keeps its tensors until
+it drops its handle, just after the wait returns, and a process exiting then aborted
+("terminate called without an active exception", issue 21; see
+:mod:`ringdilated.backends.ulysses`). Point-to-point works hold their tensors only in the
+caller's handles.
+
 The all_gather runs on the call's own group: no process group is ever created here. Creating one
 inside a call (``dist.new_group`` is a collective over the whole default group) deadlocks
 independent groups, such as the context-parallel groups of a data-parallel x context-parallel
@@ -73,6 +80,8 @@ class AllGatherCommunicator:
                 f"allgather exchange among ranks {members} of a group of {world}: a broadcast "
                 "exchange must name every peer"
             )
+        if payload_tensor.device.type == "cpu":  # never through a gloo worker thread
+            return point_to_point(group, sends, recvs)
         outputs = [recvs[m] if m != me else torch.empty_like(payload_tensor) for m in members]
         work = dist.all_gather(outputs, payload_tensor, group=pg, async_op=True)
         return Works((work,))

@@ -6,6 +6,14 @@ split sizes (gloo's list ``all_to_all`` takes equal sizes only; NCCL takes both)
 heads over the whole sequence with no crossing segments, and a second all-to-all returns the
 results. Heads are dealt so that every rank gets the same work
 (:func:`~ringdilated.core.heads.deal_heads`). It needs at least one query head per rank.
+
+CPU tensors (gloo) move by point-to-point ``isend``/``irecv`` instead of the collective, the same
+bytes: gloo runs a collective on a worker thread of its own, which keeps the collective's
+tensors until it drops its handle, just after the wait returns; when that thread holds the last
+handle, it takes the GIL to free the tensors' Python objects, and if the interpreter is exiting
+by then, Python ends the thread inside a C++ destructor and the process aborts ("terminate
+called without an active exception", issue 21). Point-to-point works hold their tensors only in
+the caller's handles, so every tensor is freed on the calling thread.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ringdilated.backends.ringpass import Works
+from ringdilated.backends.ringpass import Works, point_to_point
 from ringdilated.core.communicator import Pending, every_peer_at_once, process_group
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.shard_plan import ShardPlan
@@ -40,12 +48,16 @@ def all_to_all(
     group: object, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]
 ) -> Pending:
     """One ``all_to_all_single`` with split sizes: ``sends[peer]`` to each peer, ``recvs[peer]``
-    from each (flat tensors of one dtype; a peer absent from a mapping exchanges nothing)."""
+    from each (flat tensors of one dtype; a peer absent from a mapping exchanges nothing). CPU
+    tensors move point to point instead (see the module's docstring): never through a gloo
+    worker thread."""
     pg = process_group(group)
     world = dist.get_world_size(pg)
     sample = next(iter(sends.values()), None)
     if sample is None:
         sample = next(iter(recvs.values()))
+    if sample.device.type == "cpu":
+        return _point_to_point(pg, sends, recvs)
     empty = sample.new_empty(0)
     send_list = [sends.get(p, empty).reshape(-1) for p in range(world)]
     ordered = {p: recvs[p] for p in range(world) if p in recvs}
@@ -59,6 +71,20 @@ def all_to_all(
         async_op=True,
     )
     return _Unpacked(work, output, ordered)
+
+
+def _point_to_point(
+    pg: dist.ProcessGroup | None,
+    sends: Mapping[int, torch.Tensor],
+    recvs: Mapping[int, torch.Tensor],
+) -> Works:
+    """The all-to-all as ``isend``/``irecv`` pairs; this rank's part to itself is copied."""
+    me = dist.get_rank(pg)
+    if me in recvs and me in sends:
+        recvs[me].copy_(sends[me].reshape(-1))
+    peers_sends = {p: t.reshape(-1) for p, t in sends.items() if p != me}
+    peers_recvs = {p: t for p, t in recvs.items() if p != me}
+    return point_to_point(pg, peers_sends, peers_recvs)
 
 
 class UlyssesCommunicator:
