@@ -7,6 +7,7 @@ raised, the exception's type and message, how long it took, and whether its inpu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,19 @@ def _inputs(rank: int, world: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(3, 1, 8 * world, 2, 8, generator=g, dtype=torch.float64)
     return tuple(x[:, 8 * rank : 8 * (rank + 1)].contiguous() for x in full)
+
+
+def _outcome(call: Callable[[], object]) -> dict[str, Any]:
+    """``call()``'s outcome on this rank: what it raised (``None``), its message, and seconds."""
+    start = time.monotonic()
+    try:
+        call()
+    except Exception as exc:
+        result: dict[str, Any] = {"raised": type(exc).__name__, "message": str(exc)}
+    else:
+        result = {"raised": None, "message": ""}
+    result["seconds"] = time.monotonic() - start
+    return result
 
 
 def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
@@ -77,14 +91,7 @@ def call_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
         else:
             raise AssertionError(f"unknown fault {fault!r}")
     before = [_snapshot(x) for x in (q, k, v)]
-    start = time.monotonic()
-    try:
-        ringdilated.dilated_attention(q, k, v, segments, rates, **kwargs)
-    except Exception as exc:
-        result = {"raised": type(exc).__name__, "message": str(exc)}
-    else:
-        result = {"raised": None, "message": ""}
-    result["seconds"] = time.monotonic() - start
+    result = _outcome(lambda: ringdilated.dilated_attention(q, k, v, segments, rates, **kwargs))
     after = [_snapshot(x) for x in (q, k, v)]
     result["inputs_unchanged"] = all(_same(a, b) for a, b in zip(after, before, strict=True))
     return result
@@ -200,15 +207,7 @@ def module_with_fault(payload: dict[str, Any]) -> dict[str, Any]:
 
         layer = module.attn.q_proj if payload["block"] else module.q_proj
         layer.register_forward_pre_hook(failing)
-    start = time.monotonic()
-    try:
-        module(x) if payload["block"] else module(x, x, x)
-    except Exception as exc:
-        result = {"raised": type(exc).__name__, "message": str(exc)}
-    else:
-        result = {"raised": None, "message": ""}
-    result["seconds"] = time.monotonic() - start
-    return result
+    return _outcome(lambda: module(x) if payload["block"] else module(x, x, x))
 
 
 def slow_peer(payload: dict[str, Any]) -> dict[str, Any]:
@@ -669,15 +668,7 @@ def hook_on_the_attention_module(payload: dict[str, Any]) -> dict[str, Any]:
 
         module.register_forward_pre_hook(failing)
     x = torch.randn(1, 8, 16, dtype=torch.float64)
-    start = time.monotonic()
-    try:
-        module(x) if block else module(x, x, x)
-    except Exception as exc:
-        result = {"raised": type(exc).__name__, "message": str(exc)}
-    else:
-        result = {"raised": None, "message": ""}
-    result["seconds"] = time.monotonic() - start
-    return result
+    return _outcome(lambda: module(x) if block else module(x, x, x))
 
 
 def mesh_group_timeouts(payload: dict[str, Any]) -> dict[str, float]:
