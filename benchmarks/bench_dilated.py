@@ -199,7 +199,14 @@ def main() -> None:
             print(f"  L={length} {dtype_name}: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "matmul_gflops": matmul, "rows": rows}, f, indent=2)
+            from ringdilated.cli.bench import environment
+
+            machine = environment("cpu")
+            json.dump(
+                {"header": header, "environment": machine, "matmul_gflops": matmul, "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 def _child_main() -> None:

@@ -12,7 +12,8 @@ depending on what else runs on it)::
 within about 5 minutes on a quiet machine). ``--backward`` adds forward+backward rows (about 4x
 the time; the bytes of ``ulysses`` and ``hybrid`` are then not checked against a model);
 ``--no-projection`` leaves the projection out; ``--projection-only`` prints only it (seconds, no
-processes); ``--json FILE`` also writes every row.
+processes); ``--json FILE`` also writes ``{"environment", "rows"}``: every row, and the
+versions and machine they were measured with (``ringdilated.cli.bench.environment``).
 
 **Measured**: fp32, B=1, D=64, gloo, one thread per rank, ``head_groups``, forward (and with
 ``--backward`` forward+backward), for each pattern of ``--patterns`` (all three by default):
@@ -1007,7 +1008,12 @@ def main() -> None:
     print(f"\n<!-- total {time.perf_counter() - started:.0f} s -->")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            from ringdilated.cli.bench import environment
+
+            machine = environment("cpu")
+            # every rank runs one thread (set_num_threads(1)); the rows name their world size
+            machine["machine"].update(threads_per_rank=1, ranks=sorted(set(args.worlds)))
+            json.dump({"environment": machine, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ raised, the exception's type and message, how long it took, and whether its inpu
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable
 from typing import Any
@@ -588,6 +589,7 @@ def nccl_only_group(payload: dict[str, Any]) -> dict[str, Any]:
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
         group = (mesh, ("ring", "ulysses"))
+        mesh["ring"].get_group().set_timeout(datetime.timedelta(seconds=41))
     made: list[object] = []
     used: list[tuple[str, str, str]] = []  # (collective, dtype, "twin" or "caller's")
     names = ("all_gather", "all_gather_object", "all_to_all_single", "batch_isend_irecv")
@@ -610,7 +612,9 @@ def nccl_only_group(payload: dict[str, Any]) -> dict[str, Any]:
         return collective
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
-        made.append((kwargs.get("backend"), kwargs.get("use_local_synchronization")))
+        timeout = kwargs.get("timeout")
+        seconds = timeout.total_seconds() if timeout is not None else None
+        made.append((kwargs.get("backend"), kwargs.get("use_local_synchronization"), seconds))
         return real["new_group"](*args, **kwargs)
 
     result: dict[str, Any] = {}

@@ -710,6 +710,41 @@ def test_swapped_per_layer_caches_are_refused_naming_their_owner() -> None:
             model[0](x[:, 3:4], cache=mine)
 
 
+def test_a_block_checks_its_cache_once_per_step_and_a_swap_after_the_check_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decode step through a block checks the cache once (before the norm), not again in
+    its attention; the skip holds only for the very objects checked: a forward pre-hook on
+    the attention that swaps in another block's cache is still refused, and the skip ends with
+    the step (a failed step leaves nothing behind)."""
+    kw: dict[str, Any] = {"segment_lengths": [4, 8], "dilation_rates": [1, 2], "causal": True,
+                          "dtype": torch.float64}  # fmt: skip
+    blocks = [DilatedTransformerBlock(16, 4, **kw).eval() for _ in range(2)]
+    caches = [b.make_cache() for b in blocks]
+    checks: list[object] = []
+    real = MultiheadDilatedAttention._check_cache
+
+    def counted(self: MultiheadDilatedAttention, cache: object, *args: object) -> None:
+        checks.append(cache)
+        real(self, cache, *args)
+
+    monkeypatch.setattr(MultiheadDilatedAttention, "_check_cache", counted)
+    x = torch.randn(1, 6, 16, dtype=torch.float64)
+    with torch.no_grad():
+        blocks[0](x[:, :5], cache=caches[0])
+        blocks[0](x[:, 5:6], cache=caches[0])
+        assert checks == [caches[0]] * 2
+        assert blocks[0].attn._checked_call == ()
+        handle = blocks[0].attn.register_forward_pre_hook(
+            lambda m, args, kwargs: (args, {**kwargs, "cache": caches[1]}), with_kwargs=True
+        )
+        with pytest.raises(ValueError, match="belongs to another module"):
+            blocks[0](x[:, 5:6], cache=caches[0])
+        handle.remove()
+        assert checks[2:] == [caches[0], caches[1]]
+        assert blocks[0].attn._checked_call == ()
+
+
 def test_a_cache_whose_module_no_longer_exists_is_refused() -> None:
     """Its buffers may hold a deleted module's keys: refused, not adopted."""
     import gc

@@ -50,6 +50,7 @@ def test_world_before_init_process_group_warns_once_naming_it(
             q, k, v, [8], [1], process_group=dist.group.WORLD, layout=SequenceLayout()
         )
     assert len(caught) == 1
+    assert caught[0].filename == __file__, caught[0].filename  # the user's line, not ours
     message = str(caught[0].message)
     assert "WORLD_SIZE=2" in message and "init_process_group()" in message, message
     assert "dist.group.WORLD is None" in message
@@ -61,8 +62,9 @@ def test_world_before_init_process_group_warns_once_naming_it(
 def test_a_module_call_warns_too(launched: pytest.MonkeyPatch) -> None:
     q, k, v = _qkv(12)
     attn = ringdilated.DilatedAttention([4], [1], process_group=dist.group.WORLD)
-    with pytest.warns(DistributedNotInitializedWarning, match="init_process_group"):
+    with pytest.warns(DistributedNotInitializedWarning, match="init_process_group") as caught:
         attn(q, k, v, layout=SequenceLayout())
+    assert caught[0].filename == __file__, caught[0].filename  # through nn.Module.__call__
 
 
 @pytest.mark.parametrize("value", [None, "1", "", "two"])

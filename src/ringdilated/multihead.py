@@ -9,8 +9,9 @@ and Xavier-normal initialisation with gain ``gamma_init`` on the value and outpu
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -168,6 +169,26 @@ class MultiheadDilatedAttention(nn.Module):
         if self.norm is not None:
             self.norm.reset_parameters()
 
+    _checked_call: tuple[object, ...] = ()
+    """``(cache, key_padding_mask, cu_seqlens, layout)`` that a caller (a
+    :class:`~ringdilated.DilatedTransformerBlock`) has just passed to :meth:`_check_cache` and
+    now passes to :meth:`forward`, which then skips the same check; set by
+    :meth:`_check_cache_first` for one call only."""
+
+    @contextlib.contextmanager
+    def _check_cache_first(
+        self, cache: object, key_padding_mask: object, cu_seqlens: object, layout: object
+    ) -> Iterator[None]:
+        """Run :meth:`_check_cache` now, before a caller's own work (a block's norm), and let
+        the :meth:`forward` inside this context that receives these same objects skip it (a
+        decode step pays for the check once)."""
+        self._check_cache(cache, key_padding_mask, cu_seqlens, layout)
+        self._checked_call = (cache, key_padding_mask, cu_seqlens, layout)
+        try:
+            yield
+        finally:
+            del self._checked_call
+
     def forward(
         self,
         query: torch.Tensor,
@@ -212,7 +233,9 @@ class MultiheadDilatedAttention(nn.Module):
             self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
-            if cache is not None:
+            if cache is not None and not _same(
+                self._checked_call, (cache, key_padding_mask, cu_seqlens, layout)
+            ):
                 self._check_cache(cache, key_padding_mask, cu_seqlens, layout)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
@@ -395,3 +418,8 @@ class MultiheadDilatedAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
         )
+
+
+def _same(checked: tuple[object, ...], given: tuple[object, ...]) -> bool:
+    """Whether ``given`` are the very objects a caller has checked (identity, not equality)."""
+    return len(checked) == len(given) and all(a is b for a, b in zip(checked, given, strict=True))

@@ -8,6 +8,7 @@ block on its contiguous shard of the sequence and only attention communicates.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -128,21 +129,28 @@ class DilatedTransformerBlock(nn.Module):
         :meth:`MultiheadDilatedAttention.forward <ringdilated.MultiheadDilatedAttention.forward>`).
         Decode under ``torch.no_grad()``: under autograd the cache keeps every step's graph."""
         embed_dim = self.attn.embed_dim
-        try:
-            if cache is not None:
-                self.attn._check_cache(cache, key_padding_mask, cu_seqlens, layout)
-            if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
-                raise TypeError("x must be a dense (strided) tensor, got a nested or sparse one")
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
-            h = self.attn_norm(x)
-        except Exception as error:
-            # Before the attention's agreement: on a process group, every rank raises.
-            self.attn.attention.reject(error, layout)
-        attended = self.attn(
-            h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache, layout=layout
-        )[0]
+        with contextlib.ExitStack() as checked:
+            try:
+                if cache is not None:  # checked before the norm, once: the attention skips it
+                    checked.enter_context(
+                        self.attn._check_cache_first(cache, key_padding_mask, cu_seqlens, layout)
+                    )
+                if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+                    raise TypeError(
+                        "x must be a dense (strided) tensor, got a nested or sparse one"
+                    )
+                if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+                    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                    raise ValueError(
+                        f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}"
+                    )
+                h = self.attn_norm(x)
+            except Exception as error:
+                # Before the attention's agreement: on a process group, every rank raises.
+                self.attn.attention.reject(error, layout)
+            attended = self.attn(
+                h, h, h, key_padding_mask, cu_seqlens=cu_seqlens, cache=cache, layout=layout
+            )[0]
         x = x + self.dropout(attended)
         out: torch.Tensor = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return out

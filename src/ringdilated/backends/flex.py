@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ringdilated.core.accumulator import accumulation_dtype
+from ringdilated.core.caller import user_stacklevel
 from ringdilated.core.capabilities import (
     GRID_LIMIT,
     BatchLimit,
@@ -154,7 +155,7 @@ class FlexKernel:
                 "FlexAttention hit torch.compile's recompile limit and runs uncompiled (unfused, "
                 f"every score materialised) for these shapes: {str(error).splitlines()[0]}",
                 FlexFallbackWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )
         self.uncompiled_calls += 1
 

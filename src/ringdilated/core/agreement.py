@@ -25,6 +25,7 @@ time without hearing from it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 from typing import cast
 
@@ -141,17 +142,35 @@ def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
 _cpu_twins: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout the group's backend waits for (``init_process_group(timeout=...)``,
+    ``new_group(timeout=...)``, or torch's default for the backend), read from the backend's
+    options; ``None`` where the backend does not say."""
+    for device_type in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
+
+
 def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the
     same ranks, made at the first agreement on it (the group's ranks reach that together) and
-    kept. ``use_local_synchronization``: only the group's own ranks take part in making it, so
-    the independent groups of a mesh make theirs whenever each reaches its first agreement."""
+    kept, with the group's own timeout (:func:`_group_timeout`), so an agreement waits no longer
+    than the group's data exchange would. ``use_local_synchronization``: only the group's own
+    ranks take part in making it, so the independent groups of a mesh make theirs whenever each
+    reaches its first agreement."""
     if _has_cpu_backend(group):
         return group
     twin = _cpu_twins.get(group)
     if twin is None:
         ranks = dist.get_process_group_ranks(group)
-        made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        made = dist.new_group(
+            ranks, backend="gloo", timeout=_group_timeout(group), use_local_synchronization=True
+        )
         assert isinstance(made, dist.ProcessGroup)
         if dist.get_process_group_ranks(made) != ranks:  # torch orders a new group's ranks
             raise ValueError(

@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+from ringdilated.core.caller import user_stacklevel
 from ringdilated.core.capabilities import Environment, Request
 
 __all__ = [
@@ -102,5 +103,5 @@ def warn_if_slow(request: Request) -> None:
         f"float16 on a GPU of compute capability {cc[0]}.{cc[1]} (below 7.0, no fast float16): "
         "expect it 10-100x slower than float32; ringdilated.recommended_dtype() says float32",
         SlowDtypeWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )

@@ -20,6 +20,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from ringdilated.core.caller import user_stacklevel
+
 __all__ = [
     "LAUNCHER_WORLD_SIZE_ENV",
     "DistributedNotInitializedWarning",
@@ -81,7 +83,7 @@ def warn_if_launched_alone() -> None:
         f"unset {LAUNCHER_WORLD_SIZE_ENV} if every process should attend on its own. (Warned "
         "once per process.)",
         DistributedNotInitializedWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -220,7 +220,8 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
             raise ValueError(
                 f"key_padding_mask row {b} must hold one contiguous run of valid (False) "
                 f"positions (left or right padding; True = padding), got {count} valid "
-                f"positions between {start} and {end}"
+                f"positions between {start} and {end} (through the Hugging Face adapter, "
+                "key_padding_mask is attention_mask == 0: the row's tokens are not one run)"
             )
         documents: Documents = ((start, end + 1),) if count else ()
         if rows and rows[-1].documents == documents:
