@@ -4,7 +4,7 @@
     python benchmarks/bench_agreement.py --calls 500 --rounds 5
 
 Every sharded call checks, before any data moves, that no rank rejected its input and that the
-ranks' calls agree (``ringdilated.core.agreement``). This times one small forward call
+ranks' calls agree (``ringdilated.core.call.agreement``). This times one small forward call
 (per rank B=1, L=128, H=4, D=32; segments [64, 128, 256], rates [1, 2, 4], ``ringpass``) on 2 gloo
 ranks, one thread each, with the agreement as shipped (``digest``: one ``all_gather`` of three
 integers), as it was before (``full``: an ``all_gather_object`` of every rank's signature, which
@@ -34,7 +34,8 @@ def _rank(rank: int, world: int, store: str, calls: int, rounds: int, out: Any) 
     import torch.distributed as dist
 
     import ringdilated
-    from ringdilated.core import agreement, call
+    from ringdilated.core.call import agreement
+    from ringdilated.core.call import prepare as call
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -33,7 +33,8 @@ P=2 ``--p2-grid``, default 1x2: all-to-all over both ranks and a ring of one, ``
 through the hybrid path; other P: (P/2, 2)).
 
 Per rank and communicator: bytes sent and received (``TransferStats``), checked against
-``ringdilated.core.cost.traffic`` (forward: both; with ``--backward`` the sequence communicators'
+``ringdilated.core.select.cost.traffic`` (forward: both; with ``--backward`` the sequence
+communicators'
 sent bytes against 2 x forward + the gradients of the pieces received); for the sequence
 communicators against the shard plan's minimum (the rank's pieces to the ranks whose queries see
 them), for every communicator against what ``ringpass`` sends. Time against the same rank
@@ -62,7 +63,7 @@ visible ones) of the queries a rank attends: its sequence shard of every head (`
 ``allgather``), its heads of ``deal_heads`` over the whole sequence (``ulysses``), its inner
 rank's heads over its outer index's chunk (``hybrid``); against contiguous equal-count dealing
 (heads in order, ``H // P`` each, one more to the first ``H % P``) for the head-parallel ones.
-Not causal, the heads' figures equal ``ringdilated.core.heads``' ``HeadShare.cost`` (checked).
+Not causal, the heads' figures equal ``ringdilated.core.plan.heads``' ``HeadShare.cost`` (checked).
 Measured: kernel CPU, and the thread's CPU time over the compute-only call (over the call
 itself where no compute-only variant is run); per rank the median of the rounds.
 
@@ -77,7 +78,8 @@ sequence communicators move nothing (no segment crosses a shard boundary), a con
 reported, not run (``longnet`` at P=2), except the balance case (``unequal`` at P=2 and 4), run
 with ``ringpass`` (moving nothing: the sequence-parallel reference), ``ulysses`` and ``hybrid``.
 
-**Projected** (no processes; every rank's shard plan through ``ringdilated.core.cost.traffic``):
+**Projected** (no processes; every rank's shard plan through
+``ringdilated.core.select.cost.traffic``):
 bytes each rank sends per token it holds, per layer (one attention call), at P = 8, 16, 32, 64
 and L = 32768, 262144, 1048576, with LongNet's pattern and the LongNet paper's model (MAGNETO
 base size: 12 heads of 64), 2-byte elements (bf16/fp16), B=1, ``head_groups`` (heads split 3, 3,
@@ -105,8 +107,8 @@ from typing import TYPE_CHECKING, Any
 from ringdilated.cli.procstat import reset_peak, status_bytes
 
 if TYPE_CHECKING:
-    from ringdilated.core.cost import Traffic
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.select.cost import Traffic
 
 H, D = 8, 64
 SEQUENCE = ("ringpass", "allgather")
@@ -435,8 +437,8 @@ def modelled(
     from ringdilated.backends.hybrid import HybridCommunicator
     from ringdilated.backends.ringpass import RingPassCommunicator
     from ringdilated.backends.ulysses import UlyssesCommunicator
-    from ringdilated.core.cost import NCCL, PieceSize, traffic
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import NCCL, PieceSize, traffic
 
     plans = [shard_plan(pattern, length, heads, heads, r, world) for r in range(world)]
     size = PieceSize(1, head_dim, element_size, NCCL)
@@ -466,9 +468,9 @@ def hybrid_across(
     ring part, ``ringpass`` on its share of the heads), in flat rank order; the rest of what it
     sends is its inner group's all-to-all."""
     from ringdilated.backends.ringpass import RingPassCommunicator
-    from ringdilated.core.cost import NCCL, PieceSize, traffic
-    from ringdilated.core.heads import deal_heads, share_plan
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.heads import deal_heads, share_plan
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import NCCL, PieceSize, traffic
 
     outer, inner = grid
     size = PieceSize(1, head_dim, element_size, NCCL)
@@ -540,7 +542,7 @@ def rank_work(
 ) -> tuple[list[int], list[tuple[int, ...]] | None]:
     """Each rank's selected pairs under ``communicator`` (analytic), and its query heads for the
     head-parallel ones (``contiguous``: dealt by :func:`contiguous_shares`, not ``deal_heads``)."""
-    from ringdilated.core.heads import deal_heads, head_costs
+    from ringdilated.core.plan.heads import deal_heads, head_costs
 
     every = tuple(range(heads))
     if communicator in SEQUENCE:
@@ -589,7 +591,7 @@ def _range(values: Sequence[float], fmt: str = ".3f") -> str:
 
 
 def measure(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
 
     all_configs = [
         (pattern, causal, backward)
@@ -820,12 +822,12 @@ def measure(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         for line in balance_lines:
             print(line)
     if mismatches:
-        print("\nBytes differing from ringdilated.core.cost.traffic:")
+        print("\nBytes differing from ringdilated.core.select.cost.traffic:")
         for line in mismatches:
             print(f"- {line}")
     else:
         print(
-            f"\nBytes equal ringdilated.core.cost.traffic's model in all {checked} checks "
+            f"\nBytes equal ringdilated.core.select.cost.traffic's model in all {checked} checks "
             "(forward: sent and received; forward+backward: sent, sequence communicators)."
         )
 
@@ -850,7 +852,7 @@ def _cell_balance(cell: dict[str, Any] | None) -> str:
 
 
 def project(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
 
     pattern = DilationPattern(LONGNET_SEGMENTS, LONGNET_RATES, "head_groups")
     own = 2 * PROJECTION_H * PROJECTION_D * PROJECTION_BYTES

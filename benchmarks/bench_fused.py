@@ -6,8 +6,8 @@
 Configuration: one thread, float32, CPU, no autograd; B=1, H=4, D=32, documents of 16 tokens
 (``cu_seqlens`` every 16 positions, one ``SequenceLayout`` per run), segments [16, 32, 64],
 rates [1, 2, 4], ``head_groups``, kernel ``sdpa``. Each variant (``fused``: the shipped
-``ringdilated.core.driver.FUSE_ELEMENTS``; ``separate``: ``FUSE_ELEMENTS = 0``, every step its own
-kernel call) times its first call on a fresh layout (planning, and for ``fused`` building the
+``ringdilated.core.run.local.FUSE_ELEMENTS``; ``separate``: ``FUSE_ELEMENTS = 0``, every step its
+own kernel call) times its first call on a fresh layout (planning, and for ``fused`` building the
 calls' indexes) and the best of ``--rounds`` steady-state calls, alternating variants. The plugin
 registry is loaded before anything is timed.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 import ringdilated
-from ringdilated.core import driver
+from ringdilated.core.run import local as driver
 
 H, D = 4, 32
 SEGMENTS, RATES = [16, 32, 64], [1, 2, 4]

@@ -37,7 +37,7 @@ import torch
 
 import ringdilated
 from ringdilated.backends import sdpa
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.contract.kernel import BlockOptions
 
 B, H, D = 1, 8, 64
 CONFIGS = ((65536, [2048, 4096, 8192]), (1024, [16, 32, 64]))

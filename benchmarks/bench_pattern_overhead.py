@@ -31,7 +31,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 
 import ringdilated
-from ringdilated.core.call import CallOptions, prepare_call
+from ringdilated.core.call.prepare import CallOptions, prepare_call
 from ringdilated.registry import default_resolver
 
 H, D = 8, 64

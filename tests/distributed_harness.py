@@ -220,8 +220,8 @@ def stats_and_instances(payload: dict[str, Any]) -> dict[str, Any]:
     compiled sharded module (a graph break around the sharded call): bytes per call, errors."""
     import ringdilated
     from ringdilated.backends.ringpass import RingPassCommunicator
-    from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
     from ringdilated.testing import oracle
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -137,7 +137,7 @@ def collectives_of_the_agreement(payload: dict[str, Any]) -> dict[str, Any]:
     (rank 1 holds 4 positions) and one in which rank 1 passes a different causal flag; returns
     the counts and the last call's exception."""
     import ringdilated
-    from ringdilated.core import agreement
+    from ringdilated.core.call import agreement
 
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v = _inputs(rank, world)
@@ -287,7 +287,7 @@ def batch_limited_shards(payload: dict[str, Any]) -> dict[str, Any]:
     from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
     from ringdilated.backends.ringpass import RINGPASS_SPEC
     from ringdilated.core import Resolver
-    from ringdilated.core.capabilities import BatchLimit
+    from ringdilated.core.select.capabilities import BatchLimit
     from ringdilated.functional import attend
     from ringdilated.testing import oracle
 
@@ -576,7 +576,7 @@ def nccl_only_group(payload: dict[str, Any]) -> dict[str, Any]:
     pieces), the output's largest difference from the one-process call, and the failing call's
     message."""
     import ringdilated
-    from ringdilated.core import agreement
+    from ringdilated.core.call import agreement
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(5)

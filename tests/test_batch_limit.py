@@ -10,15 +10,15 @@ import torch
 from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import KernelSpec, Resolver
-from ringdilated.core.capabilities import BatchLimit
-from ringdilated.core.driver import (
+from ringdilated.core.contract.kernel import BlockOptions
+from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.run.local import (
     BatchLimitedKernel,
     CallState,
     DilatedAttentionFunction,
     pattern_run,
 )
-from ringdilated.core.kernel import BlockOptions
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.select.capabilities import BatchLimit
 from ringdilated.functional import attend
 from ringdilated.testing import oracle
 

@@ -10,7 +10,7 @@ import torch
 import ringdilated
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import Resolver
-from ringdilated.core.call import CallOptions, prepare_call
+from ringdilated.core.call.prepare import CallOptions, prepare_call
 from ringdilated.functional import attend
 from ringdilated.testing import oracle
 from tests.distributed_harness import Workers

@@ -12,7 +12,11 @@ from ringdilated.backends._memeff import finite_lse
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.backends.sdpa import CpuFlashAttention, _mask_args
 from ringdilated.core import KernelSpec, Target
-from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
+from ringdilated.core.contract.kernel import (
+    BlockOptions,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
+)
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace
@@ -471,7 +475,7 @@ def test_the_kit_rejects_a_backward_that_weights_a_merged_infinite_lse_by_zero()
 
     from ringdilated.backends import _dense
     from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
-    from ringdilated.core.kernel import mark_non_finite_problems
+    from ringdilated.core.contract.kernel import mark_non_finite_problems
     from ringdilated.testing.conformance import ConformanceError, check_kernel
 
     class ZeroWeight(ReferenceKernel):

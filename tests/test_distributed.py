@@ -77,8 +77,8 @@ def _ulysses_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[in
     """Forward bytes of head parallelism, given the dealing (tests/test_heads.py checks it): a
     rank sends each peer its shard of the peer's query heads and of the key/value heads they
     read, and returns to each peer that peer's positions of its own heads' out and lse."""
-    from ringdilated.core.heads import deal_heads
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.heads import deal_heads
+    from ringdilated.core.plan.pattern import DilationPattern
 
     pattern = DilationPattern(case["segments"], case["rates"], case["mode"])
     shares = deal_heads(pattern, case["seq_len"], case["heads"], case["kv_heads"], world)
@@ -103,8 +103,8 @@ def _hybrid_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int
     ranks); across the outer group, the minimum for the rank's share of heads: the distinct
     (key/value head of the share, key position of this chunk) pairs that some query of the
     share's heads in another chunk sees, from the oracle's mask."""
-    from ringdilated.core.heads import deal_heads
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.heads import deal_heads
+    from ringdilated.core.plan.pattern import DilationPattern
 
     outer, inner = grid_shape(world)
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]

@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.backends.sdpa import SDPA_SPEC, SdpaKernel
-from ringdilated.core.driver import CallState, DilatedAttentionFunction, pattern_run
-from ringdilated.core.kernel import BlockOptions
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.contract.kernel import BlockOptions
+from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.run.local import CallState, DilatedAttentionFunction, pattern_run
 
 _aten = torch.ops.aten
 

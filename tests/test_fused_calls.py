@@ -10,9 +10,9 @@ import torch
 
 import ringdilated
 from ringdilated.backends.reference import ReferenceKernel
-from ringdilated.core import driver
-from ringdilated.core.driver import CallState, DilatedAttentionFunction, pattern_run
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.run import local as driver
+from ringdilated.core.run.local import CallState, DilatedAttentionFunction, pattern_run
 from ringdilated.testing import oracle
 
 SEGMENTS, RATES = [16, 32, 64], [1, 2, 4]
@@ -212,7 +212,7 @@ def test_a_query_suffix_reads_its_keys_in_place() -> None:
 def test_row_offsets_are_the_rows_each_view_reads() -> None:
     """The index of a fused call lists, in order, the storage offset of every row of every
     step's view (checked against the views themselves)."""
-    from ringdilated.core.driver import StridedView, _row_offsets
+    from ringdilated.core.run.local import StridedView, _row_offsets
 
     storage = torch.arange(4 * 48 * 6 * 8)  # each element holds its own offset
     views = [

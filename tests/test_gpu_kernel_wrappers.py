@@ -24,8 +24,8 @@ from ringdilated.backends.flex import FLEX_SPEC, FlexFallbackWarning, FlexKernel
 from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
 from ringdilated.backends.xformers import XFORMERS_SPEC, XformersKernel
 from ringdilated.core import Environment, KernelSpec, Request, Resolver, Target
-from ringdilated.core.causal import BottomRightKernel, bottom_right_pieces
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.contract.causal import BottomRightKernel, bottom_right_pieces
+from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.testing import ConformanceError, assert_non_finite_rule, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace, dense

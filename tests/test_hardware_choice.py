@@ -18,7 +18,7 @@ from ringdilated.backends.flex import FLEX_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC
 from ringdilated.backends.xformers import XFORMERS_SPEC
-from ringdilated.core import dtypes as dtype_policy
+from ringdilated.core.select import dtypes as dtype_policy
 from tests.standins import install_flash_attn, install_xformers
 
 SPECS = [FLASH_SPEC, XFORMERS_SPEC, SDPA_SPEC, FLEX_SPEC, REFERENCE_SPEC]

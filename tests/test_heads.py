@@ -1,4 +1,4 @@
-"""Head parallelism's plan (ringdilated.core.heads): the dealing rule, by hand, and a share's
+"""Head parallelism's plan (ringdilated.core.plan.heads): the dealing rule, by hand, and a share's
 blocks against the float64 oracle's heads."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ringdilated.core.driver import CallState, pattern_run
-from ringdilated.core.heads import deal_heads, head_costs, share_blocks
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.plan.heads import deal_heads, head_costs, share_blocks
+from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.run.local import CallState, pattern_run
 from ringdilated.registry import default_resolver
 from ringdilated.testing import max_error, oracle
 

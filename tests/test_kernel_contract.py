@@ -1,4 +1,4 @@
-"""Every registered kernel meets the kernel contract (ringdilated.core.kernel), on its own.
+"""Every registered kernel meets the kernel contract (ringdilated.core.contract.kernel), on its own.
 
 These are the properties a ring needs: arbitrary causal offsets (blocks above, on and below the
 diagonal), -inf lse for rows with no key, and blocks over split keys that merge, forward and
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringdilated.core import BlockOptions, merge_partials
-from ringdilated.core.kernel import (
+from ringdilated.core.contract.kernel import (
     all_finite,
     finite_along,
     inputs_finite,

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ringdilated
-from ringdilated.core.driver import CallState, DilatedAttentionFunction, RowBlocks, Run
+from ringdilated.core.run.local import CallState, DilatedAttentionFunction, RowBlocks, Run
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 

@@ -136,7 +136,7 @@ def test_flops_counts_only_the_pattern() -> None:
 
 
 def test_shard_plan_splits_inner_and_crossing_segments() -> None:
-    from ringdilated.core.shard_plan import payload, shard_plan
+    from ringdilated.core.plan.shards import payload, shard_plan
 
     p = DilationPattern((4, 12), (1, 2))
     # L = 16 over 2 ranks (shard 8): w=4 segments tile the shards; the w=12 segment [0, 12)

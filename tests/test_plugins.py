@@ -199,7 +199,7 @@ def test_listing_names_distributions_versions_and_failures() -> None:
 
 
 # Issue 21, item 6: configuration is never silently ignored. Every switch is read by one strict
-# parser (ringdilated.core.env.env_flag), every name list is checked against what exists.
+# parser (ringdilated.core.support.env.env_flag), every name list is checked against what exists.
 
 SWITCH_SPELLINGS = r"\('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off'\) \(any case\)"
 
@@ -231,7 +231,7 @@ def test_a_switch_that_is_not_understood_raises_naming_it(
 def test_every_accepted_switch_spelling_works(
     value: str, on: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ringdilated.core.sequence_layout import agree_every_call_default
+    from ringdilated.core.call.sequence_layout import agree_every_call_default
 
     good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
     monkeypatch.setenv("RINGDILATED_DISABLE_PLUGIN_AUTOLOAD", value)
@@ -250,7 +250,7 @@ def test_every_accepted_switch_spelling_works(
 
 
 def test_the_agreement_switch_shares_the_strict_parser(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ringdilated.core.sequence_layout import agree_every_call_default
+    from ringdilated.core.call.sequence_layout import agree_every_call_default
 
     monkeypatch.setenv("RINGDILATED_AGREE_EVERY_CALL", "2")
     with pytest.raises(ValueError, match=r"^RINGDILATED_AGREE_EVERY_CALL must be one of "):

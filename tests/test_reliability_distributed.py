@@ -252,8 +252,8 @@ def test_mesh_dimensions_are_checked_by_name_and_index(tmp_path) -> None:  # typ
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ringdilated.core.call import as_process_group
-    from ringdilated.core.grid import Grid
+    from ringdilated.core.call.grid import Grid
+    from ringdilated.core.call.prepare import as_process_group
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -337,7 +337,7 @@ def test_a_group_moves_cpu_tensors_unless_its_backend_is_nccl_alone(
 ) -> None:
     import torch.distributed as dist
 
-    from ringdilated.core import agreement
+    from ringdilated.core.call import agreement
 
     backends = {"a": "gloo", "b": "cpu:gloo,cuda:nccl", "c": "nccl", "d": "cuda:nccl"}
     monkeypatch.setattr(dist, "get_backend", lambda group: backends[group])

@@ -21,7 +21,7 @@ import ringdilated
 from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import DilationPattern, Resolver
-from ringdilated.core.kernel_guard import KernelContractError
+from ringdilated.core.contract.guard import KernelContractError
 from ringdilated.functional import attend
 from ringdilated.testing import assert_non_finite_rule, dense_attention, nan_allowed, oracle
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import ringdilated
 from ringdilated import DistributedNotInitializedWarning, SequenceLayout
-from ringdilated.core import grid
+from ringdilated.core.call import grid
 from tests.distributed_harness import Workers
 
 TASKS = "tests.misuse_tasks"
@@ -181,7 +181,7 @@ def test_an_empty_shard_on_a_layout_names_its_rank_on_every_rank(
 
 
 def test_several_empty_shards_are_all_named() -> None:
-    from ringdilated.core.validation import check_shard_lengths
+    from ringdilated.core.call.validation import check_shard_lengths
 
     with pytest.raises(ValueError, match=r"shard lengths \(8, 0, 8, 0\) \(ranks 1, 3 hold none\)"):
         check_shard_lengths((8, 0, 8, 0))

@@ -29,10 +29,10 @@ from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.cli.main import main
 from ringdilated.core import Capabilities, KernelSpec, PriorityRule, Target
-from ringdilated.core.capabilities import BatchLimit
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.pattern import DilationPattern
-from ringdilated.core.shard_plan import shard_plan
+from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.shards import shard_plan
+from ringdilated.core.select.capabilities import BatchLimit
+from ringdilated.core.select.communicator_spec import CommunicatorSpec
 from ringdilated.functional import default_resolver
 from ringdilated.plugins import PluginError, PluginWarning, hookimpl, load_registry, manager
 from ringdilated.testing import max_error, oracle

@@ -210,7 +210,7 @@ def test_communicator_explanation_names_each_rejection() -> None:
 def test_a_communicator_whose_factory_fails_falls_back_with_the_reason() -> None:
     from ringdilated.backends.local import LOCAL_SPEC
     from ringdilated.backends.ringpass import RINGPASS_SPEC
-    from ringdilated.core.communicator_spec import CommunicatorSpec
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
 
     def broken() -> object:
         raise ImportError("needs a package that is not installed")
@@ -225,8 +225,8 @@ def test_a_communicator_whose_factory_fails_falls_back_with_the_reason() -> None
 
 
 def _plans(segments: list[int], rates: list[int], length: int, world: int) -> list:
-    from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
 
     pattern = DilationPattern(segments, rates)
     return [shard_plan(pattern, length, 1, 1, rank, world) for rank in range(world)]
@@ -248,7 +248,7 @@ def test_traffic_counts_bytes_and_steps_by_hand() -> None:
     """L = 16 over 4 ranks of 4. Pattern [16] (rate 1, one segment spanning every shard): each
     rank's 4 positions go to 3 peers. ringpass: 3 steps (distance 1, 2, 3), the minimum;
     allgather: one step, the same bytes (every peer needs the whole piece)."""
-    from ringdilated.core.cost import PieceSize, traffic
+    from ringdilated.core.select.cost import PieceSize, traffic
 
     resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
     plans = _plans([16], [1], 16, 4)
@@ -275,9 +275,9 @@ def test_traffic_pads_uneven_broadcast_payloads_to_the_largest() -> None:
     """L = 16 over shards of 2, 6, 5, 3; pattern [16] rate 2 (even positions): rank r holds
     1, 3, 3, 1 selected positions (global 0; 2, 4, 6; 8, 10, 12; 14). allgather pads every
     payload to 3 positions and sends it to 3 peers."""
-    from ringdilated.core.cost import PieceSize, traffic
-    from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import PieceSize, traffic
 
     pattern, lengths = DilationPattern([16], [2]), (2, 6, 5, 3)
     plans = [shard_plan(pattern, 16, 1, 1, r, 4, None, lengths) for r in range(4)]
@@ -305,7 +305,7 @@ def test_traffic_pads_uneven_broadcast_payloads_to_the_largest() -> None:
 def test_auto_chooses_the_communicator_of_least_modelled_time(
     segments: list[int], rates: list[int], length: int, causal: bool, batch: int, winner: str
 ) -> None:
-    from ringdilated.core.cost import PieceSize
+    from ringdilated.core.select.cost import PieceSize
 
     resolver, size = _builtin_communicators(), PieceSize(batch, 4, 4)
     plans = _plans(segments, rates, length, 4)
@@ -322,8 +322,8 @@ def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_
     """A schedule that raises: the communicator still fits but ranks after every modelled one;
     an unknown ``delivery`` (its run would raise): rejected with the reason, given plans."""
     from ringdilated.backends.ringpass import RingPassCommunicator
-    from ringdilated.core.communicator_spec import CommunicatorSpec
-    from ringdilated.core.cost import PieceSize
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
+    from ringdilated.core.select.cost import PieceSize
 
     class Odd(RingPassCommunicator):
         delivery = "multicast"
@@ -368,9 +368,9 @@ def test_head_parallel_and_hybrid_traffic_by_hand() -> None:
     2 + 1 steps."""
     from ringdilated.backends.hybrid import HybridCommunicator
     from ringdilated.backends.ulysses import UlyssesCommunicator
-    from ringdilated.core.cost import PieceSize, traffic
-    from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import PieceSize, traffic
 
     size = PieceSize(1, 4, 4)
     plans = [shard_plan(DilationPattern([16], [1]), 16, 4, 4, r, 4) for r in range(4)]
@@ -391,9 +391,9 @@ def test_auto_chooses_ulysses_where_every_rank_needs_every_piece_and_bytes_domin
     from ringdilated.backends.local import LOCAL_SPEC
     from ringdilated.backends.ringpass import RINGPASS_SPEC
     from ringdilated.backends.ulysses import ULYSSES_SPEC
-    from ringdilated.core.cost import PieceSize
-    from ringdilated.core.pattern import DilationPattern
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import PieceSize
 
     specs = [LOCAL_SPEC, RINGPASS_SPEC, ALLGATHER_SPEC, ULYSSES_SPEC]
     resolver = Resolver([], communicators=specs)

@@ -27,10 +27,10 @@ from ringdilated.core import (
     ResolutionError,
     Resolver,
 )
-from ringdilated.core.communicator import TransferStats
-from ringdilated.core.dtypes import SlowDtypeWarning, recommended_dtype
-from ringdilated.core.grid import DistributedNotInitializedWarning
-from ringdilated.core.sequence_layout import SequenceLayout
+from ringdilated.core.call.grid import DistributedNotInitializedWarning
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.contract.communicator import TransferStats
+from ringdilated.core.select.dtypes import SlowDtypeWarning, recommended_dtype
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
 from ringdilated.multihead import MultiheadDilatedAttention

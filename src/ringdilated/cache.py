@@ -76,10 +76,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ringdilated.core.kernel import Kernel
-from ringdilated.core.layout import read_padding
-from ringdilated.core.pattern import DilationPattern, HeadRun, Mode, split_by_kv
-from ringdilated.core.validation import check_bool, check_options
+from ringdilated.core.call.validation import check_bool, check_options
+from ringdilated.core.contract.kernel import Kernel
+from ringdilated.core.plan.documents import read_padding
+from ringdilated.core.plan.pattern import DilationPattern, HeadRun, Mode, split_by_kv
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 

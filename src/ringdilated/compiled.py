@@ -3,8 +3,9 @@ selective activation checkpointing and for CUDA graphs.
 
 - ``ringdilated::attention`` (backward: ``ringdilated::attention_backward``): a call on a
   :class:`~ringdilated.SequenceLayout`, which the op takes as an opaque argument
-  (:mod:`ringdilated.core.opaque`): a new layout per batch reuses the compiled graph. The op finds
-  the call's plan on the layout (made, and agreed on a process group, at the layout's first call
+  (:mod:`ringdilated.core.support.opaque`): a new layout per batch reuses the compiled graph. The
+  op finds the call's plan on the layout (made, and agreed on a process group, at the layout's first
+  call
   with that signature) and runs it: on a layout in steady state it reads nothing on the host, so
   CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a selective
   activation-checkpointing policy can keep its output by name (``torch.ops.ringdilated.
@@ -28,20 +29,26 @@ from typing import Any
 
 import torch
 
-from ringdilated.core import opaque
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.call import WHOLE_SEQUENCES, CallOptions, operands, plan_for, prepare_call
-from ringdilated.core.communicator import TransferStats
-from ringdilated.core.driver import (
+from ringdilated.core.call.grid import Grid
+from ringdilated.core.call.prepare import (
+    WHOLE_SEQUENCES,
+    CallOptions,
+    operands,
+    plan_for,
+    prepare_call,
+)
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.contract.accumulator import accumulation_dtype
+from ringdilated.core.contract.communicator import TransferStats
+from ringdilated.core.run.local import (
     CallState,
     Run,
     as_lse_layout,
     first_order_only,
     lse_buffer,
 )
-from ringdilated.core.dtypes import autocast_off
-from ringdilated.core.grid import Grid
-from ringdilated.core.sequence_layout import SequenceLayout
+from ringdilated.core.select.dtypes import autocast_off
+from ringdilated.core.support import opaque
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -69,7 +76,7 @@ NO_STATS = TransferStats()
 def group_names(group: object) -> tuple[str, str]:
     """The names of a process layout's groups, which the op resolves again: ``("", "")`` on one
     process, ``(name, "")`` for a ``ProcessGroup``, ``(outer, inner)`` for a
-    :class:`~ringdilated.core.grid.Grid`."""
+    :class:`~ringdilated.core.call.grid.Grid`."""
     if group is None:
         return "", ""
     if isinstance(group, Grid):
@@ -105,7 +112,7 @@ def _planned(
     return_lse: bool,
     backward: bool,
 ) -> Any:
-    """The plan of an ``attention`` op's call (see :func:`~ringdilated.core.call.plan_for`):
+    """The plan of an ``attention`` op's call (see :func:`~ringdilated.core.call.prepare.plan_for`):
     on ``layout``, or, for the process-wide layout of whole sequences given process groups, a
     call that plans (and agrees) by itself. Process groups named with another layout must be
     its own (``ValueError`` otherwise, at once, on this rank)."""
@@ -345,8 +352,8 @@ def _run(
     kernel: str,
     backward: bool,
 ) -> Run:
-    """The op's :class:`Run`, from the same :func:`~ringdilated.core.call.prepare_call` as the
-    eager path (re-validating costs microseconds; the resolution is a cached lookup)."""
+    """The op's :class:`Run`, from the same :func:`~ringdilated.core.call.prepare.prepare_call` as
+    the eager path (re-validating costs microseconds; the resolution is a cached lookup)."""
     from ringdilated.registry import default_resolver
 
     options = CallOptions(

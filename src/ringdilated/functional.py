@@ -32,7 +32,8 @@ from ringdilated.compiled import (
     group_names,
     last_plan,
 )
-from ringdilated.core.call import (
+from ringdilated.core.call.grid import Grid
+from ringdilated.core.call.prepare import (
     WHOLE_SEQUENCES,
     CallPlan,
     PatternArgs,
@@ -42,13 +43,12 @@ from ringdilated.core.call import (
     operands,
     plan_for,
 )
-from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.dtypes import autocast_inputs
-from ringdilated.core.grid import Grid
-from ringdilated.core.kernel import Kernel
-from ringdilated.core.pattern import DilationPattern, Mode
-from ringdilated.core.resolver import Resolver
-from ringdilated.core.sequence_layout import SequenceLayout
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.contract.communicator import Communicator, TransferStats
+from ringdilated.core.contract.kernel import Kernel
+from ringdilated.core.plan.pattern import DilationPattern, Mode
+from ringdilated.core.select.dtypes import autocast_inputs
+from ringdilated.core.select.resolver import Resolver
 from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
@@ -57,7 +57,8 @@ _INT64_MAX = 2**63 - 1
 _INT64_MIN = -(2**63)
 
 world_size = group_size
-"""Ranks in a process group (``None``: one process); :func:`ringdilated.core.call.group_size`."""
+"""Ranks in a process group (``None``: one process);
+:func:`ringdilated.core.call.prepare.group_size`."""
 
 
 def attend(
@@ -82,15 +83,15 @@ def attend(
     lse_needed: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
-    the call's :class:`~ringdilated.core.call.CallPlan` (``full_precision_lse``: the lse in the
-    accumulation dtype, float64 for float64 inputs, for callers that merge results further).
+    the call's :class:`~ringdilated.core.call.prepare.CallPlan` (``full_precision_lse``: the lse in
+    the accumulation dtype, float64 for float64 inputs, for callers that merge results further).
     ``lse`` carries a gradient only with ``return_lse=True`` (every rank then exchanges it).
     ``lse_needed=False``: the caller discards ``lse`` (it may then come back ``None`` from a
     call that runs no backward).
 
     ``layout``: the batch's :class:`~ringdilated.SequenceLayout`; a call with the signature of
     an earlier call on it is not checked or agreed again (see
-    :mod:`ringdilated.core.sequence_layout`). Without one, a one-process call with neither
+    :mod:`ringdilated.core.call.sequence_layout`). Without one, a one-process call with neither
     ``cu_seqlens`` nor ``key_padding_mask`` uses a process-wide layout of whole sequences (its
     plans kept, so a steady-state call is planned once), and any other call builds its own.
 
@@ -404,15 +405,16 @@ def dilated_attention(
       dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
       ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
       (``"ringpass"``, ``"allgather"``) or a
-      :class:`~ringdilated.core.communicator.Communicator` instance.
-      Inputs are checked on every rank and a rejection raises on every rank; every shard must
+      :class:`~ringdilated.core.contract.communicator.Communicator` instance. Inputs are checked on
+      every rank and a rejection raises on every rank; every shard must
       hold at least one position (an empty one raises on every rank, naming its rank).
       ``dist.group.WORLD`` is ``None`` until ``torch.distributed.init_process_group()``: passed
       before it, the call runs as one process over the rank's own shard. A one-process call in
       a process whose environment says ``WORLD_SIZE > 1`` (a launcher such as ``torchrun``)
       while ``torch.distributed`` is not initialised warns with
       :class:`~ringdilated.DistributedNotInitializedWarning`, once per process.
-    - ``transfer_stats``: a :class:`~ringdilated.core.communicator.TransferStats` to which a
+    - ``transfer_stats``: a :class:`~ringdilated.core.contract.communicator.TransferStats` to which
+    a
       sharded call adds the bytes this rank sends and receives (forward, and backward when it
       runs).
 

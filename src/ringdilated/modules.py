@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringdilated.core.agreement import agree, agreed
-from ringdilated.core.call import CallPlan, as_process_group, group_size
-from ringdilated.core.communicator import Communicator
-from ringdilated.core.grid import Grid
-from ringdilated.core.kernel import Kernel
-from ringdilated.core.pattern import DilationPattern, Mode
-from ringdilated.core.resolver import Plan
-from ringdilated.core.sequence_layout import SequenceLayout
-from ringdilated.core.validation import check_options
+from ringdilated.core.call.agreement import agree, agreed
+from ringdilated.core.call.grid import Grid
+from ringdilated.core.call.prepare import CallPlan, as_process_group, group_size
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.call.validation import check_options
+from ringdilated.core.contract.communicator import Communicator
+from ringdilated.core.contract.kernel import Kernel
+from ringdilated.core.plan.pattern import DilationPattern, Mode
+from ringdilated.core.select.resolver import Plan
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 
@@ -37,8 +37,8 @@ class DilatedAttention(nn.Module):
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
-    call's whole :class:`~ringdilated.core.call.CallPlan`; ``explain()`` shows both, with what
-    each communicator would move for the last call's shards. The kernel is chosen
+    call's whole :class:`~ringdilated.core.call.prepare.CallPlan`; ``explain()`` shows both, with
+    what each communicator would move for the last call's shards. The kernel is chosen
     for the tensors a call actually passes (device, dtype, head dim, whether gradients are
     needed), and chosen again (a cached lookup) whenever they change, so a module built with a
     GPU-only ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call
@@ -119,10 +119,11 @@ class DilatedAttention(nn.Module):
     def reject(self, error: Exception, layout: object = None) -> NoReturn:
         """Raise ``error``, a check made before this module's call (a wrapping module's), such
         that on a process group every rank raises: the peers, which passed their checks, are
-        waiting in the call's agreement (:func:`~ringdilated.core.agreement.agree`) and raise a
+        waiting in the call's agreement (:func:`~ringdilated.core.call.agreement.agree`) and raise a
         ``ValueError`` naming this rank's error. An error that came out of an agreement already
-        (:func:`~ringdilated.core.agreement.agreed`) is raised as it is. On a ``layout`` that has
-        planned any call (not checked every call) the error is raised at once, on this rank only:
+        (:func:`~ringdilated.core.call.agreement.agreed`) is raised as it is. On a ``layout`` that
+        has planned any call (not checked every call) the error is raised at once, on this rank
+        only:
         its peers may be in a planned call's data exchange, which an agreement here would pair
         with (undefined results), or in a new signature's agreement, which the backend's
         timeout then ends. Only on a layout that has planned nothing are the peers surely in

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from ringdilated.core.capabilities import PACKAGES_ENV_VAR, Environment
-from ringdilated.core.env import unknown_names
-from ringdilated.core.resolver import Resolver
+from ringdilated.core.select.capabilities import PACKAGES_ENV_VAR, Environment
+from ringdilated.core.select.resolver import Resolver
+from ringdilated.core.support.env import unknown_names
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 from ringdilated.plugins.manager import PluginRegistry, load_registry
 

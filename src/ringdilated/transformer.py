@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
-from ringdilated.core.communicator import Communicator
-from ringdilated.core.kernel import Kernel
-from ringdilated.core.pattern import Mode
-from ringdilated.core.sequence_layout import SequenceLayout
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.contract.communicator import Communicator
+from ringdilated.core.contract.kernel import Kernel
+from ringdilated.core.plan.pattern import Mode
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
     positive_float,

@@ -1,6 +1,7 @@
 """Dense softmax attention for one block, in bounded memory: the ``reference`` kernel's math.
 
-Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.kernel`; docs/spec.md,
+Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.contract.kernel`;
+docs/spec.md,
 section 4): attention runs over the row's *visible* keys. A hidden key's score is replaced by
 ``-inf`` before the softmax (``torch.where``, so a NaN score of a hidden key goes too). A row with
 no visible key gives ``out = 0`` and ``lse = -inf``; a row whose visible scores are all ``-inf``
@@ -22,9 +23,13 @@ from __future__ import annotations
 import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.causal import BottomRightKernel
-from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
+from ringdilated.core import (
+    BlockOptions,
+    BottomRightKernel,
+    accumulation_dtype,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
+)
 
 __all__ = [
     "TILE_ELEMENTS",
@@ -148,9 +153,10 @@ class GuardedBottomRightKernel(BottomRightKernel):
     its results repaired on the device for non-finite inputs: flash-style kernels return zeros
     for a row whose scores are all ``-inf`` (flash-attn's ``softmax.h``: a zero row sum gives
     ``inv_sum = 1``; torch's memory-efficient epilogue: ``s_prime == 0`` gives ``1``), which an
-    infinite query or key produces. :func:`~ringdilated.core.kernel.mark_non_finite_rows` and
-    :func:`~ringdilated.core.kernel.mark_non_finite_problems` make the rows and problems that
-    hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
+    infinite query or key produces. :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`
+    and
+    :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and problems
+    that hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions

@@ -1,10 +1,10 @@
 """The ``allgather`` communicator: one ``all_gather`` on the call's process group per exchange.
 
 Each rank contributes one payload, the union of what any peer's queries see (its *broadcast
-payload*, :func:`~ringdilated.core.shard_plan.broadcast_payload`), padded to the largest of the
+payload*, :func:`~ringdilated.core.plan.shards.broadcast_payload`), padded to the largest of the
 group's; every rank receives all of them and extracts its own part
-(``delivery = "broadcast"``, see :mod:`ringdilated.core.communicator`). This serves every plan
-``ringpass`` serves, exactly:
+(``delivery = "broadcast"``, see :mod:`ringdilated.core.contract.communicator`). This serves every
+plan ``ringpass`` serves, exactly:
 
 - **causal**: the collective also delivers pieces to earlier ranks, who ignore them;
 - **uneven pieces**: padded to the group's largest;
@@ -13,7 +13,7 @@ group's; every rank receives all of them and extracts its own part
 
 What the collective moves beyond the minimum (copies for ranks that ignore them, padding) is
 counted in the call's ``TransferStats`` and shown by ``explain()``, and the resolver weighs it
-(:mod:`ringdilated.core.cost`). Gradients return point to point, the minimum.
+(:mod:`ringdilated.core.select.cost`). Gradients return point to point, the minimum.
 
 Why padding and ``all_gather`` rather than split sizes: NCCL's ``all_gather`` (a ring or tree
 over every link at once) is its fastest collective and takes equal sizes only, and gloo's
@@ -43,9 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core.communicator import Pending, every_peer_at_once, process_group
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan
+from ringdilated.core import CommunicatorSpec, Pending, ShardPlan, every_peer_at_once, process_group
 
 __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 

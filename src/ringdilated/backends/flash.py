@@ -16,7 +16,7 @@ construction, so an unknown signature fails there (the resolver falls back, with
 rather than on the first backward. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
 ``(batch, heads, seqlen_q)`` array with no check, so it is passed contiguous; every other tensor
 needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
-causal offset runs as at most two calls (:mod:`ringdilated.core.causal`).
+causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
 
 Declared: CUDA compute capability 8.0 or newer (2.6.x: 8.x and 9.0 only, as its
 ``flash_api.cpp`` checks), float16 and bfloat16, head dims that are multiples of 8 up to 256,
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ringdilated.backends._dense import GuardedBottomRightKernel
-from ringdilated.core.capabilities import (
+from ringdilated.core import (
     GRID_LIMIT,
     BatchLimit,
     Capabilities,

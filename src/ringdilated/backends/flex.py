@@ -45,17 +45,19 @@ from typing import Any
 
 import torch
 
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.caller import user_stacklevel
-from ringdilated.core.capabilities import (
+from ringdilated.core import (
     GRID_LIMIT,
     BatchLimit,
+    BlockOptions,
     Capabilities,
     KernelSpec,
     PriorityRule,
     Target,
+    accumulation_dtype,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
 )
-from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
+from ringdilated.core.support.caller import user_stacklevel
 
 __all__ = ["FLEX_SPEC", "FlexFallbackWarning", "FlexKernel", "compile_flex", "offset_mask"]
 

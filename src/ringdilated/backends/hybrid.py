@@ -1,7 +1,7 @@
 """The ``hybrid`` communicator: ``ulysses`` within a 2-D layout's inner groups, ``ringpass``
 across its outer groups (yunchang's USP, TransformerEngine's ``a2a+p2p``).
 
-On a :class:`~ringdilated.core.grid.Grid` (a 2-D ``DeviceMesh`` ``(outer, inner)``, or two
+On a :class:`~ringdilated.core.call.grid.Grid` (a 2-D ``DeviceMesh`` ``(outer, inner)``, or two
 process groups), rank ``(o, i)`` holds shard ``o * inner + i`` of the sequence. An all-to-all
 within the inner group gives each rank every position of the group's chunk for its share of the
 heads; the chunks then exchange only their crossing pieces of those heads across the outer
@@ -18,9 +18,7 @@ import torch
 
 from ringdilated.backends.ringpass import RingPassCommunicator
 from ringdilated.backends.ulysses import UlyssesCommunicator
-from ringdilated.core.communicator import Pending
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan
+from ringdilated.core import CommunicatorSpec, Pending, ShardPlan
 
 __all__ = ["HYBRID_SPEC", "HybridCommunicator"]
 

@@ -6,8 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan
+from ringdilated.core import CommunicatorSpec, ShardPlan
 
 __all__ = ["LOCAL_SPEC", "LocalCommunicator"]
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 
 from ringdilated.backends import _dense
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.capabilities import Capabilities, KernelSpec, Target
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core import BlockOptions, Capabilities, KernelSpec, Target, accumulation_dtype
 
 __all__ = ["REFERENCE_SPEC", "ReferenceKernel"]
 

@@ -15,9 +15,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core.communicator import process_group
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan
+from ringdilated.core import CommunicatorSpec, ShardPlan, process_group
 
 __all__ = ["RINGPASS_SPEC", "RingPassCommunicator", "Works", "point_to_point"]
 

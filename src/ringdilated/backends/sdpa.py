@@ -34,8 +34,8 @@ results are repaired on the device, with no host read, each path by what its op 
   one pass over the lse the op needs anyway).
 - The memory-efficient CUDA kernel zeroes such rows too (``s_prime == 0`` in torch's
   ``epilogue_rescale_output.h``); not yet run on hardware, it keeps the general repair
-  (:func:`~ringdilated.core.kernel.mark_non_finite_rows`,
-  :func:`~ringdilated.core.kernel.mark_non_finite_problems`).
+  (:func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`,
+  :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems`).
 
 The conformance kit's ``non-finite`` and ``non-finite-gradients`` checks hold both paths to the
 rule; the cost of the repair is measured by ``benchmarks/bench_non_finite.py`` and
@@ -52,9 +52,17 @@ import torch
 from ringdilated.backends import _dense
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_bias, padded_lse
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.capabilities import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, Target
-from ringdilated.core.kernel import BlockOptions, mark_non_finite_problems, mark_non_finite_rows
+from ringdilated.core import (
+    GRID_LIMIT,
+    BatchLimit,
+    BlockOptions,
+    Capabilities,
+    KernelSpec,
+    Target,
+    accumulation_dtype,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
+)
 
 __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 

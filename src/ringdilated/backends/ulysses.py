@@ -1,11 +1,11 @@
 """The ``ulysses`` communicator: head parallelism by all-to-all (DeepSpeed Ulysses' scheme).
 
 Each rank gives every peer its shard of the peer's heads and receives every position of its own
-share of the heads (:mod:`ringdilated.core.head_parallel`), in one ``all_to_all_single`` with
+share of the heads (:mod:`ringdilated.core.run.head_parallel`), in one ``all_to_all_single`` with
 split sizes (gloo's list ``all_to_all`` takes equal sizes only; NCCL takes both), then attends its
 heads over the whole sequence with no crossing segments, and a second all-to-all returns the
 results. Heads are dealt so that every rank gets the same work
-(:func:`~ringdilated.core.heads.deal_heads`). It needs at least one query head per rank.
+(:func:`~ringdilated.core.plan.heads.deal_heads`). It needs at least one query head per rank.
 
 CPU tensors (gloo) move by point-to-point ``isend``/``irecv`` instead of the collective, the same
 bytes: gloo runs a collective on a worker thread of its own, which keeps the collective's
@@ -24,9 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core.communicator import Pending, every_peer_at_once, process_group
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.shard_plan import ShardPlan
+from ringdilated.core import CommunicatorSpec, Pending, ShardPlan, every_peer_at_once, process_group
 
 __all__ = ["ULYSSES_SPEC", "UlyssesCommunicator", "all_to_all"]
 

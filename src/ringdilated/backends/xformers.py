@@ -13,8 +13,8 @@ kernels do not split batches beyond the 65535 launch-grid limit, so the kernel d
 
 The CUTLASS operators have no "partial" mode, which is why ``memory_efficient_attention_partial``
 is not used: the lse from ``forward_requires_grad`` is the same quantity. Causal offsets use
-``LowerTriangularFromBottomRightMask`` in at most two calls (:mod:`ringdilated.core.causal`).
-Key/value heads are repeated for grouped-query attention.
+``LowerTriangularFromBottomRightMask`` in at most two calls
+(:mod:`ringdilated.core.contract.causal`). Key/value heads are repeated for grouped-query attention.
 
 ``import xformers`` succeeds, with a logged warning only, when its compiled part fails to load (a
 wheel built for another torch); xformers then rejects every CUDA call ("xFormers wasn't build with
@@ -34,14 +34,7 @@ import torch
 from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
-from ringdilated.core.capabilities import (
-    GRID_LIMIT,
-    BatchLimit,
-    Capabilities,
-    KernelSpec,
-    PriorityRule,
-    Target,
-)
+from ringdilated.core import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, PriorityRule, Target
 
 __all__ = ["MIN_VERSION", "XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
 

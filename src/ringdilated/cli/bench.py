@@ -174,7 +174,7 @@ def rank_task(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _row(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
 
     pattern = DilationPattern(config["segments"], config["rates"])
     flops = pattern.flops(config["length"], config["heads"], config["head_dim"], config["causal"])

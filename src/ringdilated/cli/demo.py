@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ringdilated.cli import flags, memory
-from ringdilated.core.communicator import TransferStats
+from ringdilated.core.contract.communicator import TransferStats
 
 __all__ = ["add_arguments", "run"]
 
@@ -108,8 +108,8 @@ def _fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     import ringdilated
-    from ringdilated.core.capabilities import Request
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.select.capabilities import Request
     from ringdilated.pool import Workers
     from ringdilated.testing import allowed_error, max_error
 

@@ -17,7 +17,7 @@ import torch
 from ringdilated.cli import flags
 
 if TYPE_CHECKING:
-    from ringdilated.core.resolver import Resolver
+    from ringdilated.core.select.resolver import Resolver
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
-    from ringdilated.core.dtypes import recommended_dtype
+    from ringdilated.core.select.dtypes import recommended_dtype
 
     return recommended_dtype(device) if name == "auto" else flags.to_dtype(name)
 
@@ -60,7 +60,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 def run(args: argparse.Namespace) -> int:
     import ringdilated
     from ringdilated.core import Environment, Request
-    from ringdilated.core.sequence_layout import agree_every_call_default
+    from ringdilated.core.call.sequence_layout import agree_every_call_default
     from ringdilated.plugins import PluginError, load_registry
     from ringdilated.registry import default_resolver
 
@@ -116,8 +116,8 @@ def _communicators(
 ) -> str:
     """The communicator choice for a sample sharded call, with what each would move."""
     from ringdilated.core import DilationPattern
-    from ringdilated.core.cost import PieceSize, link_for
-    from ringdilated.core.shard_plan import shard_plan
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.cost import PieceSize, link_for
 
     world = args.world_size
     if world == 1:

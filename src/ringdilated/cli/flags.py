@@ -205,11 +205,11 @@ def output_file(text: str) -> str:
 
 def check_pattern(segments: list[int], rates: list[int], heads: int) -> None:
     """Raise ``ValueError`` naming the flags unless ``--segments`` and ``--rates`` make a
-    :class:`~ringdilated.core.pattern.DilationPattern` that ``--heads`` heads fit.
+    :class:`~ringdilated.core.plan.pattern.DilationPattern` that ``--heads`` heads fit.
 
     The pattern's own message comes first, the flags that gave it after.
     """
-    from ringdilated.core.pattern import DilationPattern
+    from ringdilated.core.plan.pattern import DilationPattern
 
     given = f"--segments {_joined(segments)} --rates {_joined(rates)}"
     try:

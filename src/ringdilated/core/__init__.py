@@ -1,8 +1,45 @@
-"""What every backend agrees on: the pattern, the kernel contract, the accumulator, capabilities,
-the resolver and the single-process driver. Imports torch and attrs only, never a backend."""
+"""The engine, in layers, and the surface a backend is written against.
 
-from ringdilated.core.accumulator import Accumulator, accumulation_dtype, merge_partials
-from ringdilated.core.capabilities import (
+``core/`` imports torch and attrs only, never a backend, a plugin or the face. Its folders are
+layers, each importing only those below it (``tests/test_layers.py`` holds it to that)::
+
+    support   environment variables, warning locations, opaque objects
+    plan      pattern, documents and padding, shard plans, head dealing    (host arithmetic)
+    contract  Kernel, Communicator, the accumulator, bottom-right pieces, the kernel guard
+    select    capabilities and specs, the resolver, the cost model, the dtype policy
+    run       the single-process and sharded runs, head parallelism, the exchange, the wire
+    call      validation, the agreement, process layouts, the SequenceLayout, prepare_call
+
+A backend imports what it needs from here (the names below); ``docs/plugins.md`` is the guide
+and ``docs/architecture.md`` draws the layers. The flat module paths of 0.1
+(``ringdilated.core.kernel``, ...) still import, with a ``DeprecationWarning``, for one release.
+"""
+
+from ringdilated.core import _aliases
+from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtype, merge_partials
+from ringdilated.core.contract.causal import (
+    BottomRightKernel,
+    backward_in_pieces,
+    forward_in_pieces,
+)
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    Pending,
+    TransferStats,
+    every_peer_at_once,
+    process_group,
+)
+from ringdilated.core.contract.kernel import (
+    BlockOptions,
+    Kernel,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
+)
+from ringdilated.core.plan.pattern import MODES, Block, DilationPattern, HeadRun, Mode, Selection
+from ringdilated.core.plan.shards import ShardPlan
+from ringdilated.core.select.capabilities import (
+    GRID_LIMIT,
+    BatchLimit,
     Capabilities,
     Environment,
     KernelSpec,
@@ -10,30 +47,45 @@ from ringdilated.core.capabilities import (
     Request,
     Target,
 )
-from ringdilated.core.kernel import BlockOptions, Kernel
-from ringdilated.core.pattern import MODES, Block, DilationPattern, HeadRun, Mode, Selection
-from ringdilated.core.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
+from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
+
+_aliases.install()
 
 __all__ = [
+    "GRID_LIMIT",
     "KERNEL_ENV_VAR",
     "MODES",
     "Accumulator",
+    "BatchLimit",
     "Block",
     "BlockOptions",
+    "BottomRightKernel",
     "Capabilities",
+    "Communicator",
+    "CommunicatorSpec",
     "DilationPattern",
     "Environment",
     "HeadRun",
     "Kernel",
     "KernelSpec",
     "Mode",
+    "Pending",
     "Plan",
     "PriorityRule",
     "Request",
     "ResolutionError",
     "Resolver",
     "Selection",
+    "ShardPlan",
     "Target",
+    "TransferStats",
     "accumulation_dtype",
+    "backward_in_pieces",
+    "every_peer_at_once",
+    "forward_in_pieces",
+    "mark_non_finite_problems",
+    "mark_non_finite_rows",
     "merge_partials",
+    "process_group",
 ]

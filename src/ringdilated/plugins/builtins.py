@@ -22,8 +22,8 @@ from ringdilated.backends.ringpass import RINGPASS_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC
 from ringdilated.backends.ulysses import ULYSSES_SPEC
 from ringdilated.backends.xformers import XFORMERS_SPEC
-from ringdilated.core.capabilities import KernelSpec
-from ringdilated.core.communicator_spec import CommunicatorSpec
+from ringdilated.core.select.capabilities import KernelSpec
+from ringdilated.core.select.communicator_spec import CommunicatorSpec
 from ringdilated.plugins.hookspecs import hookimpl
 
 __all__ = ["BUILTIN_PLUGINS", "ESSENTIAL_PLUGINS", "BuiltinPlugin"]

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from ringdilated.core.capabilities import KernelSpec
-    from ringdilated.core.communicator_spec import CommunicatorSpec
+    from ringdilated.core.select.capabilities import KernelSpec
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
 
 __all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 
@@ -47,7 +47,7 @@ def ringdilated_kernels() -> list[KernelSpec]:  # type: ignore[empty-body]
 @hookspec
 def ringdilated_communicators() -> list[CommunicatorSpec]:  # type: ignore[empty-body]
     """Return the communicators this plugin offers, as
-    :class:`~ringdilated.core.communicator_spec.CommunicatorSpec`.
+    :class:`~ringdilated.core.select.communicator_spec.CommunicatorSpec`.
 
     Called once when the plugin registry is built, like :func:`ringdilated_kernels`.
     """

@@ -12,7 +12,7 @@ Call flow::
 
 A plugin that fails to import, raises in a hook, or returns something that is not a list of specs
 is skipped with a :class:`PluginWarning` naming it. Each spec it returns is validated field by
-field (:func:`~ringdilated.core.spec_validation.validate_spec`, nested values included): a
+field (:func:`~ringdilated.plugins.spec_validation.validate_spec`, nested values included): a
 malformed spec, or one whose backend name another plugin already took, is skipped on its own
 with a warning naming the plugin, the spec and the field (for a duplicate name, both plugins and
 their distributions); the plugin's other specs still register. Every failure is kept for
@@ -28,8 +28,9 @@ Controls, as arguments of :func:`build_registry` or as environment variables:
 - ``strict=True`` / ``RINGDILATED_STRICT_PLUGINS=1``: a failing plugin raises.
 
 The environment variables are read strictly when the registry is built
-(:mod:`ringdilated.core.env`): a switch that is not ``1/true/yes/on``, ``0/false/no/off``, empty
-or unset, and a name that is no built-in plugin (for ``ALLOW``: no installed entry point) raise
+(:mod:`ringdilated.core.support.env`): a switch that is not ``1/true/yes/on``, ``0/false/no/off``,
+empty or unset, and a name that is no built-in plugin (for ``ALLOW``: no installed entry point)
+raise
 ``ValueError`` naming the variable, its value and what is accepted.
 """
 
@@ -46,13 +47,13 @@ from typing import Any, Protocol
 import attrs
 import pluggy
 
-from ringdilated.core.capabilities import KernelSpec
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.env import env_flag, env_names, unknown_names
-from ringdilated.core.rules import describe, describe_exception
-from ringdilated.core.spec_validation import SpecError, spec_label, validate_spec
+from ringdilated.core.contract.rules import describe, describe_exception
+from ringdilated.core.select.capabilities import KernelSpec
+from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.support.env import env_flag, env_names, unknown_names
 from ringdilated.plugins import hookspecs
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, BuiltinPlugin
+from ringdilated.plugins.spec_validation import SpecError, spec_label, validate_spec
 
 __all__ = [
     "ALLOW_ENV_VAR",

@@ -170,8 +170,8 @@ def _attend(
 def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
     """A :class:`Workers` task: this rank's shard of :func:`case_inputs`, run with
     ``case['communicator']``; its out, lse, gradients and bytes sent, or ``{"declined": why}``."""
-    from ringdilated.core.communicator import TransferStats
-    from ringdilated.core.resolver import ResolutionError
+    from ringdilated.core.contract.communicator import TransferStats
+    from ringdilated.core.select.resolver import ResolutionError
 
     rank, world = dist.get_rank(), dist.get_world_size()
     q, k, v, dout, dlse = case_inputs(case)

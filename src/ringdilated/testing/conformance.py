@@ -47,9 +47,9 @@ import attrs
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from ringdilated.core.accumulator import accumulation_dtype, merge_partials
-from ringdilated.core.capabilities import Environment, KernelSpec, Request
-from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.contract.accumulator import accumulation_dtype, merge_partials
+from ringdilated.core.contract.kernel import BlockOptions, Kernel
+from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.testing._tolerance import FLOORS, allowed_error, max_error, non_finite_violation
 from ringdilated.testing.kernel_cases import (
     DEFAULT_SPACE,

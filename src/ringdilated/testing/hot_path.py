@@ -29,7 +29,7 @@ How each is seen:
   point-to-point call, by wrapper (``batch_isend_irecv`` for the point-to-point ops it batches:
   ``isend`` and ``irecv`` themselves are left unwrapped, as ``P2POp`` checks their identity);
   an *exchange* is one made while moving a call's data (from
-  :mod:`ringdilated.core.exchange` or :mod:`ringdilated.core.head_parallel`), anything else
+  :mod:`ringdilated.core.run.exchange` or :mod:`ringdilated.core.run.head_parallel`), anything else
   (the agreement, a stray check) is a *control* collective.
 
 ``events`` lists every counted event as ``(kind, what)``, ``what`` naming the op and the
@@ -98,7 +98,7 @@ _COLLECTIVES = (
     "send",
 )
 
-_EXCHANGE_MODULES = ("ringdilated.core.exchange", "ringdilated.core.head_parallel")
+_EXCHANGE_MODULES = ("ringdilated.core.run.exchange", "ringdilated.core.run.head_parallel")
 
 
 def _devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.device]:

@@ -23,8 +23,8 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from ringdilated.core.capabilities import Environment, KernelSpec, Request
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.contract.kernel import BlockOptions
+from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.testing._oracle import masked_attention, scaled_scores
 
 __all__ = [
@@ -78,7 +78,7 @@ class KernelCase:
 
     ``layout="strided"``: each input is a view of a larger ``(n, length * rate, heads + 1, D)``
     buffer, every ``rate``-th position from ``offset`` and heads ``1 .. heads``, permuted to
-    kernel layout: exactly the kind of view :mod:`ringdilated.core.driver` hands a kernel.
+    kernel layout: exactly the kind of view :mod:`ringdilated.core.run.local` hands a kernel.
     """
 
     n: int

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core import rules
+from ringdilated.core.contract import rules
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard_plan import ShardPlan
+    from ringdilated.core.plan.shards import ShardPlan
 
 __all__ = ["CommunicatorSpec"]
 
@@ -22,8 +22,8 @@ class CommunicatorSpec:
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
     ``causal``: honours the causal rule of sending only toward later ranks.
     ``dims``: the process layout it runs on: 1, a process group; 2, a 2-D
-    :class:`~ringdilated.core.grid.Grid` (``hybrid``).
-    ``plan_reasons``: given every rank's shard plan and the causal flag, the reasons this
+    :class:`~ringdilated.core.call.grid.Grid` (``hybrid``). ``plan_reasons``: given every rank's
+    shard plan and the causal flag, the reasons this
     communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
     anything but str, :meth:`reasons` turns that into a reason against this communicator.
     ``name`` follows the kernel name rule (non-empty, no whitespace or commas, not ``"auto"``),

@@ -1,4 +1,4 @@
-"""The wire format of a sharded call: how a :class:`~ringdilated.core.shard_plan.Payload` of keys
+"""The wire format of a sharded call: how a :class:`~ringdilated.core.plan.shards.Payload` of keys
 and values (or of their gradients) is packed into one flat tensor, unpacked, and added back.
 
 One flat tensor per (sender, receiver) and step: for each key/value head of the payload, in
@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ringdilated.core.shard_plan import Crossing, Payload
+from ringdilated.core.plan.shards import Crossing, Payload
 
 __all__ = [
     "crossing_kv",

@@ -1,7 +1,7 @@
 """Causal offsets for kernels whose only causal mask is "bottom-right" aligned.
 
-The kernel contract (:mod:`ringdilated.core.kernel`) asks for any ``causal_offset``: key ``j``
-is visible to query ``i`` iff ``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
+The kernel contract (:mod:`ringdilated.core.contract.kernel`) asks for any ``causal_offset``: key
+``j`` is visible to query ``i`` iff ``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
 xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j`` visible iff
 ``j <= i + (Lk - Lq)``. Any offset reduces to at most two such calls:
 
@@ -21,8 +21,8 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.kernel import BlockOptions
+from ringdilated.core.contract.accumulator import accumulation_dtype
+from ringdilated.core.contract.kernel import BlockOptions
 
 __all__ = [
     "BottomRightKernel",

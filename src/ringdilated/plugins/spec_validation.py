@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from ringdilated.core.rules import describe, describe_exception
+from ringdilated.core.contract.rules import describe, describe_exception
 
 __all__ = ["SpecError", "spec_label", "validate_spec"]
 

@@ -13,8 +13,8 @@ Call flow on every rank (the same steps in the same order)::
 
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
 rank stays O(L / P) with a pairwise communicator. A broadcast one (``delivery = "broadcast"``,
-see :mod:`ringdilated.core.communicator`) receives every peer of a step at once: each rank's
-broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
+see :mod:`ringdilated.core.contract.communicator`) receives every peer of a step at once: each
+rank's broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
 bytes of every exchange are added to the call's ``TransferStats`` when it has one.
 """
 
@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from ringdilated.core import payload as wire
-from ringdilated.core.communicator import Pending, TransferStats, delivery_of
-from ringdilated.core.shard_plan import Crossing, Payload, broadcast_payload, payload
+from ringdilated.core.contract.communicator import Pending, TransferStats, delivery_of
+from ringdilated.core.plan.shards import Crossing, Payload, broadcast_payload, payload
+from ringdilated.core.run import wire as wire
 
 if TYPE_CHECKING:
-    from ringdilated.core.sharded_run import ShardedRun
+    from ringdilated.core.contract.communicator import Communicator
+    from ringdilated.core.plan.shards import ShardPlan
 
 __all__ = ["PieceExchange", "Received"]
 
@@ -66,49 +67,61 @@ class PieceExchange:
     and returns the gradients of received pieces, overlapped with the next step's compute."""
 
     def __init__(
-        self, run: ShardedRun, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
+        self,
+        plans: tuple[ShardPlan, ...],
+        rank: int,
+        communicator: Communicator,
+        group: object,
+        causal: bool,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        stats: TransferStats | None,
     ) -> None:
-        self.run, self.k, self.v, self.stats = run, k, v, stats
+        """``plans``: every rank's shard plan; ``rank``: this rank's index in them; the pieces
+        move through ``communicator`` on ``group``; ``k``, ``v``: this rank's shard (kernel
+        layout); ``stats`` counts the bytes moved (``None``: not counted)."""
+        self.plans, self.rank, self.communicator, self.group = plans, rank, communicator, group
+        self.plan = plans[rank]
+        self.k, self.v, self.stats = k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
-        plan = run.plan
-        self.steps = run.communicator.schedule(plan.rank, plan.world_size)
-        self.causal = run.inner.causal
-        self.broadcast = delivery_of(run.communicator) == "broadcast"
+        self.steps = communicator.schedule(rank, len(plans))
+        self.causal = causal
+        self.broadcast = delivery_of(communicator) == "broadcast"
         self._next: _Step | None = None
         self._returning: _Return | None = None
 
     def payload(self, src: int, dst: int) -> Payload:
-        return payload(self.run.plan, src, dst, self.causal)
+        return payload(self.plan, src, dst, self.causal)
 
     def _exchange(
         self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], uniform: bool
     ) -> Pending:
         if self.stats is not None:
             self.stats.record(sends, recvs)
-        return self.run.communicator.exchange(self.run.group, sends, recvs, uniform=uniform)
+        return self.communicator.exchange(self.group, sends, recvs, uniform=uniform)
 
     def _broadcast(self, src: int) -> Payload:
-        return broadcast_payload(self.run.plans[src], self.causal)
+        return broadcast_payload(self.plans[src], self.causal)
 
     def _start_broadcast(self, peers: tuple[int, ...]) -> _Step:
         """Send this rank's broadcast payload to every peer; receive theirs. All are padded to
         the group's largest, so a collective of equal sizes can move them."""
         sizes = [
             wire.numel(self._broadcast(r), self.batch, self.head_dim)
-            for r in range(len(self.run.plans))
+            for r in range(len(self.plans))
         ]
         width = max(sizes)
         if width == 0:
             return _Step(peers, _Done(), {})
-        mine = self._broadcast(self.run.plan.rank)
-        padding = self.k.new_zeros(width - sizes[self.run.plan.rank])
+        mine = self._broadcast(self.rank)
+        padding = self.k.new_zeros(width - sizes[self.rank])
         flat = torch.cat([wire.pack(mine, self.k, self.v), padding]) if mine else padding
         sends = dict.fromkeys(peers, flat)
         recvs = {p: self.k.new_empty(width) for p in peers}
         return _Step(peers, self._exchange(sends, recvs, uniform=True), recvs)
 
     def _start(self, index: int) -> _Step:
-        me = self.run.plan.rank
+        me = self.rank
         peers = self.steps[index]
         if self.broadcast:
             return self._start_broadcast(peers)
@@ -132,7 +145,7 @@ class PieceExchange:
     def __iter__(self) -> Iterator[tuple[int, list[Received]]]:
         """Yield ``(step, received)`` for every step of the schedule."""
         self.start()
-        me = self.run.plan.rank
+        me = self.rank
         for index in range(len(self.steps)):
             current = self._next
             assert current is not None
@@ -160,7 +173,7 @@ class PieceExchange:
         receiving the gradients of this rank's own pieces from ``step``'s peers. The previous
         step's return is completed first (added into ``dk``, ``dv``), so one is in flight."""
         self._complete(dk, dv)
-        me = self.run.plan.rank
+        me = self.rank
         sends = {
             src: torch.cat([g.to(self.k.dtype).reshape(-1) for g in buffers])
             for src, buffers in grads.items()
@@ -178,7 +191,7 @@ class PieceExchange:
             return
         returning, self._returning = self._returning, None
         returning.pending.wait()
-        me = self.run.plan.rank
+        me = self.rank
         for peer, flat in returning.recvs.items():
             mine = self.payload(me, peer)
             returned = wire.unpack(flat, mine, self.batch, self.head_dim)

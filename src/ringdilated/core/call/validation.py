@@ -7,8 +7,8 @@ import numbers
 
 import torch
 
-from ringdilated.core.agreement import safe_repr
-from ringdilated.core.pattern import DilationPattern
+from ringdilated.core.call.agreement import safe_repr
+from ringdilated.core.plan.pattern import DilationPattern
 
 __all__ = [
     "EMPTY_SHARD_RULE",

@@ -33,11 +33,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core import grid
-from ringdilated.core.grid import Grid
+from ringdilated.core.call import grid
+from ringdilated.core.call.grid import Grid
 
 Layout = dist.ProcessGroup | Grid
-"""A process group, or a 2-D :class:`~ringdilated.core.grid.Grid` of two."""
+"""A process group, or a 2-D :class:`~ringdilated.core.call.grid.Grid` of two."""
 
 __all__ = [
     "CallSignature",
@@ -198,7 +198,7 @@ def gather_flags(
     group: Layout, failed: bool, digest: int, length: int
 ) -> list[tuple[int, int, int]]:
     """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
-    integers per rank (on a :class:`~ringdilated.core.grid.Grid`, one along each dimension,
+    integers per rank (on a :class:`~ringdilated.core.call.grid.Grid`, one along each dimension,
     with each rank's global rank), so every rank gets the same answer. On the CPU, through
     :func:`control_layout`.
 

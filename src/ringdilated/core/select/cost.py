@@ -4,7 +4,7 @@ chooses by (docs/distributed.md, "Choosing a communicator").
 For every rank, from every rank's shard plan (nothing is sent to compute this):
 
 - **minimum**: the bytes of keys and values this rank's peers' queries see (the sum of its
-  pairwise payloads, :func:`~ringdilated.core.shard_plan.payload`); what ``ringpass`` sends.
+  pairwise payloads, :func:`~ringdilated.core.plan.shards.payload`); what ``ringpass`` sends.
 - **sent / received**: what the communicator's delivery moves. Pairwise: the minimum. Broadcast
   (``allgather``): at each step of its schedule, one payload to every peer of the step, the union
   of what any peer needs, padded to the group's largest.
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from ringdilated.core.communicator import Communicator, delivery_of, parallelism_of
-from ringdilated.core.heads import deal_heads, share_plan
-from ringdilated.core.shard_plan import (
+from ringdilated.core.contract.communicator import Communicator, delivery_of, parallelism_of
+from ringdilated.core.plan.heads import deal_heads, share_plan
+from ringdilated.core.plan.shards import (
     ShardPlan,
     broadcast_positions,
     payload_positions,

@@ -13,8 +13,8 @@ Call flow::
 
 A :class:`Run` is built once per planned call and reused by every call of that plan: its
 *steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
-and its :class:`~ringdilated.core.kernel.BlockOptions`) and its *kernel calls* (one step, or
-small steps of one shape fused: :class:`_KernelCall`) are computed once per input geometry and
+and its :class:`~ringdilated.core.contract.kernel.BlockOptions`) and its *kernel calls* (one step,
+or small steps of one shape fused: :class:`_KernelCall`) are computed once per input geometry and
 cached in it, so a call issues kernels and copies only, with no host read and no Python work
 proportional to anything but the number of kernel calls.
 
@@ -36,14 +36,14 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from ringdilated.core.accumulator import Accumulator, accumulation_dtype
-from ringdilated.core.capabilities import UNLIMITED, BatchLimit
-from ringdilated.core.communicator import TransferStats
-from ringdilated.core.dtypes import autocast_off
-from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
-from ringdilated.core.kernel_guard import CheckedKernel
-from ringdilated.core.layout import DocumentLayout
-from ringdilated.core.pattern import Block, DilationPattern, Selection
+from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtype
+from ringdilated.core.contract.communicator import TransferStats
+from ringdilated.core.contract.guard import CheckedKernel
+from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.plan.documents import DocumentLayout
+from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
+from ringdilated.core.select.capabilities import UNLIMITED, BatchLimit
+from ringdilated.core.select.dtypes import autocast_off
 
 __all__ = [
     "HIGHER_ORDER_MESSAGE",
@@ -380,7 +380,7 @@ class Run:
     ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     ``batch_limit``: how many problems one kernel call may hold (the kernel's declared grid
-    limit, :class:`~ringdilated.core.capabilities.BatchLimit`).
+    limit, :class:`~ringdilated.core.select.capabilities.BatchLimit`).
 
     ``rows``: the blocks of each run of batch rows (documents and padding differ by row).
     ``query_start``: the position of ``q``'s first row (a query suffix; keys start at 0).
@@ -677,8 +677,9 @@ def lse_gradient(
 
 class BatchLimitedKernel:
     """``kernel`` with every call split along the problem dimension ``N`` to its
-    :class:`~ringdilated.core.capabilities.BatchLimit`, results concatenated: for calls the driver
-    cannot split by segments (a sharded run's crossing pieces hold one problem per batch row)."""
+    :class:`~ringdilated.core.select.capabilities.BatchLimit`, results concatenated: for calls the
+    driver cannot split by segments (a sharded run's crossing pieces hold one problem per batch
+    row)."""
 
     def __init__(self, kernel: Kernel, limit: BatchLimit) -> None:
         self.kernel, self.limit = kernel, limit
@@ -735,8 +736,8 @@ class BatchLimitedKernel:
 
 class Executor(Protocol):
     """Runs one planned attention call's forward and backward: :class:`Run` on one process,
-    :class:`~ringdilated.core.sharded_run.ShardedRun` on a shard,
-    :class:`~ringdilated.core.head_parallel.HeadParallelRun` by heads. Built once per plan and
+    :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
+    :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads. Built once per plan and
     reused; what differs per call comes in ``call``. ``q`` (and ``dout``, ``out``) are
     contiguous; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
 
@@ -874,7 +875,7 @@ def pattern_run(
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting to ``1/sqrt(D)``, no kernel call holding more problems
     than ``batch_limit`` allows, and every call's results and inputs checked
-    (:class:`~ringdilated.core.kernel_guard.CheckedKernel`, errors naming ``kernel_name``)."""
+    (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
     layout = layout or DocumentLayout.whole(batch, length, q.shape[1])

@@ -3,8 +3,9 @@
 Rank ``r`` holds a sequence shard ``[S_r, S_r + n_r)`` of every head, as in every sharded call.
 One exchange with every peer turns the shards into heads: each rank receives every position of
 its share of the query heads, and of the key/value heads they read
-(:func:`~ringdilated.core.heads.deal_heads`), attends them over the whole sequence exactly as one
-process would (the single-process :class:`~ringdilated.core.driver.Run` on the share's blocks,
+(:func:`~ringdilated.core.plan.heads.deal_heads`), attends them over the whole sequence exactly as
+one process would (the single-process :class:`~ringdilated.core.run.local.Run` on the share's
+blocks,
 with no crossing segments at all), and a second exchange returns each rank's positions of
 ``out`` and ``lse``. Backward exchanges ``q``, ``k``, ``v``, ``out``, ``lse``, ``dout`` and ``dlse``
 the same way, runs the single-process backward, and returns ``dq``, ``dk`` and ``dv``; a key/value
@@ -24,10 +25,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ringdilated.core.communicator import Communicator, TransferStats
-from ringdilated.core.driver import CallState, Run
-from ringdilated.core.heads import HeadShare
-from ringdilated.core.sharded_run import ShardedRun
+from ringdilated.core.contract.communicator import Communicator, TransferStats
+from ringdilated.core.plan.heads import HeadShare
+from ringdilated.core.run.local import CallState, Run
+from ringdilated.core.run.sharded import ShardedRun
 
 __all__ = ["HeadParallelRun"]
 

@@ -1,8 +1,8 @@
 """Dilated attention over a sequence sharded across ranks (docs/spec.md, section 3): the run.
 
-Three parts: the plan (:mod:`ringdilated.core.shard_plan`: what each rank computes and what
-moves), the wire format (:mod:`ringdilated.core.payload`) and this, the run, which moves pieces
-through one :class:`~ringdilated.core.exchange.PieceExchange` forward and backward.
+Three parts: the plan (:mod:`ringdilated.core.plan.shards`: what each rank computes and what
+moves), the wire format (:mod:`ringdilated.core.run.wire`) and this, the run, which moves pieces
+through one :class:`~ringdilated.core.run.exchange.PieceExchange` forward and backward.
 
 Call flow on rank ``r`` (every rank runs the same steps)::
 
@@ -22,7 +22,7 @@ Call flow on rank ``r`` (every rank runs the same steps)::
 
 Memory per rank is O(L / P): inner work is chunked as on one process, at most two steps' pieces
 and one step's returned gradients are alive at a time. Nothing here validates inputs:
-:func:`ringdilated.core.call.prepare_call` did, identically on every rank, before any
+:func:`ringdilated.core.call.prepare.prepare_call` did, identically on every rank, before any
 communication.
 """
 
@@ -31,13 +31,13 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ringdilated.core import payload as wire
-from ringdilated.core.accumulator import Accumulator, accumulation_dtype
-from ringdilated.core.communicator import Communicator
-from ringdilated.core.driver import BatchLimitedKernel, CallState, Run, lse_gradient
-from ringdilated.core.exchange import PieceExchange
-from ringdilated.core.kernel import BlockOptions, Kernel, derive_seed
-from ringdilated.core.shard_plan import Crossing, ShardPlan
+from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtype
+from ringdilated.core.contract.communicator import Communicator, TransferStats
+from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.plan.shards import Crossing, ShardPlan
+from ringdilated.core.run import wire as wire
+from ringdilated.core.run.exchange import PieceExchange
+from ringdilated.core.run.local import BatchLimitedKernel, CallState, Run, lse_gradient
 
 __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 
@@ -117,7 +117,7 @@ def sharded_forward(
     run: ShardedRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
 ) -> tuple[torch.Tensor, torch.Tensor]:
     me = run.plan.rank
-    exchange = PieceExchange(run, k, v, call.stats)
+    exchange = _exchange(run, k, v, call.stats)
     exchange.start()
     call = call.derive("shard", run.rank).with_lse()
     out, lse = run.inner.forward(q, k, v, call, keep_state=True)
@@ -194,7 +194,7 @@ def sharded_backward(
     """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
     accumulation dtype, for a caller that adds more to them)."""
     me, plan = run.plan.rank, run.plan
-    exchange = PieceExchange(run, k, v, call.stats)
+    exchange = _exchange(run, k, v, call.stats)
     exchange.start()
     acc = accumulation_dtype(q.dtype)
     call = call.derive("shard", run.rank)
@@ -258,3 +258,12 @@ def sharded_backward(
     if not cast:
         return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _exchange(
+    run: ShardedRun, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
+) -> PieceExchange:
+    """The exchange of ``run``'s pieces of ``k``, ``v`` (this rank's shard)."""
+    return PieceExchange(
+        run.plans, run.rank, run.communicator, run.group, run.inner.causal, k, v, stats
+    )

@@ -2,7 +2,7 @@
 reference types*), so that ``torch.compile`` passes them into a graph as inputs, without
 guarding on them or tracing into them.
 
-A :class:`~ringdilated.core.sequence_layout.SequenceLayout` made once per batch reaches the
+A :class:`~ringdilated.core.call.sequence_layout.SequenceLayout` made once per batch reaches the
 registered attention op this way: a new layout per batch reuses the compiled graph. Opaque
 types arrived in torch 2.9 (``torch._library.opaque_object``, still private there); with an
 older torch, :data:`SUPPORTED` is ``False``, the classes are plain classes, and calls that would

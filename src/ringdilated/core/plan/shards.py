@@ -23,7 +23,7 @@ import itertools
 
 import attrs
 
-from ringdilated.core.pattern import Block, DilationPattern, Selection
+from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 
 __all__ = [
     "Crossing",

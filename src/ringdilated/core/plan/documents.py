@@ -1,8 +1,8 @@
 """Where a call's documents lie and which positions are queries (docs/spec.md, sections 1-2).
 
 A :class:`DocumentLayout` is a frozen value for one call, from the batch's documents or padding
-(read once per batch into a :class:`~ringdilated.core.sequence_layout.SequenceLayout`, or once per
-call from the caller's ``cu_seqlens`` or ``key_padding_mask``) and the length of ``q``:
+(read once per batch into a :class:`~ringdilated.core.call.sequence_layout.SequenceLayout`, or once
+per call from the caller's ``cu_seqlens`` or ``key_padding_mask``) and the length of ``q``:
 
 - **documents**: each ``[start, stop)`` is attended as its own sequence (positions counted from
   ``start``, segments restarting there, a partial last segment); no query sees another document.

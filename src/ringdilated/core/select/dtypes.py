@@ -21,8 +21,8 @@ import warnings
 
 import torch
 
-from ringdilated.core.caller import user_stacklevel
-from ringdilated.core.capabilities import Environment, Request
+from ringdilated.core.select.capabilities import Environment, Request
+from ringdilated.core.support.caller import user_stacklevel
 
 __all__ = [
     "DTYPE_POLICY",

@@ -1,9 +1,9 @@
 """The communicator interface: moves key/value pieces (and their gradients) between ranks.
 
-The sharded run (:mod:`ringdilated.core.sharded_run`) decides *what* moves, from the pattern
-(:mod:`ringdilated.core.shard_plan`) in the wire format of :mod:`ringdilated.core.payload`; a
+The sharded run (:mod:`ringdilated.core.run.sharded`) decides *what* moves, from the pattern
+(:mod:`ringdilated.core.plan.shards`) in the wire format of :mod:`ringdilated.core.run.wire`; a
 communicator decides *how*: in which steps a rank meets which peers, and with which transport.
-Call flow, per step (:mod:`ringdilated.core.exchange`)::
+Call flow, per step (:mod:`ringdilated.core.run.exchange`)::
 
     pending = communicator.exchange(group, sends={peer: flat tensor}, recvs={peer: flat buffer})
     ... compute the previous step's blocks ...
@@ -25,10 +25,10 @@ the sharded run adds the bytes of each exchange to the call's :class:`TransferSt
 
 **Parallelism.** A communicator may also declare ``parallelism``: ``"sequence"`` (the default:
 ranks keep their sequence shards and exchange crossing pieces, as above) or ``"heads"``: the
-call runs by head parallelism (:mod:`ringdilated.core.head_parallel`): each exchange sends every
+call runs by head parallelism (:mod:`ringdilated.core.run.head_parallel`): each exchange sends every
 peer one flat tensor of bytes at once (all peers in one step, ``uniform=False``), turning
 sequence shards into whole-sequence head shares and back. ``"hybrid"``: on a 2-D
-:class:`~ringdilated.core.grid.Grid`, head parallelism within its inner groups and sequence
+:class:`~ringdilated.core.call.grid.Grid`, head parallelism within its inner groups and sequence
 pieces across its outer groups; the communicator then holds one communicator for each, as its
 attributes ``heads`` (parallelism ``"heads"``) and ``sequence`` (``"sequence"``).
 """
@@ -42,10 +42,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core.opaque import OpaqueBase, register
+from ringdilated.core.support.opaque import OpaqueBase, register
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard_plan import ShardPlan
+    from ringdilated.core.plan.shards import ShardPlan
 
 __all__ = [
     "DELIVERIES",

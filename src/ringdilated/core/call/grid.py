@@ -20,7 +20,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core.caller import user_stacklevel
+from ringdilated.core.support.caller import user_stacklevel
 
 __all__ = [
     "LAUNCHER_WORLD_SIZE_ENV",
@@ -158,7 +158,8 @@ def gather_objects(layout: dist.ProcessGroup | Grid, value: object) -> list[obje
 def as_process_group(group: object) -> object:
     """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
     group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
-    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.grid.Grid` (for ``communicator="hybrid"``)
+    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.call.grid.Grid` (for
+    ``communicator="hybrid"``)
     from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
     inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
     alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
@@ -210,7 +211,7 @@ def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
 
 
 def group_size(group: object) -> int:
-    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.grid.Grid`: all
+    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.call.grid.Grid`: all
     of its ranks)."""
     if group is None:
         return 1

@@ -1,10 +1,10 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
 :func:`prepare_call` makes it once per call signature on a
-:class:`~ringdilated.core.sequence_layout.SequenceLayout` (or once per call without one), on
+:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (or once per call without one), on
 every rank, before any work: it validates every argument (the pattern included), resolves the
 kernel for the tensors actually passed, and, on a process group, plans every rank's shard and
-resolves the communicator; then the ranks agree (:mod:`ringdilated.core.agreement`), so bad
+resolves the communicator; then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad
 input raises on every rank. The plan builds its executors once; every call of it then runs::
 
     plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, layout)
@@ -24,12 +24,18 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core import grid
-from ringdilated.core.agreement import CallSignature, agree, safe_repr
-from ringdilated.core.capabilities import Request
-from ringdilated.core.communicator import Communicator, TransferStats, parallelism_of
-from ringdilated.core.cost import PieceSize, link_for
-from ringdilated.core.driver import (
+from ringdilated.core.call import grid
+from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
+from ringdilated.core.call.grid import Grid, as_process_group, group_size
+from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
+from ringdilated.core.contract.communicator import Communicator, TransferStats, parallelism_of
+from ringdilated.core.plan.documents import DocumentLayout, Rows
+from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
+from ringdilated.core.plan.pattern import Block, DilationPattern
+from ringdilated.core.plan.shards import ShardPlan, shard_plan
+from ringdilated.core.run.head_parallel import HeadParallelRun
+from ringdilated.core.run.local import (
     CallState,
     DilatedAttentionFunction,
     Executor,
@@ -38,17 +44,11 @@ from ringdilated.core.driver import (
     draw_seed,
     pattern_run,
 )
-from ringdilated.core.dtypes import autocast_off, warn_if_slow
-from ringdilated.core.grid import Grid, as_process_group, group_size
-from ringdilated.core.head_parallel import HeadParallelRun
-from ringdilated.core.heads import deal_heads, share_blocks, share_plan
-from ringdilated.core.layout import DocumentLayout, Rows
-from ringdilated.core.pattern import Block, DilationPattern
-from ringdilated.core.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
-from ringdilated.core.sequence_layout import SequenceLayout
-from ringdilated.core.shard_plan import ShardPlan, shard_plan
-from ringdilated.core.sharded_run import ShardedRun
-from ringdilated.core.validation import check_bool, check_inputs, check_options, check_shards
+from ringdilated.core.run.sharded import ShardedRun
+from ringdilated.core.select.capabilities import Request
+from ringdilated.core.select.cost import PieceSize, link_for
+from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
+from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
 
 __all__ = [
     "WHOLE_SEQUENCES",
@@ -97,7 +97,7 @@ class CallPlan:
     ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
     ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
     every call of the plan). The plan is itself an
-    :class:`~ringdilated.core.driver.Executor` over them (:meth:`forward`, :meth:`backward`)."""
+    :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -190,7 +190,7 @@ class CallPlan:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` without autograd: this plan as an
-        :class:`~ringdilated.core.driver.Executor` (its parts, one group of batch rows each, in
+        :class:`~ringdilated.core.run.local.Executor` (its parts, one group of batch rows each, in
         batch order; each part its own dropout seed)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
             return self.parts[0][1].forward(q, k, v, call)
@@ -497,7 +497,7 @@ def prepare_call(
 ) -> CallPlan:
     """Validate the call (on every rank of ``group``, which must all agree) and plan it.
 
-    ``layout``: the batch's :class:`~ringdilated.core.sequence_layout.SequenceLayout` (its
+    ``layout``: the batch's :class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (its
     group is the call's; its documents, padding and shard lengths were agreed when it was
     built), or ``None``: the call reads ``options.cu_seqlens`` and ``options.key_padding_mask``
     itself and the ranks agree on them with everything else. ``resolver`` may be a callable
@@ -510,7 +510,7 @@ def prepare_call(
 
     Raises ``TypeError``/``ValueError`` (a :class:`~ringdilated.core.ResolutionError` for a kernel
     or communicator that cannot serve) naming the offending value, before any work; on a process
-    group, on every rank (:func:`~ringdilated.core.agreement.agree`).
+    group, on every rank (:func:`~ringdilated.core.call.agreement.agree`).
     """
     if layout is not None:
         group = layout.group
@@ -786,7 +786,7 @@ def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallSt
 
 def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:
     """A hybrid communicator's ``heads`` and ``sequence`` communicators (see
-    :mod:`ringdilated.core.communicator`); raises ``TypeError`` naming what is missing."""
+    :mod:`ringdilated.core.contract.communicator`); raises ``TypeError`` naming what is missing."""
     parts = []
     for name in ("heads", "sequence"):
         part = getattr(communicator, name, None)
@@ -814,7 +814,7 @@ def _shard_length(k: object) -> int:
 
 def _shape_text(x: object) -> str:
     """``x``'s shape with the sequence dimension left out: ranks may hold shards of different
-    lengths (agreed apart, see :func:`~ringdilated.core.agreement.agree`)."""
+    lengths (agreed apart, see :func:`~ringdilated.core.call.agreement.agree`)."""
     shape: tuple[object, ...] = tuple(getattr(x, "shape", ()))
     if len(shape) >= 2:
         shape = (shape[0], "n", *shape[2:])

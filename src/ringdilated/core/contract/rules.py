@@ -4,7 +4,7 @@ A :class:`Rule` is an attrs validator: it checks one field when a frozen spec is
 (or evolved) and raises ``TypeError`` (wrong type) or ``ValueError`` (right type, value out of
 range) with a message naming the class, the field, the rule and the value received, e.g.
 ``KernelSpec.priority must be an int (not a bool), got 'high' (a str)``. The same rules are
-re-run by :func:`ringdilated.core.spec_validation.validate_spec` at registry time, for specs
+re-run by :func:`ringdilated.plugins.spec_validation.validate_spec` at registry time, for specs
 built around the validators.
 
 :func:`contained_reasons` calls a plugin's reason callable (``extra_reasons``,

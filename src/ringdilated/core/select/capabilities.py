@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 
-from ringdilated.core import rules
+from ringdilated.core.contract import rules
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
@@ -169,8 +169,8 @@ class Target:
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
     ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
     ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
-    Every field is validated on construction (:mod:`ringdilated.core.rules`): ``dtypes`` is a
-    non-empty frozenset of floating dtypes, the bounds are ``(int, int)`` or ``None``, the head
+    Every field is validated on construction (:mod:`ringdilated.core.contract.rules`): ``dtypes``
+    is a non-empty frozenset of floating dtypes, the bounds are ``(int, int)`` or ``None``, the head
     dim limits positive ints.
     """
 

@@ -34,12 +34,18 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core import grid
-from ringdilated.core.agreement import LayoutSignature, agree, safe_repr
-from ringdilated.core.env import env_flag
-from ringdilated.core.layout import DocumentLayout, Documents, Rows, read_documents, read_padding
-from ringdilated.core.opaque import OpaqueBase, register
-from ringdilated.core.validation import check_shard_lengths
+from ringdilated.core.call import grid
+from ringdilated.core.call.agreement import LayoutSignature, agree, safe_repr
+from ringdilated.core.call.validation import check_shard_lengths
+from ringdilated.core.plan.documents import (
+    DocumentLayout,
+    Documents,
+    Rows,
+    read_documents,
+    read_padding,
+)
+from ringdilated.core.support.env import env_flag
+from ringdilated.core.support.opaque import OpaqueBase, register
 
 __all__ = ["AGREE_EVERY_CALL_ENV", "SequenceLayout"]
 
@@ -51,8 +57,8 @@ PLANS_KEPT = 64
 
 
 def agree_every_call_default() -> bool:
-    """``RINGDILATED_AGREE_EVERY_CALL`` read strictly (:func:`~ringdilated.core.env.env_flag`:
-    raises ``ValueError`` naming it)."""
+    """``RINGDILATED_AGREE_EVERY_CALL`` read strictly
+    (:func:`~ringdilated.core.support.env.env_flag`: raises ``ValueError`` naming it)."""
     return env_flag(AGREE_EVERY_CALL_ENV)
 
 

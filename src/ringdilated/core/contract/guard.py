@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from ringdilated.core.accumulator import accumulation_dtype
-from ringdilated.core.kernel import BlockOptions, Kernel
+from ringdilated.core.contract.accumulator import accumulation_dtype
+from ringdilated.core.contract.kernel import BlockOptions, Kernel
 
 __all__ = ["CheckedKernel", "KernelContractError"]
 
 
 class KernelContractError(RuntimeError):
-    """A kernel broke the kernel contract (:mod:`ringdilated.core.kernel`); the message names it."""
+    """A kernel broke the kernel contract (:mod:`ringdilated.core.contract.kernel`); the message
+    names it."""
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:

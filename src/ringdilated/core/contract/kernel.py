@@ -1,7 +1,8 @@
 """The kernel interface: the one contract every attention backend implements.
 
 A kernel solves a batch of independent softmax-attention problems and returns the log-sum-exp
-with the output, so partial results can be merged exactly (:mod:`ringdilated.core.accumulator`).
+with the output, so partial results can be merged exactly
+(:mod:`ringdilated.core.contract.accumulator`).
 Its backward takes the **final, merged** ``out`` and ``lse`` of each query, not the kernel's own
 partial ones: with ``P = exp(scale * q k^T - lse_final)`` and ``D = rowsum(dout * out_final)``
 each block's gradient is its exact share of the full gradient. That one rule lets any kernel

@@ -25,8 +25,8 @@ import functools
 
 import attrs
 
-from ringdilated.core.pattern import Block, DilationPattern, HeadRun, split_by_kv
-from ringdilated.core.shard_plan import Crossing, ShardPlan
+from ringdilated.core.plan.pattern import Block, DilationPattern, HeadRun, split_by_kv
+from ringdilated.core.plan.shards import Crossing, ShardPlan
 
 __all__ = ["HeadShare", "deal_heads", "head_costs", "share_blocks", "share_plan"]
 

@@ -9,7 +9,7 @@ Call flow::
 
 ``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name); for
 communicators, given every rank's shard plan, the one of least modelled exchange time
-(:mod:`ringdilated.core.cost`), priority breaking ties.
+(:mod:`ringdilated.core.select.cost`), priority breaking ties.
 A name forces that backend: it fits, or :class:`ResolutionError` lists its reasons. It never
 falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever ``"auto"`` was asked.
 
@@ -27,15 +27,21 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core.capabilities import UNLIMITED, BatchLimit, Environment, KernelSpec, Request
-from ringdilated.core.communicator import Communicator, delivery_of, parallelism_of
-from ringdilated.core.communicator_spec import CommunicatorSpec
-from ringdilated.core.cost import PieceSize, Traffic, traffic
-from ringdilated.core.kernel import Kernel
-from ringdilated.core.rules import describe, describe_exception
+from ringdilated.core.contract.communicator import Communicator, delivery_of, parallelism_of
+from ringdilated.core.contract.kernel import Kernel
+from ringdilated.core.contract.rules import describe, describe_exception
+from ringdilated.core.select.capabilities import (
+    UNLIMITED,
+    BatchLimit,
+    Environment,
+    KernelSpec,
+    Request,
+)
+from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.select.cost import PieceSize, Traffic, traffic
 
 if TYPE_CHECKING:
-    from ringdilated.core.shard_plan import ShardPlan
+    from ringdilated.core.plan.shards import ShardPlan
 
 __all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
 
@@ -208,7 +214,7 @@ class Resolver:
     ) -> str:
         """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
         given every rank's ``plans`` and the ``size`` of a position, what each would move
-        (:mod:`ringdilated.core.cost`). ``grid``: ``(outer, inner)`` of a 2-D layout
+        (:mod:`ringdilated.core.select.cost`). ``grid``: ``(outer, inner)`` of a 2-D layout
         (``None``: a process group)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
@@ -304,10 +310,11 @@ class Resolver:
     ) -> Communicator:
         """The communicator for a group of ``world_size`` ranks: ``name`` forced, or for
         ``"auto"`` the fitting one of least modelled time (given every rank's ``plans`` and the
-        ``size`` of a position; :mod:`ringdilated.core.cost`), priority breaking ties and
+        ``size`` of a position; :mod:`ringdilated.core.select.cost`), priority breaking ties and
         deciding alone without them; or a
-        :class:`~ringdilated.core.communicator.Communicator` instance used as it is. A forced one
-        that does not fit raises with its reasons. ``plans`` also let a communicator check that
+        :class:`~ringdilated.core.contract.communicator.Communicator` instance used as it is. A
+        forced one that does not fit raises with its reasons. ``plans`` also let a communicator
+        check that
         it can move them."""
         if isinstance(name, Communicator) and not isinstance(name, str):
             _check_instance_layout(name, world_size, grid)

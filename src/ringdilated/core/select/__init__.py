@@ -1,0 +1,7 @@
+"""Layer 3, selection: specs as data, and who serves a call and why.
+
+What a backend declares (:mod:`.capabilities`, :mod:`.communicator_spec`), the resolver that
+picks a kernel and a communicator and explains every rejection (:mod:`.resolver`), the traffic
+model it ranks communicators by (:mod:`.cost`) and the dtype policy (:mod:`.dtypes`). Runs on
+the host, once per call signature. Imports only the layers below.
+"""

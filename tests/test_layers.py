@@ -1,0 +1,157 @@
+"""``core/`` is layered (issue 22): each folder imports only the folders below it, no module
+cycle, nothing outside ``core`` (backends, plugins, the face); backends import the core surface
+and the contracts only; the flat paths of 0.1 still import, with a ``DeprecationWarning``.
+
+Read from the source with ``ast`` (every import, function-level and ``TYPE_CHECKING`` ones
+included), so a violation fails here before it could fail as an import cycle."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import ringdilated
+from ringdilated.core import _aliases
+
+PACKAGE = pathlib.Path(ringdilated.__file__).parent
+CORE = PACKAGE / "core"
+LAYERS = ("support", "plan", "contract", "select", "run", "call")
+"""Bottom to top."""
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every ``ringdilated`` module ``path`` imports (``from a import b`` counts ``a.b`` when
+    ``a.b`` is a module, else ``a``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ringdilated")}
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("ringdilated")
+        ):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(
+                    ".py"
+                ).exists() or (PACKAGE.parent / sub.replace(".", "/") / "__init__.py").exists()
+                found.add(sub if is_module else node.module)
+    return found
+
+
+def _layer(module: str) -> int | None:
+    """The layer index of a module under ``ringdilated.core.<layer>``, else ``None``."""
+    parts = module.split(".")
+    if parts[:2] == ["ringdilated", "core"] and len(parts) > 2 and parts[2] in LAYERS:
+        return LAYERS.index(parts[2])
+    return None
+
+
+CORE_MODULES = {_module(p): p for p in sorted(CORE.rglob("*.py"))}
+
+
+def test_every_core_module_lives_in_a_layer() -> None:
+    loose = [m for m in CORE_MODULES if _layer(m) is None]
+    assert loose == ["ringdilated.core", "ringdilated.core._aliases"], loose
+    assert {p.name for p in CORE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+
+
+@pytest.mark.parametrize("module", [m for m in CORE_MODULES if _layer(m) is not None])
+def test_a_layer_imports_only_layers_below_it_and_nothing_outside_core(module: str) -> None:
+    mine = _layer(module)
+    assert mine is not None
+    for imported in _imports(CORE_MODULES[module]):
+        theirs = _layer(imported)
+        assert theirs is not None, f"{module} imports {imported}: outside core's layers"
+        assert theirs <= mine, (
+            f"{module} ({LAYERS[mine]}) imports {imported} ({LAYERS[theirs]}), a layer above"
+        )
+
+
+def test_no_import_cycle_between_core_modules() -> None:
+    graph = {
+        m: {i for i in _imports(p) if i in CORE_MODULES and i != m}
+        for m, p in CORE_MODULES.items()
+        if _layer(m) is not None
+    }
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "backends").glob("*.py")), ids=lambda p: p.name)
+def test_a_backend_imports_the_core_surface_and_its_contracts_only(path: pathlib.Path) -> None:
+    allowed = ("ringdilated.core.contract.", "ringdilated.core.support.", "ringdilated.backends")
+    for imported in _imports(path):
+        assert imported == "ringdilated.core" or imported.startswith(allowed), (
+            f"backends/{path.name} imports {imported}: a backend depends on ringdilated.core's "
+            "exports and contracts only"
+        )
+
+
+def test_the_layers_fail_on_an_upward_import(tmp_path: pathlib.Path) -> None:
+    """The check itself can fail: a plan module importing the run layer is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ringdilated.core.run.local import Run\n")
+    assert _layer(next(iter(_imports(bad)))) == LAYERS.index("run")
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(_aliases.MOVED.items()))
+def test_a_flat_path_of_0_1_imports_with_a_deprecation_warning(old: str, new: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}") as caught:
+        module = importlib.import_module(old)
+    mine = [w for w in caught if str(w.message).startswith(f"{old} moved")]
+    assert len(mine) == 1 and mine[0].filename == __file__  # the importing line
+    target = importlib.import_module(new)
+    public = getattr(target, "__all__", None) or [n for n in vars(target) if not n.startswith("_")]
+    for name in public:
+        assert getattr(module, name) is getattr(target, name), (old, name)
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_a_plugin_importing_a_flat_path_works() -> None:
+    """In a fresh interpreter, as a plugin written against the 0.1 docs would import."""
+    code = (
+        "import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+        "try:\n    from ringdilated.core.kernel import BlockOptions\n"
+        "except DeprecationWarning as w: print('warned', w)\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "from ringdilated.core.kernel import BlockOptions\n"
+        "from ringdilated.core.causal import BottomRightKernel\n"
+        "import ringdilated.core\n"
+        "assert BlockOptions is ringdilated.core.BlockOptions\n"
+        "assert BottomRightKernel is ringdilated.core.BottomRightKernel\n"
+        "print('ok')\n"
+    )
+    with warnings.catch_warnings():
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    assert "warned ringdilated.core.kernel moved to ringdilated.core.contract.kernel" in out, out
+    assert out.strip().endswith("ok"), out
