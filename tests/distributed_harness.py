@@ -288,3 +288,43 @@ def dropout_on_equal_heads(payload: dict[str, Any]) -> dict[str, Any]:
         communicator=payload["communicator"],
     )  # fmt: skip
     return {"rank": rank, "heads_differ": not torch.equal(out[:, :, 0], out[:, :, 2])}
+
+
+def agreement_error_types(payload: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 passes a bad head dim, then the ranks disagree on ``causal``: what each rank's
+    exceptions are (class, bases that matter, the culprit attributes, a pickle round trip)."""
+    import pickle
+
+    import ringdilated
+    from ringdilated.core import EveryRankError
+
+    rank = dist.get_rank()
+
+    def described(exc: BaseException) -> dict[str, Any]:
+        again = pickle.loads(pickle.dumps(exc))
+        return {
+            "name": type(exc).__name__,
+            "every_rank": isinstance(exc, EveryRankError),
+            "value_error": isinstance(exc, ValueError),
+            "peer": isinstance(exc, ringdilated.PeerRejectedError),
+            "mismatch": isinstance(exc, ringdilated.CallMismatchError),
+            "rank": getattr(exc, "rank", None),
+            "differences": getattr(exc, "differences", None),
+            "pickled": (type(again).__name__, str(again), isinstance(again, EveryRankError)),
+            "message": str(exc),
+        }
+
+    q = torch.randn(1, 8, 2, 8)
+    k = torch.randn(1, 8, 2, 4 if rank == 1 else 8)
+    result: dict[str, Any] = {}
+    try:
+        ringdilated.dilated_attention(q, k, k, [8], [1], process_group=dist.group.WORLD)
+    except Exception as exc:
+        result["bad_input"] = described(exc)
+    try:
+        ringdilated.dilated_attention(
+            q, q, q, [8], [1], causal=rank == 1, process_group=dist.group.WORLD
+        )
+    except Exception as exc:
+        result["mismatch"] = described(exc)
+    return result

@@ -27,10 +27,19 @@ from ringdilated.core import (
     ResolutionError,
     Resolver,
 )
-from ringdilated.core.call.grid import DistributedNotInitializedWarning
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.contract.communicator import TransferStats
-from ringdilated.core.select.dtypes import SlowDtypeWarning, recommended_dtype
+from ringdilated.core.select.dtypes import recommended_dtype
+from ringdilated.core.support.errors import (
+    AgreementError,
+    CallMismatchError,
+    DistributedNotInitializedWarning,
+    KernelContractError,
+    PeerRejectedError,
+    RingDilatedError,
+    RingDilatedWarning,
+    SlowDtypeWarning,
+)
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
 from ringdilated.multihead import MultiheadDilatedAttention
@@ -43,18 +52,24 @@ except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
 __all__ = [
+    "AgreementError",
+    "CallMismatchError",
     "DilatedAttention",
     "DilatedKVCache",
     "DilatedTransformerBlock",
     "DilationPattern",
     "DistributedNotInitializedWarning",
     "Environment",
+    "KernelContractError",
     "KernelSpec",
     "MultiheadDilatedAttention",
+    "PeerRejectedError",
     "Plan",
     "Request",
     "ResolutionError",
     "Resolver",
+    "RingDilatedError",
+    "RingDilatedWarning",
     "SequenceLayout",
     "SlowDtypeWarning",
     "TransferStats",

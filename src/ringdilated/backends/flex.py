@@ -52,6 +52,7 @@ from ringdilated.core import (
     Capabilities,
     KernelSpec,
     PriorityRule,
+    RingDilatedWarning,
     Target,
     accumulation_dtype,
     mark_non_finite_problems,
@@ -67,7 +68,7 @@ Compile = Callable[[Attention], Attention]
 RECOMPILE_LIMIT = 64
 
 
-class FlexFallbackWarning(UserWarning):
+class FlexFallbackWarning(RingDilatedWarning):
     """FlexAttention ran uncompiled (unfused, every score materialised) on a compiled target."""
 
 

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 
 from ringdilated.cli import bench, demo, doctor, verify
 from ringdilated.cli.flags import Parser
+from ringdilated.core.support.errors import RingDilatedError
 
 __all__ = ["CommandError", "build_parser", "main"]
 
 COMMANDS = (doctor, bench, verify, demo)
 
 
-class CommandError(Exception):
+class CommandError(RingDilatedError):
     """A command failed in a way the user can fix; printed as one line."""
 
 

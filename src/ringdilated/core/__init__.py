@@ -48,7 +48,17 @@ from ringdilated.core.select.capabilities import (
     Target,
 )
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
-from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
+from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, Resolver
+from ringdilated.core.support.errors import (
+    AgreementError,
+    CallMismatchError,
+    EveryRankError,
+    KernelContractError,
+    PeerRejectedError,
+    ResolutionError,
+    RingDilatedError,
+    RingDilatedWarning,
+)
 
 _aliases.install()
 
@@ -57,25 +67,32 @@ __all__ = [
     "KERNEL_ENV_VAR",
     "MODES",
     "Accumulator",
+    "AgreementError",
     "BatchLimit",
     "Block",
     "BlockOptions",
     "BottomRightKernel",
+    "CallMismatchError",
     "Capabilities",
     "Communicator",
     "CommunicatorSpec",
     "DilationPattern",
     "Environment",
+    "EveryRankError",
     "HeadRun",
     "Kernel",
+    "KernelContractError",
     "KernelSpec",
     "Mode",
+    "PeerRejectedError",
     "Pending",
     "Plan",
     "PriorityRule",
     "Request",
     "ResolutionError",
     "Resolver",
+    "RingDilatedError",
+    "RingDilatedWarning",
     "Selection",
     "ShardPlan",
     "Target",

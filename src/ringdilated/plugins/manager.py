@@ -51,6 +51,7 @@ from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.select.capabilities import KernelSpec
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
 from ringdilated.core.support.env import env_flag, env_names, unknown_names
+from ringdilated.core.support.errors import PluginError, PluginWarning
 from ringdilated.plugins import hookspecs
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS, ESSENTIAL_PLUGINS, BuiltinPlugin
 from ringdilated.plugins.spec_validation import SpecError, spec_label, validate_spec
@@ -72,14 +73,6 @@ AUTOLOAD_ENV_VAR = "RINGDILATED_DISABLE_PLUGIN_AUTOLOAD"
 ALLOW_ENV_VAR = "RINGDILATED_ALLOW_PLUGINS"
 BLOCK_ENV_VAR = "RINGDILATED_BLOCK_PLUGINS"
 STRICT_ENV_VAR = "RINGDILATED_STRICT_PLUGINS"
-
-
-class PluginWarning(UserWarning):
-    """A plugin was skipped because it failed; the message names it and says why."""
-
-
-class PluginError(RuntimeError):
-    """Strict mode: a plugin failed. The message names it and says why."""
 
 
 @attrs.frozen
@@ -255,7 +248,7 @@ def build_registry(
     def fail(name: str, why: str, spec: str | None = None) -> None:
         if strict:
             what = f"{spec}: {why}" if spec else why
-            raise PluginError(f"plugin {name!r} failed (strict mode): {what}")
+            raise PluginError(name, f"plugin {name!r} failed (strict mode): {what}")
         message = (
             f"plugin {name!r}: {spec} skipped: {why}" if spec else f"plugin {name!r} skipped: {why}"
         )
@@ -277,9 +270,10 @@ def build_registry(
             else "blocked="
         )
         raise PluginError(
+            ", ".join(named),
             f"plugin(s) {', '.join(map(repr, named))} ({', '.join(essential)}) cannot be "
             f"blocked: they are essential (one-process calls and the fallback kernel need "
-            f"them); remove them from {source}"
+            f"them); remove them from {source}",
         )
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)

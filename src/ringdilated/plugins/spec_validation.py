@@ -15,17 +15,9 @@ from typing import Any
 import attrs
 
 from ringdilated.core.contract.rules import describe, describe_exception
+from ringdilated.core.support.errors import SpecError
 
 __all__ = ["SpecError", "spec_label", "validate_spec"]
-
-
-class SpecError(ValueError):
-    """A spec's field breaks its rule. ``field`` is its path (``capabilities.targets[0].dtypes``)
-    and the message names the class, the field, the rule and the value received."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"field {field}: {message}")
-        self.field = field
 
 
 def spec_label(spec: object, cls: type[Any]) -> str:

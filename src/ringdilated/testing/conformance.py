@@ -50,6 +50,7 @@ from hypothesis import HealthCheck, given, settings
 from ringdilated.core.contract.accumulator import accumulation_dtype, merge_partials
 from ringdilated.core.contract.kernel import BlockOptions, Kernel
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
+from ringdilated.core.support.errors import ConformanceError
 from ringdilated.testing._tolerance import FLOORS, allowed_error, max_error, non_finite_violation
 from ringdilated.testing.kernel_cases import (
     DEFAULT_SPACE,
@@ -83,14 +84,6 @@ CHECKS = (
 )
 _NEEDS_CAUSAL = frozenset({"causal", "empty-rows"})
 _NEEDS_BACKWARD = frozenset({"gradients", "split-merge", "non-finite-gradients"})
-
-
-class ConformanceError(AssertionError):
-    """A kernel failed a conformance check."""
-
-    def __init__(self, check: str, message: str) -> None:
-        super().__init__(f"[{check}] {message}")
-        self.check = check
 
 
 @attrs.frozen

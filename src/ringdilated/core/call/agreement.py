@@ -24,7 +24,6 @@ time without hearing from it.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import hashlib
 from typing import cast
@@ -35,6 +34,13 @@ import torch.distributed as dist
 
 from ringdilated.core.call import grid
 from ringdilated.core.call.grid import Grid
+from ringdilated.core.support.errors import (
+    AgreementError,
+    CallMismatchError,
+    EveryRankError,
+    PeerRejectedError,
+    raised_on_every_rank,
+)
 
 Layout = dist.ProcessGroup | Grid
 """A process group, or a 2-D :class:`~ringdilated.core.call.grid.Grid` of two."""
@@ -241,12 +247,10 @@ def _check_grid(layout: Grid) -> None:
     for group in (layout.inner, layout.outer, layout.inner):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item():
-        raise _mark(
-            ValueError(
-                "process_group=(outer, inner) must form a grid: every outer group holds the "
-                "ranks of one inner index, every inner group those of one outer index, and "
-                "groups of one dimension are equally large"
-            )
+        raise AgreementError(
+            "process_group=(outer, inner) must form a grid: every outer group holds the "
+            "ranks of one inner index, every inner group those of one outer index, and "
+            "groups of one dimension are equally large"
         )
 
 
@@ -310,41 +314,29 @@ their fields), so a rank in a call's agreement meeting it sees a difference."""
 def compare_reports(group: Layout, error: Exception | None, signature: _Fields | None) -> None:
     """The full comparison (one ``all_gather_object`` of every rank's error and signature):
     raise on every rank naming the rank that failed or each field that differs. Returns only
-    when every rank passed identical signatures. What it raises is marked as raised on every
-    rank already (:func:`agreed`), so nothing agrees on it again."""
+    when every rank passed identical signatures. What it raises is
+    :class:`~ringdilated.core.support.errors.EveryRankError` (:func:`agreed`), so nothing
+    agrees on it again: this rank's own error (the same class and message), a
+    :class:`~ringdilated.core.support.errors.PeerRejectedError` naming the first rank that
+    failed, or a :class:`~ringdilated.core.support.errors.CallMismatchError`."""
     mine = (None if error is None else safe_str(error), signature)
     gathered = grid.gather_objects(control_layout(group), mine)
     reports = cast(list[tuple[str | None, _Fields]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:
         if error is not None:
-            raise _mark(error)
+            raise raised_on_every_rank(error)
         rank, message = failures[0]
-        raise _mark(ValueError(f"rank {rank} rejected its input, so every rank stops: {message}"))
+        raise PeerRejectedError(rank, message)
     reference = reports[0][1]
     for rank, (_, other) in enumerate(reports):
         diffs = reference.differences(other, rank)
         if diffs:
-            raise _mark(
-                ValueError(
-                    "ranks disagree on the call (every rank must pass the same): "
-                    + "; ".join(diffs)
-                )
-            )
-
-
-_AGREED = "_ringdilated_raised_on_every_rank"
-
-
-def _mark(error: Exception) -> Exception:
-    # An exception type that takes no attributes stays unmarked.
-    with contextlib.suppress(Exception):
-        setattr(error, _AGREED, True)
-    return error
+            raise CallMismatchError(tuple(diffs))
 
 
 def agreed(error: BaseException) -> bool:
     """Whether ``error`` came out of an agreement, and so is being raised on every rank: a
     caller that would report it to its peers (a module's ``reject``) must not, as they have
     moved on."""
-    return bool(getattr(error, _AGREED, False))
+    return isinstance(error, EveryRankError)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.core.support.caller import user_stacklevel
+from ringdilated.core.support.errors import DistributedNotInitializedWarning
 
 __all__ = [
     "LAUNCHER_WORLD_SIZE_ENV",
@@ -38,15 +39,6 @@ __all__ = [
 LAUNCHER_WORLD_SIZE_ENV = "WORLD_SIZE"
 """The variable a launcher (``torchrun``, ``torch.distributed.launch``, SLURM setups) sets to the
 number of ranks it started, beside ``RANK`` and ``LOCAL_RANK``."""
-
-
-class DistributedNotInitializedWarning(UserWarning):
-    """A one-process call (``process_group=None``) in a process that a launcher started as one
-    of several ranks (``WORLD_SIZE > 1`` in its environment) while ``torch.distributed`` is not
-    initialised: each rank then attends over its own shard as if it were the whole sequence.
-    The usual cause: ``process_group=dist.group.WORLD`` passed before
-    ``torch.distributed.init_process_group()`` (``dist.group.WORLD`` is ``None`` until then).
-    Emitted once per process (:func:`warn_if_launched_alone`)."""
 
 
 _warned_alone = False

@@ -17,13 +17,9 @@ import torch
 
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.kernel import BlockOptions, Kernel
+from ringdilated.core.support.errors import KernelContractError
 
 __all__ = ["CheckedKernel", "KernelContractError"]
-
-
-class KernelContractError(RuntimeError):
-    """A kernel broke the kernel contract (:mod:`ringdilated.core.contract.kernel`); the message
-    names it."""
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
@@ -40,7 +36,7 @@ class CheckedKernel:
         self.kernel, self.name = kernel, name
 
     def _fail(self, message: str) -> KernelContractError:
-        return KernelContractError(f"kernel {self.name!r} broke the kernel contract: {message}")
+        return KernelContractError(self.name, message)
 
     def _untouched(
         self, before: tuple[int, ...], names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]

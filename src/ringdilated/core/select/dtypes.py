@@ -23,6 +23,7 @@ import torch
 
 from ringdilated.core.select.capabilities import Environment, Request
 from ringdilated.core.support.caller import user_stacklevel
+from ringdilated.core.support.errors import SlowDtypeWarning
 
 __all__ = [
     "DTYPE_POLICY",
@@ -39,10 +40,6 @@ DTYPE_POLICY: tuple[tuple[tuple[int, int], torch.dtype], ...] = (
     ((7, 0), torch.float16),
     ((0, 0), torch.float32),
 )
-
-
-class SlowDtypeWarning(UserWarning):
-    """float16 on a GPU without fast float16 arithmetic."""
 
 
 def recommended_dtype(

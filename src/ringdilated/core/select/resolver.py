@@ -39,6 +39,7 @@ from ringdilated.core.select.capabilities import (
 )
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
 from ringdilated.core.select.cost import PieceSize, Traffic, traffic
+from ringdilated.core.support.errors import ResolutionError
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
@@ -46,10 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
 
 KERNEL_ENV_VAR = "RINGDILATED_KERNEL"
-
-
-class ResolutionError(ValueError):
-    """No backend can serve a request, or a forced backend does not fit it."""
 
 
 @attrs.frozen

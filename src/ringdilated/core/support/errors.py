@@ -1,0 +1,192 @@
+"""Every exception and warning ringdilated defines, in one hierarchy.
+
+::
+
+    RingDilatedError                          what ringdilated raises of its own
+      KernelContractError (RuntimeError)      a kernel's result broke the contract; .kernel
+      ResolutionError (ValueError)            no backend serves a request; a forced one does not fit
+      SpecError (ValueError)                  a spec's field breaks its rule; .field
+      PluginError (RuntimeError)              strict mode: a plugin failed; .plugin
+      ConformanceError (AssertionError)       a backend failed a conformance check; .check
+      AgreementError (ValueError)             raised on every rank by an agreement
+        PeerRejectedError                     another rank rejected its input; .rank, .reason
+        CallMismatchError                     the ranks' calls differ; .differences
+
+    EveryRankError                         any error an agreement raised on every rank
+    RingDilatedWarning (UserWarning)
+      SlowDtypeWarning, DistributedNotInitializedWarning, PluginWarning, and a backend's own
+
+Input a caller passed is rejected with the built-in a caller would catch (``ValueError``,
+``TypeError``), naming the value and the rule; the classes above add what a program may need to
+tell apart or read (the culprit, as attributes). An agreement (:mod:`ringdilated.core.call.
+agreement`) raises, on the rank whose input failed, that rank's own error, and on the others a
+:class:`PeerRejectedError` naming it; both are :class:`EveryRankError`, so no caller reports
+them to the peers again.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AgreementError",
+    "CallMismatchError",
+    "ConformanceError",
+    "DistributedNotInitializedWarning",
+    "EveryRankError",
+    "KernelContractError",
+    "PeerRejectedError",
+    "PluginError",
+    "PluginWarning",
+    "ResolutionError",
+    "RingDilatedError",
+    "RingDilatedWarning",
+    "SlowDtypeWarning",
+    "SpecError",
+    "raised_on_every_rank",
+]
+
+
+class RingDilatedError(Exception):
+    """The base of every exception ringdilated defines. Each pickles with its attributes (a
+    rank's error crosses processes), whatever its ``__init__`` takes."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuilt, (type(self), self.args, dict(vars(self))))
+
+
+class KernelContractError(RingDilatedError, RuntimeError):
+    """A kernel broke the kernel contract (:mod:`ringdilated.core.contract.kernel`): ``kernel``
+    is its name; the message says what it returned and what was expected."""
+
+    def __init__(self, kernel: str, message: str) -> None:
+        super().__init__(f"kernel {kernel!r} broke the kernel contract: {message}")
+        self.kernel = kernel
+
+
+class ResolutionError(RingDilatedError, ValueError):
+    """No backend can serve a request, or a forced backend does not fit it; the message names
+    the request and every backend's reasons."""
+
+
+class SpecError(RingDilatedError, ValueError):
+    """A spec's field breaks its rule. ``field`` is its path (``capabilities.targets[0].dtypes``)
+    and the message names the class, the field, the rule and the value received."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"field {field}: {message}")
+        self.field = field
+
+
+class PluginError(RingDilatedError, RuntimeError):
+    """Strict mode: a plugin failed. ``plugin`` is its name; the message says why."""
+
+    def __init__(self, plugin: str, message: str) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+
+
+class ConformanceError(RingDilatedError, AssertionError):
+    """A backend failed a conformance check; ``check`` is its name."""
+
+    def __init__(self, check: str, message: str) -> None:
+        super().__init__(f"[{check}] {message}")
+        self.check = check
+
+
+class EveryRankError(Exception):
+    """An error an agreement raised on every rank of its group: a caller must not report it to
+    the peers again (they raise too). :class:`AgreementError` is one; a rank's own error comes
+    out of the agreement as :func:`raised_on_every_rank` of it."""
+
+
+class AgreementError(RingDilatedError, EveryRankError, ValueError):
+    """Raised on every rank by an agreement: the ranks cannot go on together."""
+
+
+class PeerRejectedError(AgreementError):
+    """Another rank rejected its input (or failed before its call), so every rank stops.
+    ``rank`` is that rank; ``reason`` its error's text."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"rank {rank} rejected its input, so every rank stops: {reason}")
+        self.rank, self.reason = rank, reason
+
+
+class CallMismatchError(AgreementError):
+    """The ranks' calls differ; ``differences`` names each differing field, with the values."""
+
+    def __init__(self, differences: tuple[str, ...]) -> None:
+        super().__init__(
+            "ranks disagree on the call (every rank must pass the same): " + "; ".join(differences)
+        )
+        self.differences = differences
+
+
+_on_every_rank: dict[type[BaseException], type[BaseException]] = {}
+
+
+def raised_on_every_rank(error: Exception) -> Exception:
+    """``error`` as an agreement raises it: an instance of a subclass of its own class and of
+    :class:`EveryRankError`, of the same name, arguments, attributes and traceback, so
+    ``except TypeError`` still catches it and its message is unchanged. ``error`` itself when it
+    is one already, or when its class cannot be subclassed."""
+    if isinstance(error, EveryRankError):
+        return error
+    cls = type(error)
+    agreed = _on_every_rank.get(cls)
+    if agreed is None:
+        body = {"__module__": cls.__module__, "__reduce__": _reduce}
+        try:
+            agreed = type(cls.__name__, (cls, EveryRankError), body)
+        except TypeError:  # a class that forbids subclasses
+            return error
+        agreed.__qualname__ = cls.__qualname__
+        _on_every_rank[cls] = agreed
+    copy = _rebuilt(agreed, error.args, vars(error))
+    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
+    copy.__suppress_context__ = error.__suppress_context__
+    return copy.with_traceback(error.__traceback__)
+
+
+def _rebuilt(
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+) -> Exception:
+    """An instance of ``cls`` with ``args`` and attributes ``state``, its ``__init__`` not run
+    (an exception's ``__init__`` may take other arguments than its ``args``)."""
+    made = cls.__new__(cls, *args)
+    made.__dict__.update(state)
+    made.args = args
+    assert isinstance(made, Exception)
+    return made
+
+
+def _unpickled(
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+) -> Exception:
+    """An agreed copy of ``cls`` again, in the process that unpickles it."""
+    return raised_on_every_rank(_rebuilt(cls, args, state))
+
+
+def _reduce(self: BaseException) -> tuple[object, ...]:
+    """Pickle an agreed copy by the class it copies (the copy's class exists in one process)."""
+    return (_unpickled, (type(self).__mro__[1], self.args, dict(vars(self))))
+
+
+class RingDilatedWarning(UserWarning):
+    """The base of every warning ringdilated defines."""
+
+
+class SlowDtypeWarning(RingDilatedWarning):
+    """float16 on a GPU without fast float16 arithmetic."""
+
+
+class DistributedNotInitializedWarning(RingDilatedWarning):
+    """A one-process call (``process_group=None``) in a process that a launcher started as one
+    of several ranks (``WORLD_SIZE > 1`` in its environment) while ``torch.distributed`` is not
+    initialised: each rank then attends over its own shard as if it were the whole sequence.
+    The usual cause: ``process_group=dist.group.WORLD`` passed before
+    ``torch.distributed.init_process_group()`` (``dist.group.WORLD`` is ``None`` until then).
+    Emitted once per process."""
+
+
+class PluginWarning(RingDilatedWarning):
+    """A plugin was skipped because it failed; the message names it and says why."""
