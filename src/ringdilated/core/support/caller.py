@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["user_stacklevel"]
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.sep.join(os.path.abspath(__file__).split(os.sep)[: -__name__.count(".")]) + os.sep
+"""The ``ringdilated`` package's folder (this module is ``ringdilated.core.support.caller``)."""
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
