@@ -24,6 +24,8 @@ DIFFERENCES = ("causal: rank 0 False, rank 1 True",)
 def _defined_in_package() -> list[type[BaseException]]:
     found = []
     for info in pkgutil.walk_packages(ringdilated.__path__, "ringdilated."):
+        if info.name.endswith("__main__"):  # runs the command line when imported
+            continue
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if issubclass(cls, BaseException) and cls.__module__ == info.name:
