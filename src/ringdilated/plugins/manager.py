@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import attrs
 import pluggy
 
+from ringdilated.core.caller import user_stacklevel
 from ringdilated.core.capabilities import KernelSpec
 from ringdilated.core.communicator_spec import CommunicatorSpec
 from ringdilated.core.env import env_flag, env_names, unknown_names
@@ -259,7 +260,7 @@ def build_registry(
             f"plugin {name!r}: {spec} skipped: {why}" if spec else f"plugin {name!r} skipped: {why}"
         )
         failures.append(message)
-        warnings.warn(message, PluginWarning, stacklevel=3)
+        warnings.warn(message, PluginWarning, stacklevel=user_stacklevel())
 
     to_check = (allow_env or ()) + tuple(n for n in block_env or () if n not in builtin_names)
     listed: Sequence[importlib.metadata.EntryPoint] = ()
