@@ -4,7 +4,7 @@
 with ``transformers.AttentionInterface`` and a mask function with
 ``transformers.AttentionMaskInterface`` (without the latter, transformers hands a custom
 attention no mask at all, and padding would be silently ignored). Install with
-``pip install -e '.[hf]'`` (declared ``transformers>=5,<6``; the tests run on 5.23.0, the pinned
+``pip install -e '.[hf]'`` (declared ``transformers>=5.23,<6``; the tests run on 5.23.0, the pinned
 version, and 5.24.0, the newest 5.x when last checked: ``tox -e hf-latest``)::
 
     import ringdilated.hf  # registers "ringdilated"

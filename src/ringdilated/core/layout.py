@@ -244,8 +244,9 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
         warnings.warn(
             f"key_padding_mask {tuple(mask.shape)} is True at every position of every row: "
             f"True = padding (the convention of torch.nn.MultiheadAttention), so nothing is "
-            f"attended and the output is all zeros. A transformers attention_mask (1 = token) "
-            f"is the negation: pass attention_mask == 0",
+            f"attended and the output is all zeros (through the Hugging Face adapter: the "
+            f"attention_mask is 0 everywhere). A transformers attention_mask (1 = token) is the "
+            f"negation of key_padding_mask: pass attention_mask == 0",
             PaddingMaskWarning,
             stacklevel=user_stacklevel(),
         )
