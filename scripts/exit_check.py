@@ -12,6 +12,12 @@ results. Not part of the test run (it takes minutes)::
 
     .venv/bin/python scripts/exit_check.py --runs 20                 # ulysses and allgather
     .venv/bin/python scripts/exit_check.py --runs 5 --cases ringpass --destroy
+    git worktree add /tmp/old d886749                                 # before the fix
+    .venv/bin/python scripts/exit_check.py --runs 60 --cases ulysses --world 2 --bare \
+        --src /tmp/old/src                                            # 10 of 60 aborted here
+
+``--bare``: each rank makes three sharded calls, forward and backward, with no model (the
+pattern that aborted most often); ``--src``: the ranks import ringdilated from that tree.
 
 Prints one line per run and a summary per case; exits 1 if any rank's status was not 0.
 """
