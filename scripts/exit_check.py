@@ -12,6 +12,12 @@ results. Not part of the test run (it takes minutes)::
 
     .venv/bin/python scripts/exit_check.py --runs 20                 # ulysses and allgather
     .venv/bin/python scripts/exit_check.py --runs 5 --cases ringpass --destroy
+    git worktree add /tmp/old d886749                                 # before the fix
+    .venv/bin/python scripts/exit_check.py --runs 60 --cases ulysses --world 2 --bare \
+        --src /tmp/old/src                                            # 10 of 60 aborted here
+
+``--bare``: each rank makes three sharded calls, forward and backward, with no model (the
+pattern that aborted most often); ``--src``: the ranks import ringdilated from that tree.
 
 Prints one line per run and a summary per case; exits 1 if any rank's status was not 0.
 """
@@ -29,7 +35,9 @@ import time
 CASES = ("ulysses", "allgather")
 
 
-def rank_main(case: str, steps: int, destroy: bool, switch_interval: float, one_cpu: bool) -> None:
+def rank_main(
+    case: str, steps: int, destroy: bool, switch_interval: float, one_cpu: bool, bare: bool
+) -> None:
     """One rank of a job (run with the torchrun environment set)."""
     if one_cpu:  # every rank on one core: threads wait longer to be scheduled
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -45,6 +53,24 @@ def rank_main(case: str, steps: int, destroy: bool, switch_interval: float, one_
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if bare:  # the call alone, forward and backward, no model around it
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (
+            torch.randn(1, 16 * world, 2 * world, 8, generator=g, dtype=torch.float64)[
+                :, 16 * rank : 16 * (rank + 1)
+            ]
+            .contiguous()
+            .requires_grad_()
+            for _ in range(3)
+        )
+        for _ in range(max(steps, 3)):
+            out = ringdilated.dilated_attention(
+                q, k, v, [8, 16], [1, 2], process_group=dist.group.WORLD, communicator=case
+            )
+            out.sum().backward()
+        if destroy:
+            dist.destroy_process_group()
+        return
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     seq, width = 8 * world, 16
@@ -92,6 +118,9 @@ def run_job(case: str, world: int, args: argparse.Namespace) -> list[int]:
     argv += ["--switch-interval", str(args.switch_interval)]
     argv += ["--destroy"] if args.destroy else []
     argv += ["--one-cpu"] if args.one_cpu else []
+    argv += ["--bare"] if args.bare else []
+    if args.src:  # the ranks import ringdilated from this source tree (an older commit's)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.src, env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(
             argv,
@@ -133,10 +162,22 @@ def main(argv: list[str] | None = None) -> int:
         "which widens the window in which exit used to abort); 0 leaves Python's default",
     )
     parser.add_argument("--one-cpu", action="store_true", help="pin every rank to one core")
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="each rank makes three sharded calls, forward and backward, with no model or FSDP",
+    )
+    parser.add_argument(
+        "--src",
+        help="a source tree the ranks import ringdilated from (PYTHONPATH), e.g. a worktree of "
+        "an older commit, for a before/after comparison",
+    )
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of:
-        rank_main(args.rank_of, args.steps, args.destroy, args.switch_interval, args.one_cpu)
+        rank_main(
+            args.rank_of, args.steps, args.destroy, args.switch_interval, args.one_cpu, args.bare
+        )
         return 0
     if args.runs < 1:
         parser.error(f"--runs must be at least 1, got {args.runs}")

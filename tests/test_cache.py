@@ -22,6 +22,10 @@ from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
 from ringdilated.testing.hot_path import HotPathCounter
 from tests.strategies import Case, cases
 
+# tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is
+# then zeros, checked against the oracle): the PaddingMaskWarning such a mask gives is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:key_padding_mask .* is True at every position")
+
 
 def _bound(case: Case) -> int:
     """Positions a cache may hold: every run of heads keeps at most one segment's selected
@@ -835,7 +839,8 @@ def test_decoding_under_autograd_keeps_the_graph_until_reset() -> None:
 def test_a_saved_or_copied_cache_keeps_its_sequence_and_no_owner() -> None:
     """A review found a bound cache could not be pickled (its owner is a weak reference) and a
     deep-copied model refused its own copied caches as another module's. A copy or a loaded
-    cache keeps every buffer, and belongs to the first module it is passed to."""
+    cache keeps every buffer; a loaded one belongs to the first module it is passed to, one
+    copied with its module to the module's copy."""
     import copy
     import io
 
@@ -859,3 +864,57 @@ def test_a_saved_or_copied_cache_keeps_its_sequence_and_no_owner() -> None:
         from_copy = model_copy(step, step, step, cache=cache_copy)[0]
     assert loaded.owner is module and cache_copy.owner is model_copy
     assert torch.equal(from_loaded, expected) and torch.equal(from_copy, expected)
+
+
+def _decoded_blocks() -> tuple[torch.nn.Sequential, list[DilatedKVCache], torch.Tensor]:
+    """Two blocks of identical configuration, each with its own cache holding 7 tokens."""
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"segment_lengths": [4, 8], "dilation_rates": [1, 2], "causal": True,
+                          "dtype": torch.float64}  # fmt: skip
+    model = torch.nn.Sequential(*(DilatedTransformerBlock(16, 4, **kw) for _ in range(2))).eval()
+    caches = [block.make_cache() for block in model]
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        h = x[:, :7]
+        for block, cache in zip(model, caches, strict=True):
+            h = block(h, cache=cache)
+    return model, caches, x
+
+
+def test_caches_deep_copied_with_their_model_belong_to_its_copies_and_swaps_are_refused() -> None:
+    """A review found ``copy.deepcopy((model, caches))`` dropped each cache's owner, so the
+    first copied module a copy reached adopted it and swapped copies passed. Each copy belongs
+    to its module's copy: swapped, they are refused naming it; in order, they decode as the
+    originals do."""
+    import copy
+
+    model, caches, x = _decoded_blocks()
+    model2, caches2 = copy.deepcopy((model, caches))
+    assert [c.owner for c in caches2] == [block.attn for block in model2]
+    with torch.no_grad():
+        owner = f"belongs to another module, MultiheadDilatedAttention at {id(model2[1].attn):#x}"
+        with pytest.raises(ValueError, match=owner):
+            model2[0](x[:, 7:8], cache=caches2[1])
+        with pytest.raises(ValueError, match="belongs to another module"):
+            model2[1](x[:, 7:8], cache=caches2[0])
+        h, h2 = x[:, 7:8], x[:, 7:8]
+        for block, cache, block2, cache2 in zip(model, caches, model2, caches2, strict=True):
+            h, h2 = block(h, cache=cache), block2(h2, cache=cache2)
+    assert torch.equal(h2, h)
+
+
+def test_a_cache_deep_copied_alone_keeps_its_module() -> None:
+    """``copy.deepcopy(cache)`` (a branch of a decode) gave a cache of no module, which a
+    layer it was swapped to adopted. The copy belongs to the original's module: refused by the
+    other layer, and it decodes for its own as the original does, independently."""
+    import copy
+
+    model, caches, x = _decoded_blocks()
+    branch = copy.deepcopy(caches[0])
+    assert branch.owner is model[0].attn and branch.lengths == caches[0].lengths
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="belongs to another module"):
+            model[1](x[:, 7:8], cache=branch)
+        stepped = model[0](x[:, 7:8], cache=branch)
+        assert branch.lengths == (8,) and caches[0].lengths == (7,)
+        assert torch.equal(model[0](x[:, 7:8], cache=caches[0]), stepped)

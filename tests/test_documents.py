@@ -4,6 +4,7 @@ sections 1 and 2): out, lse and gradients, every CPU kernel, both modes, causal 
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,10 @@ from hypothesis import strategies as st
 import ringdilated
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
 from tests.strategies import Case, LayoutCase, cases, layouts, loss_of, upstream
+
+# tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is
+# then zeros, checked against the oracle): the PaddingMaskWarning such a mask gives is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:key_padding_mask .* is True at every position")
 
 KERNELS = ["sdpa", "reference"]
 
@@ -182,6 +187,54 @@ def test_bad_layouts_are_rejected(kwargs: dict[str, object], error: type, match:
     q = torch.randn(2, 16, 2, 4)
     with pytest.raises(error, match=match):
         ringdilated.dilated_attention(q, q, q, [4], [1], **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_split_padding_row_error_names_the_convention_without_the_adapter() -> None:
+    """The error used to end with a sentence about the Hugging Face adapter, shown to users who
+    never touched it; it now states the convention on its own."""
+    q = torch.randn(1, 16, 2, 4)
+    mask = torch.tensor([[False] * 4 + [True] * 4 + [False] * 8])
+    with pytest.raises(ValueError, match=r"^key_padding_mask row 0 ") as caught:
+        ringdilated.dilated_attention(q, q, q, [4], [1], key_padding_mask=mask)
+    message = str(caught.value)
+    assert message.startswith(
+        "key_padding_mask row 0 must hold one contiguous run of valid (False) positions (left or "
+        "right padding; True = padding, the negation of transformers' attention_mask), got 12 "
+        "valid positions between 0 and 15"
+    )
+    assert "Hugging Face" not in message and "adapter" not in message
+
+
+def test_an_all_padding_mask_warns_once_per_call_naming_the_convention() -> None:
+    """A mask True at every position of every row (transformers' attention_mask of a batch with
+    no padding, passed as it is) used to give all-zero output silently."""
+    from ringdilated.core.plan.documents import PaddingMaskWarning
+
+    q = torch.randn(2, 16, 2, 4)
+    everywhere = torch.ones(2, 16, dtype=torch.bool)
+    calls = {  # a planned layout reads the mask once, when it is built within the call
+        "mask": lambda: ringdilated.dilated_attention(
+            q, q, q, [4], [1], key_padding_mask=everywhere
+        ),
+        "layout": lambda: ringdilated.dilated_attention(
+            q, q, q, [4], [1], layout=ringdilated.SequenceLayout(key_padding_mask=everywhere)
+        ),
+    }
+    for call in calls.values():
+        with pytest.warns(PaddingMaskWarning) as caught:
+            out = call()
+        assert torch.equal(out, torch.zeros_like(out))
+        ours = [w for w in caught if w.category is PaddingMaskWarning]
+        assert len(ours) == 1, [str(w.message) for w in ours]
+        assert ours[0].filename == __file__  # the user's line
+        message = str(ours[0].message)
+        assert "True at every position of every row" in message
+        assert "True = padding" in message and "attention_mask == 0" in message
+    one_valid = everywhere.clone()
+    one_valid[1, 5:] = False  # one row with tokens: a real batch, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PaddingMaskWarning)
+        ringdilated.dilated_attention(q, q, q, [4], [1], key_padding_mask=one_valid)
 
 
 def test_query_longer_than_keys_is_rejected() -> None:

@@ -409,3 +409,75 @@ def test_decoding_reads_the_cache_without_copying_it() -> None:
         with Largest():
             model(input_ids=step, use_cache=True, **_cache_kwarg(model, past))
     assert Largest.largest < limit, (Largest.largest, limit)
+
+
+def _padded_decode_step():  # type: ignore[no-untyped-def]
+    """A tiny Llama, a left-padded prompt of two rows in its cache, and the next step's inputs:
+    ``(model, step kwargs)``, the step's attention_mask over the cached and new positions."""
+    model = _model([8], [1], "ringdilated").eval()
+    ids = _ids(2, 12, seed=15)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        past = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True
+        ).past_key_values
+    step = {
+        "input_ids": _ids(2, 1, seed=16),
+        "attention_mask": torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+        "position_ids": positions[:, -1:] + 1,
+        "use_cache": True,
+        **_cache_kwarg(model, past),
+    }
+    return model, step
+
+
+def test_a_padded_decode_step_reads_the_mask_once() -> None:
+    """A review found the adapter read a padded batch's attention_mask on the host twice per
+    forward, every decode step included (a check of its runs, then the layout's read, which
+    checks them again). Now ringdilated's own reads in a step are the layout's one read of the
+    mask (for every layer) and the all-ones test that skips it."""
+    from ringdilated.testing.hot_path import HotPathCounter
+
+    model, step = _padded_decode_step()
+    with torch.no_grad(), HotPathCounter() as counts:
+        model(**step)
+    ours = [what for kind, what in counts.events if kind == "read" and "/transformers/" not in what]
+    assert len(ours) == 2, counts.events
+    assert sum("tolist" in what for what in ours) == 1, ours
+
+
+def test_a_decode_step_mask_with_holes_is_refused_in_transformers_convention() -> None:
+    """The check of the runs is the layout's now; its error is still given in the adapter's
+    terms (attention_mask, 1 = token), on a decode step as on a prompt."""
+    model, step = _padded_decode_step()
+    step["attention_mask"][0, 5] = 0  # row 0: tokens at 0-4 and 6-12
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            ValueError,
+            match=r"attention_mask row's tokens \(1 = token, 0 = padding\) in one contiguous run "
+            r"\(left or right padding\); row 0 has 12 tokens between columns 0 and 12",
+        ),
+    ):
+        model(**step)
+
+
+def test_a_warning_through_the_adapter_names_the_user_s_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review found ringdilated's warnings through a Hugging Face model named transformers'
+    modeling_llama.py (the frame that called the adapter); they name the user's line."""
+    import torch.distributed as dist
+
+    from ringdilated import DistributedNotInitializedWarning
+    from ringdilated.core.call import grid
+
+    assert not dist.is_initialized()
+    model = _model([8], [1], "ringdilated").eval()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launched rank without init_process_group
+    monkeypatch.setattr(grid, "_warned_alone", False)
+    with torch.no_grad(), pytest.warns(DistributedNotInitializedWarning) as caught:
+        model(input_ids=_ids(1, 8))
+    assert [w.filename for w in caught] == [__file__]

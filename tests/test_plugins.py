@@ -110,8 +110,13 @@ def _raise_in_hook() -> list[KernelSpec]:
 )
 def test_failing_plugin_is_isolated_and_reported(ep: FakeEntryPoint, message: str) -> None:
     good = FakeEntryPoint("good", lambda: _plugin(lambda: [_spec("extra")]))
-    with pytest.warns(PluginWarning, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.warns(
+        PluginWarning, match=message.replace("(", r"\(").replace(")", r"\)")
+    ) as caught:
         registry = _registry(ep, good)
+    # the warning names the user's line (here, this test's), not a line of ringdilated's (a
+    # fixed stacklevel=3 named one inside the plugin manager)
+    assert {w.filename for w in caught if w.category is PluginWarning} == {__file__}
     assert {"sdpa", "reference", "extra"} <= set(registry.kernels)
     assert registry.kernels["sdpa"] is SDPA_SPEC, "a plugin never replaces a built-in"
     assert registry.origins["sdpa"] == "ringdilated.backends.sdpa (built-in)"
@@ -360,6 +365,45 @@ def test_a_misspelt_package_raises_naming_the_packages_kernels_require(
     assert default_resolver().env.packages == frozenset()
 
 
+def test_a_misspelt_package_raises_even_when_an_unrelated_plugin_failed(
+    monkeypatch: pytest.MonkeyPatch, fresh_default_resolver: None
+) -> None:
+    """A review found the check off whenever any plugin had failed to load: a misspelt
+    RINGDILATED_PACKAGES name then silently counted a needed package as missing. It raises, and
+    names the failed plugins as possibly requiring the name; known names still pass."""
+    from ringdilated import registry as registry_module
+
+    with pytest.warns(PluginWarning):
+        broken = _registry(FakeEntryPoint("broken", _raise_import))
+    monkeypatch.setattr(registry_module, "load_registry", lambda: broken)
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "flash-attn")
+    with pytest.raises(
+        ValueError,
+        match=r"^RINGDILATED_PACKAGES='flash-attn' names 'flash-attn', not a package a kernel "
+        r"requires; accepted: flash_attn, xformers .*; plugins that failed to load, whose "
+        r"kernels' packages are unknown, may require it: 'broken' ",
+    ):
+        registry_module.default_resolver()
+    monkeypatch.setenv("RINGDILATED_PACKAGES", "flash_attn")
+    assert registry_module.default_resolver().env.packages == {"flash_attn"}
+
+
+def test_a_forced_kernel_from_the_environment_is_stripped_of_spaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every other variable is stripped of surrounding spaces; RINGDILATED_KERNEL=' sdpa' used to
+    raise "unknown kernel ' sdpa'"."""
+    from ringdilated import Request
+    from ringdilated.registry import default_resolver
+
+    monkeypatch.setenv("RINGDILATED_KERNEL", " reference ")
+    plan = default_resolver().resolve(Request())
+    assert plan.kernel_name == "reference"
+    assert plan.forced_by == "RINGDILATED_KERNEL=reference"
+    monkeypatch.setenv("RINGDILATED_KERNEL", "  ")  # only spaces: unset, "auto" stays "auto"
+    assert default_resolver().resolve(Request()).forced_by is None
+
+
 def test_a_package_of_a_blocked_builtin_kernel_is_still_a_known_package(
     monkeypatch: pytest.MonkeyPatch, fresh_default_resolver: None
 ) -> None:
@@ -493,6 +537,43 @@ def test_the_pytest_plugin_tests_only_the_package_under_test(tmp_path: pathlib.P
             "the package under test, 'good-pkg', offers no communicators",
         ),
     }
+
+
+def test_the_pytest_plugin_fails_a_package_that_offers_no_backend_at_all(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A plugin that imports but offers nothing (a hook returning ``[]``, a misspelt hook name,
+    no hooks at all) used to skip both conformance tests: the author's CI was green with nothing
+    run. Now both fail, naming the package; one kind is skipped only when the other is offered
+    (test_the_pytest_plugin_tests_only_the_package_under_test)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "empty_pkg_plugin.py").write_text(
+        "from ringdilated.plugins import hookimpl\n\n\n"
+        "@hookimpl\ndef ringdilated_kernels():\n    return []\n"
+    )
+    (site / "misnamed_pkg_plugin.py").write_text(
+        "from ringdilated.plugins import hookimpl\n\n\n"
+        "@hookimpl\ndef ringdilated_kernel():\n    return []\n"
+    )
+    (site / "nohooks_pkg_plugin.py").write_text("X = 1\n")
+    packages = {
+        name: _package(tmp_path, name, {name.split("-")[0]: name.replace("-", "_") + "_plugin"})
+        for name in ("empty-pkg", "misnamed-pkg", "nohooks-pkg")
+    }
+    outcomes = _run_author_tests(tmp_path, *packages.values())
+    expected = {
+        f"test_{test}_conforms[{name}-offers-nothing]"
+        for name in packages
+        for test in ("kernel", "communicator")
+    }
+    assert set(outcomes) == expected, outcomes
+    for test_id, (outcome, message) in outcomes.items():
+        name = test_id.split("[")[1].removesuffix("-offers-nothing]")
+        assert outcome == "error", outcomes
+        assert (
+            f"the package under test, {name!r}, offers no kernels and no communicators" in message
+        )
 
 
 def test_the_pytest_plugin_fails_when_the_package_is_not_installed_or_has_no_plugin(

@@ -60,11 +60,66 @@ def test_world_before_init_process_group_warns_once_naming_it(
 
 
 def test_a_module_call_warns_too(launched: pytest.MonkeyPatch) -> None:
+    """A module set to ``process_group`` later (by hand: not what the constructor takes) still
+    warns at its call, through ``nn.Module.__call__``."""
     q, k, v = _qkv(12)
-    attn = ringdilated.DilatedAttention([4], [1], process_group=dist.group.WORLD)
+    monkeypatch = launched
+    monkeypatch.delenv("WORLD_SIZE")  # built outside a launch: no warning then
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attn = ringdilated.DilatedAttention([4], [1], process_group=dist.group.WORLD)
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.warns(DistributedNotInitializedWarning, match="init_process_group") as caught:
         attn(q, k, v, layout=SequenceLayout())
     assert caught[0].filename == __file__, caught[0].filename  # through nn.Module.__call__
+
+
+MODULES: dict[str, Callable[[], torch.nn.Module]] = {
+    "DilatedAttention": lambda: ringdilated.DilatedAttention(
+        [8], [1], process_group=dist.group.WORLD
+    ),
+    "MultiheadDilatedAttention": lambda: ringdilated.MultiheadDilatedAttention(
+        16, 2, segment_lengths=[8], dilation_rates=[1], process_group=dist.group.WORLD
+    ),
+    "DilatedTransformerBlock": lambda: ringdilated.DilatedTransformerBlock(
+        16, 2, segment_lengths=[8], dilation_rates=[1], process_group=dist.group.WORLD
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_a_module_built_before_init_process_group_warns_when_built(
+    launched: pytest.MonkeyPatch, name: str
+) -> None:
+    """A review found the module case missed: built with ``dist.group.WORLD`` before
+    ``init_process_group`` the module holds ``None`` for good, and once the group is
+    initialised (before its first forward) the call's check saw an initialised group and said
+    nothing while every rank attended over its own shard alone. The constructor warns, at the
+    user's line, once per process; the forward after ``init_process_group`` adds nothing."""
+    with pytest.warns(DistributedNotInitializedWarning) as caught:
+        module = MODULES[name]()
+    assert len(caught) == 1
+    assert caught[0].filename == __file__, caught[0].filename  # the user's line, not ours
+    message = str(caught[0].message)
+    assert "WORLD_SIZE=2" in message and "init_process_group()" in message, message
+    assert "this module runs every call as one process" in message
+    launched.setattr(dist, "is_initialized", lambda: True)  # init_process_group ran since
+    x = torch.randn(2, 16, 16)
+    inputs = {"DilatedAttention": _qkv(), "MultiheadDilatedAttention": (x, x, x)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        module(*inputs.get(name, (x,)))
+
+
+def test_a_module_built_outside_a_launch_does_not_warn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grid, "_warned_alone", False, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ringdilated.MultiheadDilatedAttention(16, 2, segment_lengths=[8], dilation_rates=[1])
+    assert grid._warned_alone is False
 
 
 @pytest.mark.parametrize("value", [None, "1", "", "two"])
@@ -107,7 +162,7 @@ def test_a_row_of_two_runs_names_the_convention(where: str) -> None:
         "call": lambda: ringdilated.dilated_attention(q, k, v, [8], [1], key_padding_mask=mask),
         "layout": lambda: SequenceLayout(key_padding_mask=mask),
     }
-    with pytest.raises(ValueError, match=r"row 1 .*\(left or right padding; True = padding\)"):
+    with pytest.raises(ValueError, match=r"row 1 .*\(left or right padding; True = padding"):
         calls[where]()
 
 
@@ -142,6 +197,27 @@ def test_meta_documents_or_padding_are_refused_naming_the_argument(
     }
     with pytest.raises(ValueError, match=expected):
         calls[where]()
+
+
+@pytest.mark.parametrize("where", ["cache", "module"])
+def test_a_meta_padding_mask_for_rotary_positions_is_refused_naming_it(where: str) -> None:
+    """A review found ``DilatedKVCache.rotary_positions`` (what a module with ``rotary=`` and a
+    cache calls first) gave torch's "Cannot copy out of meta tensor" for a meta mask."""
+    mask = torch.zeros(2, 16, dtype=torch.bool, device="meta")
+    expected = r"key_padding_mask must hold data the host can read .*device meta"
+    if where == "cache":
+        cache = ringdilated.DilatedKVCache([8], [1], num_heads=2)
+        with pytest.raises(ValueError, match=expected):
+            cache.rotary_positions(16, torch.device("cpu"), key_padding_mask=mask)
+        return
+    from ringdilated.rotary import rotary_embedding
+
+    mha = ringdilated.MultiheadDilatedAttention(
+        16, 2, segment_lengths=[8], dilation_rates=[1], causal=True, rotary=rotary_embedding
+    )
+    x = torch.randn(2, 16, 16, dtype=mha.q_proj.weight.dtype)
+    with pytest.raises(ValueError, match=expected):
+        mha(x, x, x, key_padding_mask=mask, cache=mha.make_cache())
 
 
 # -- item 9b: an empty shard, worded alike on every rank -------------------------------------

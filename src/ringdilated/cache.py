@@ -56,6 +56,9 @@ sequence of another head dim, dtype or device, is refused with every field that 
 cache that belongs to another module, even one of identical configuration (per-layer caches
 swapped: its buffers hold that module's keys). A cache belongs to the module whose
 ``make_cache()`` made it, or else to the first module it is passed to, for its whole life.
+``copy.deepcopy`` keeps that: a cache copied with its module (``deepcopy((model, caches))``)
+belongs to the module's copy, one copied alone (a branch of a decode) to the same module. A
+pickled cache (``torch.save``) loads without one and belongs to the first module it reaches.
 
 **No dropout, no gradient truncation.** :meth:`DilatedKVCache.attend` drops nothing; a module in
 training mode with attention dropout refuses a cache. Under autograd the buffers record every
@@ -70,15 +73,17 @@ Call flow::
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from ringdilated.core.call.validation import check_bool, check_options
 from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.documents import read_padding
+from ringdilated.core.plan.documents import check_readable, read_padding
 from ringdilated.core.plan.pattern import DilationPattern, HeadRun, Mode, split_by_kv
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
@@ -208,6 +213,12 @@ def _tables(
     )
 
 
+def _named(module: object) -> str:
+    """A module in an error: its class and address (what ``named_modules()`` can be searched
+    for)."""
+    return f"{type(module).__name__} at {id(module):#x}"
+
+
 def _shown(value: object) -> str:
     """A field's value in an error: dtypes and devices as torch prints them, the rest repr."""
     return str(value) if isinstance(value, (torch.dtype, torch.device)) else repr(value)
@@ -245,6 +256,16 @@ class DilatedKVCache:
     buffers hold the graph of every step since construction or :meth:`reset`, each step's keys
     and values with everything they were computed from: **memory grows with every token**.
     :meth:`reset` drops that graph (the buffers are detached, their storage kept).
+
+    **Its module** (:attr:`owner`, see :meth:`bind`) **survives** ``copy.deepcopy``: a copy
+    made in the same ``deepcopy`` as its module, after it (``copy.deepcopy((model, caches))``,
+    or a model holding its caches), belongs to the module's copy; any other copy (``deepcopy(
+    cache)``, to branch a decode) belongs to the same module as the original, so copies swapped
+    between layers are refused as the originals are. (Copied before its module, as in
+    ``deepcopy((caches, model))``, a cache keeps the original module and the copied model
+    refuses it: copy the model first.) **Pickling drops it**: a cache saved with
+    ``torch.save`` (a weak reference to a module is not saved) loads belonging to no module,
+    and then belongs to the first module it is passed to.
     """
 
     def __init__(
@@ -339,12 +360,29 @@ class DilatedKVCache:
         self._started = False
 
     def __getstate__(self) -> dict[str, object]:
-        """Pickling and ``copy.deepcopy`` keep everything but the owner: a saved, loaded or
-        copied cache (a copied model's, say) belongs to no module until one is passed it
-        (:meth:`bind`)."""
+        """Pickling keeps everything but the owner (a weak reference): a saved and loaded cache
+        belongs to no module until one is passed it (:meth:`bind`). ``copy.deepcopy`` keeps
+        the owner (:meth:`__deepcopy__`)."""
         state = dict(self.__dict__)
         state["_owner"], state["_owner_name"] = None, ""
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DilatedKVCache:
+        """A copy of every buffer that belongs to the owner's copy when this ``deepcopy`` has
+        copied the owner already (``memo`` holds it: ``copy.deepcopy((model, caches))``), else
+        to the same owner as this cache (a branch of a decode): never to the first module it
+        reaches, which would let swapped copies pass."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__getstate__().items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        owner = self.owner
+        twin = None if owner is None else memo.get(id(owner))
+        if twin is not None:
+            copied._owner, copied._owner_name = weakref.ref(twin), _named(twin)
+        else:  # the same module (or the same one that no longer exists)
+            copied._owner, copied._owner_name = self._owner, self._owner_name
+        return copied
 
     @property
     def owner(self) -> object | None:
@@ -407,7 +445,7 @@ class DilatedKVCache:
                       for name, a, b in fields if a != b]  # fmt: skip
             if differ:
                 problems.append("; ".join(differ) + f" ({rule})")
-        named = f"{type(module).__name__} at {id(module):#x}"
+        named = _named(module)
         owner = self.owner
         if self._owner is not None and owner is not module:
             whose = (
@@ -441,6 +479,7 @@ class DilatedKVCache:
                     f"key_padding_mask must be a (batch, {tokens}) bool tensor (True = padding) "
                     f"for {tokens} new tokens, got {mask.dtype} of shape {tuple(mask.shape)}"
                 )
+            check_readable("key_padding_mask", mask)  # a meta mask: named, not torch's error
             return (mask.logical_not().cumsum(1) - 1).clamp_min(0).to(device)
         if self._positions is None or not self._started:
             return torch.arange(tokens, device=device).unsqueeze(0)

@@ -4,7 +4,7 @@
 with ``transformers.AttentionInterface`` and a mask function with
 ``transformers.AttentionMaskInterface`` (without the latter, transformers hands a custom
 attention no mask at all, and padding would be silently ignored). Install with
-``pip install -e '.[hf]'`` (declared ``transformers>=5,<6``; the tests run on 5.23.0, the pinned
+``pip install -e '.[hf]'`` (declared ``transformers>=5.23,<6``; the tests run on 5.23.0, the pinned
 version, and 5.24.0, the newest 5.x when last checked: ``tox -e hf-latest``)::
 
     import ringdilated.hf  # registers "ringdilated"
@@ -213,21 +213,28 @@ def _check_mask(mask: torch.Tensor, batch_size: int, cached: int, new: int) -> N
         )
 
 
-def _check_runs(mask: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless every row of ``mask`` (``True`` = token) holds its tokens in
-    one contiguous run, as left or right padding leaves them (reads the mask on the host)."""
-    length = mask.shape[1]
-    positions = torch.arange(length, device=mask.device)
-    first = torch.where(mask, positions, length).amin(1)
-    last = torch.where(mask, positions, -1).amax(1)
-    runs = torch.stack([mask.sum(1), first, last], 1).tolist()
-    for row, (count, start, end) in enumerate(runs):
-        if count and end - start + 1 != count:
-            raise ValueError(
-                f"attn_implementation={NAME!r} needs each attention_mask row's tokens (1 = token, "
-                "0 = padding) in one contiguous run (left or right padding); row "
-                f"{row} has {count} tokens between columns {start} and {end}"
-            )
+def _padding_layout(mask: torch.Tensor) -> SequenceLayout:
+    """The batch's layout from ``mask`` (``True`` = token): ``SequenceLayout`` reads the padding
+    on the host once and checks that every row's tokens are one contiguous run, as left or right
+    padding leaves them; its ``ValueError`` (worded for ``key_padding_mask``, ``True`` =
+    padding, which the user never passed) is raised again in transformers' convention, from a
+    second read of the mask on that error path only."""
+    try:
+        return SequenceLayout(key_padding_mask=mask.logical_not())
+    except ValueError as error:  # a row of several runs (the shape fits: the mask is its own)
+        length = mask.shape[1]
+        positions = torch.arange(length, device=mask.device)
+        first = torch.where(mask, positions, length).amin(1)
+        last = torch.where(mask, positions, -1).amax(1)
+        runs = torch.stack([mask.sum(1), first, last], 1).tolist()
+        for row, (count, start, end) in enumerate(runs):
+            if count and end - start + 1 != count:
+                raise ValueError(
+                    f"attn_implementation={NAME!r} needs each attention_mask row's tokens (1 = "
+                    "token, 0 = padding) in one contiguous run (left or right padding); row "
+                    f"{row} has {count} tokens between columns {start} and {end}"
+                ) from error
+        raise
 
 
 def padding_mask(
@@ -275,9 +282,8 @@ def padding_mask(
     if mask is not None and bool(mask.all()):
         mask = None
     layout = None
-    if mask is not None:
-        _check_runs(mask)
-        layout = SequenceLayout(key_padding_mask=mask.logical_not())
+    if mask is not None:  # one read of the mask for every layer (and one for mask.all())
+        layout = _padding_layout(mask)
     elif documents is not None:
         layout = SequenceLayout(cu_seqlens=_bounds(documents))
     return KeyMask(mask, documents, overlay, layout)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ringdilated.core.call.agreement import agree, agreed
-from ringdilated.core.call.grid import Grid
+from ringdilated.core.call.grid import Grid, warn_if_launched_alone
 from ringdilated.core.call.prepare import CallPlan, as_process_group, group_size
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_options
@@ -45,6 +45,14 @@ class DilatedAttention(nn.Module):
     the forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
     reasons. Construction checks only that ``kernel`` names a known backend (or ``"auto"``).
 
+    Built with ``process_group=None`` in a process a launcher started as one of several ranks
+    (``WORLD_SIZE > 1``) before ``torch.distributed.init_process_group()``, it warns
+    (:class:`~ringdilated.DistributedNotInitializedWarning`, once per process, at construction):
+    ``process_group=dist.group.WORLD`` is ``None`` then, and the module keeps it, so every rank
+    would attend over its own shard as the whole sequence even once the group exists.
+    :class:`~ringdilated.MultiheadDilatedAttention` and
+    :class:`~ringdilated.DilatedTransformerBlock` warn through it.
+
     ``torch.compile(attn, fullgraph=True)`` works on the single-process path: the call becomes one
     custom op (:mod:`ringdilated.compiled`); ``plan`` then keeps the last eager resolution.
     """
@@ -72,6 +80,8 @@ class DilatedAttention(nn.Module):
         resolver.check_communicator_name(communicator)
         process_group = as_process_group(process_group)
         group_size(process_group)  # a process group, or None
+        if process_group is None:  # fixed now: dist.group.WORLD before init is None for good
+            warn_if_launched_alone("this module runs every call")
         self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)

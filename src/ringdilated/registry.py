@@ -10,6 +10,7 @@ command line, the conformance kits) asks here; none of them owns a resolver.
 from __future__ import annotations
 
 import functools
+import re
 
 from ringdilated.core.select.capabilities import PACKAGES_ENV_VAR, Environment
 from ringdilated.core.select.resolver import Resolver
@@ -42,14 +43,36 @@ def default_resolver() -> Resolver:
 def _check_packages(env: Environment, registry: PluginRegistry) -> None:
     """Raise ``ValueError`` naming ``RINGDILATED_PACKAGES`` for a package in ``env.packages``
     that no kernel lists in ``Capabilities.requires``: a loaded one, or a built-in one even when
-    blocked. When a plugin failed to load its kernels' packages are unknown, so nothing is
-    refused then (the failure itself is reported: one plugin must not break other calls)."""
-    if env.packages is None or registry.failures:
+    blocked. A plugin that failed to load does not turn the check off (a misspelt name would
+    then pass whenever an unrelated plugin is broken); the message names the failed plugins,
+    whose kernels' packages are unknown, as possibly requiring the name."""
+    if env.packages is None:
         return
     specs = [*registry.kernels.values(), *(k for p in BUILTIN_PLUGINS for k in p.kernels)]
     known = {name for spec in specs for name in spec.capabilities.requires}
     unknown = sorted(env.packages - known)
-    if unknown:
-        raise ValueError(
-            unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a kernel requires")
+    if not unknown:
+        return
+    message = unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a kernel requires")
+    failed = _failed_plugins(registry.failures)
+    if failed:
+        message += (
+            f"; plugins that failed to load, whose kernels' packages are unknown, may require "
+            f"{'it' if len(unknown) == 1 else 'them'}: {', '.join(failed)} (fix them, or drop "
+            f"the name from {PACKAGES_ENV_VAR})"
         )
+    raise ValueError(message)
+
+
+_FAILED_PLUGIN = re.compile(r"""^plugin ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def _failed_plugins(failures: tuple[str, ...]) -> list[str]:
+    """The names (quoted) of the plugins in the registry's failure lines, once each, in order."""
+    names: list[str] = []
+    for failure in failures:
+        match = _FAILED_PLUGIN.match(failure)
+        name = match.group(1) if match else failure
+        if name not in names:
+            names.append(name)
+    return names

@@ -50,6 +50,7 @@ import pluggy
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.select.capabilities import KernelSpec
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.support.caller import user_stacklevel
 from ringdilated.core.support.env import env_flag, env_names, unknown_names
 from ringdilated.core.support.errors import PluginError, PluginWarning
 from ringdilated.plugins import hookspecs
@@ -253,7 +254,7 @@ def build_registry(
             f"plugin {name!r}: {spec} skipped: {why}" if spec else f"plugin {name!r} skipped: {why}"
         )
         failures.append(message)
-        warnings.warn(message, PluginWarning, stacklevel=3)
+        warnings.warn(message, PluginWarning, stacklevel=user_stacklevel())
 
     to_check = (allow_env or ()) + tuple(n for n in block_env or () if n not in builtin_names)
     listed: Sequence[importlib.metadata.EntryPoint] = ()

@@ -23,10 +23,11 @@ A test never skips because something is broken. It fails at setup, with the reas
 named backend is not loaded (the registry's failures quoted: an import error, say), when one of
 the package's plugins failed (its import error, its hook's exception, a malformed spec, as the
 registry reported it), when the package under test is not installed, declares no ``ringdilated``
-entry point, or its plugin was not loaded (autoloading off, blocked or not allowed), and when no
-package under test can be found. A package whose plugins all load but offer no backend of the
-fixture's kind (a kernel plugin's communicator test) is skipped, saying so. Nothing here imports
-torch until a test asks for a fixture.
+entry point, or its plugin was not loaded (autoloading off, blocked or not allowed), when its
+plugins all load but offer no backend of either kind (a hook returning ``[]``, a misspelt hook
+name, a module without hooks), and when no package under test can be found. Only a package that
+offers backends of the other kind skips the fixture's kind (a kernel plugin's communicator
+test), saying so. Nothing here imports torch until a test asks for a fixture.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def _package_params(
         )
         return [pytest.param(Unusable(reason), id=f"{distribution}-no-entry-point")]
     params: list[ParameterSet] = []
+    offered_any = False
     for name in entry_points:
         failures = registry.failures_of(name)
         if failures:
@@ -202,10 +204,19 @@ def _package_params(
         for info in infos:
             backends = info.kernels if kind == "kernels" else info.communicators
             params.extend(pytest.param(b, id=b) for b in backends)
-    if not params:
-        reason = f"the package under test, {distribution!r}, offers no {kind}"
-        params.append(pytest.param("", id=f"no-{kind}", marks=pytest.mark.skip(reason=reason)))
-    return params
+            offered_any = offered_any or bool(info.kernels or info.communicators)
+    if params:
+        return params
+    if not offered_any:
+        reason = (
+            f"the package under test, {distribution!r}, offers no kernels and no communicators: "
+            f"its plugin(s) {', '.join(repr(n) for n in entry_points)} loaded, but no "
+            f"ringdilated_kernels() or ringdilated_communicators() hook returned a backend (a "
+            f"hook returning [], a misspelt hook name, a module without @hookimpl functions)"
+        )
+        return [pytest.param(Unusable(reason), id=f"{distribution}-offers-nothing")]
+    reason = f"the package under test, {distribution!r}, offers no {kind}"
+    return [pytest.param("", id=f"no-{kind}", marks=pytest.mark.skip(reason=reason))]
 
 
 def _params(metafunc: pytest.Metafunc, option: str, kind: str) -> list[ParameterSet]:

@@ -45,13 +45,19 @@ _warned_alone = False
 """Whether :func:`warn_if_launched_alone` has warned in this process."""
 
 
-def warn_if_launched_alone() -> None:
+def warn_if_launched_alone(subject: str = "this call runs") -> None:
     """Warn, once per process, with :class:`DistributedNotInitializedWarning` when the
     environment says this process is one of several ranks (``WORLD_SIZE``, an integer above 1)
     and ``torch.distributed`` is not initialised; the caller is about to run a call as one
-    process. Does nothing otherwise (``WORLD_SIZE`` unset, ``1``, not an integer, or the default
-    group initialised: a one-process call beside it is then the caller's choice). Reads the
-    environment only until it has warned; called once per planned call, never per step."""
+    process, or (``subject`` naming it) to build a module that runs every call so. Does nothing
+    otherwise (``WORLD_SIZE`` unset, ``1``, not an integer, or the default group initialised: a
+    one-process call beside it is then the caller's choice). Reads the environment only until
+    it has warned; called once per planned call and per module built with
+    ``process_group=None``, never per step.
+
+    A module checks when it is built: its ``process_group`` is fixed then, so one built with
+    ``dist.group.WORLD`` before ``init_process_group()`` holds ``None`` for good, and a check at
+    its first call would find the default group initialised by then and say nothing."""
     global _warned_alone
     if _warned_alone:
         return
@@ -68,7 +74,7 @@ def warn_if_launched_alone() -> None:
     warnings.warn(
         f"{LAUNCHER_WORLD_SIZE_ENV}={value.strip()} in the environment says this process is one "
         f"of {ranks} ranks (a launcher such as torchrun set it), but torch.distributed is not "
-        "initialised, so this call runs as one process over this rank's tensors alone, as if "
+        f"initialised, so {subject} as one process over this rank's tensors alone, as if "
         "they were the whole sequence (process_group=None; dist.group.WORLD is None until "
         "torch.distributed.init_process_group() is called). Call "
         "torch.distributed.init_process_group() before taking the process_group you pass, or "

@@ -18,19 +18,25 @@ value and the rule. :func:`read_layout` does both for one call.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import attrs
 import torch
 
+from ringdilated.core.support.caller import user_stacklevel
+from ringdilated.core.support.errors import PaddingMaskWarning
+
 __all__ = [
     "DocumentLayout",
     "Documents",
+    "PaddingMaskWarning",
     "Rows",
     "check_readable",
     "read_documents",
     "read_layout",
     "read_padding",
 ]
+
 
 Documents = tuple[tuple[int, int], ...]
 """``[start, stop)`` spans, increasing, disjoint."""
@@ -185,7 +191,8 @@ def read_documents(cu_seqlens: object, length: int | None) -> Documents:
 def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[Rows, ...]:
     """The rows of a ``(B, L)`` padding mask (``True`` = padding), grouped by equal documents;
     ``batch`` and ``length``: what ``B`` and ``L`` must be (any when ``None``). One read of the
-    mask to the host."""
+    mask to the host. A mask that is ``True`` everywhere (no row has a valid position) warns
+    :class:`PaddingMaskWarning`: the caller most likely passed transformers' convention."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(
             f"key_padding_mask must be a (B, L) bool torch.Tensor, got {type(mask).__name__}"
@@ -219,15 +226,25 @@ def read_padding(mask: object, batch: int | None, length: int | None) -> tuple[R
         if count and end - start + 1 != count:
             raise ValueError(
                 f"key_padding_mask row {b} must hold one contiguous run of valid (False) "
-                f"positions (left or right padding; True = padding), got {count} valid "
-                f"positions between {start} and {end} (through the Hugging Face adapter, "
-                "key_padding_mask is attention_mask == 0: the row's tokens are not one run)"
+                f"positions (left or right padding; True = padding, the negation of "
+                f"transformers' attention_mask), got {count} valid positions between {start} "
+                f"and {end}"
             )
         documents: Documents = ((start, end + 1),) if count else ()
         if rows and rows[-1].documents == documents:
             rows[-1] = attrs.evolve(rows[-1], stop=b + 1)
         else:
             rows.append(Rows(b, b + 1, documents))
+    if length and runs and not any(count for count, _, _ in runs):
+        warnings.warn(
+            f"key_padding_mask {tuple(mask.shape)} is True at every position of every row: "
+            f"True = padding (the convention of torch.nn.MultiheadAttention), so nothing is "
+            f"attended and the output is all zeros (through the Hugging Face adapter: the "
+            f"attention_mask is 0 everywhere). A transformers attention_mask (1 = token) is the "
+            f"negation of key_padding_mask: pass attention_mask == 0",
+            PaddingMaskWarning,
+            stacklevel=user_stacklevel(),
+        )
     return tuple(rows)
 
 

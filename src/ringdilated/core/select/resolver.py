@@ -151,8 +151,9 @@ class Resolver:
                 f"kernel must be 'auto', a backend name (str) or a Kernel instance, got {kernel!r}"
             )
         forced_by = None
-        if kernel == "auto" and os.environ.get(KERNEL_ENV_VAR):
-            kernel = os.environ[KERNEL_ENV_VAR]
+        forced = os.environ.get(KERNEL_ENV_VAR, "").strip()  # spaces stripped, as everywhere
+        if kernel == "auto" and forced:
+            kernel = forced
             forced_by = f"{KERNEL_ENV_VAR}={kernel}"
         elif kernel != "auto":
             forced_by = f"kernel={kernel!r}"

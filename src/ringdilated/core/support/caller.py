@@ -2,8 +2,9 @@
 
 ``warnings.warn(..., stacklevel=n)`` counts frames, and the number of frames between the user's
 call and the line that warns differs per entry point (a module's ``forward`` under
-``nn.Module.__call__``, a functional call, a planned layout, a compiled region). So every
-warning of the package takes :func:`user_stacklevel` instead of a fixed number.
+``nn.Module.__call__``, a functional call, a planned layout, a compiled region, a Hugging Face
+model's layers). So every warning of the package takes :func:`user_stacklevel` instead of a
+fixed number.
 """
 
 from __future__ import annotations
@@ -20,20 +21,32 @@ _PACKAGE = os.sep.join(os.path.abspath(__file__).split(os.sep)[: -__name__.count
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def _inside(filename: str) -> bool:
-    """Whether a frame of this file is the library's: ringdilated's, or torch's, which stands
-    between a user's line and ringdilated (``nn.Module.__call__``, ``torch._dynamo``'s
-    wrappers, ``torch.utils.checkpoint``)."""
-    return filename.startswith((_PACKAGE, _TORCH))
+def _folder(module: object) -> str | None:
+    """The folder of an imported package (``None`` for one without a file, e.g. a stub)."""
+    filename = getattr(module, "__file__", None)
+    if not isinstance(filename, str):
+        return None
+    return os.path.dirname(os.path.abspath(filename)) + os.sep
+
+
+def _libraries() -> tuple[str, ...]:
+    """The folders whose frames stand between a user's line and ringdilated: ringdilated's,
+    torch's (``nn.Module.__call__``, ``torch._dynamo``'s wrappers, ``torch.utils.checkpoint``)
+    and, once imported, transformers' (a model's layers call the Hugging Face adapter, so its
+    warnings would name ``modeling_llama.py``). transformers is looked up in ``sys.modules``,
+    never imported: the frames can only be its when it is."""
+    transformers = _folder(sys.modules.get("transformers"))
+    return (_PACKAGE, _TORCH) if transformers is None else (_PACKAGE, _TORCH, transformers)
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning issued by the caller of this function name the
-    first frame outside ringdilated and torch: 2 would name the
-    function that calls ``warnings.warn``; each library frame above it adds one."""
+    first frame outside ringdilated, torch and transformers (see :func:`_libraries`): 2 would
+    name the function that calls ``warnings.warn``; each library frame above it adds one."""
+    inside = _libraries()
     frame = sys._getframe(1)  # the function that warns
     level = 1
-    while frame is not None and _inside(frame.f_code.co_filename):
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level

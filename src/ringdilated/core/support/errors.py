@@ -14,7 +14,8 @@
 
     EveryRankError                         any error an agreement raised on every rank
     RingDilatedWarning (UserWarning)
-      SlowDtypeWarning, DistributedNotInitializedWarning, PluginWarning, and a backend's own
+      SlowDtypeWarning, DistributedNotInitializedWarning, PluginWarning, PaddingMaskWarning,
+      and a backend's own
 
 Input a caller passed is rejected with the built-in a caller would catch (``ValueError``,
 ``TypeError``), naming the value and the rule; the classes above add what a program may need to
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedNotInitializedWarning",
     "EveryRankError",
     "KernelContractError",
+    "PaddingMaskWarning",
     "PeerRejectedError",
     "PluginError",
     "PluginWarning",
@@ -190,3 +192,9 @@ class DistributedNotInitializedWarning(RingDilatedWarning):
 
 class PluginWarning(RingDilatedWarning):
     """A plugin was skipped because it failed; the message names it and says why."""
+
+
+class PaddingMaskWarning(RingDilatedWarning):
+    """A ``key_padding_mask`` that is ``True`` (padding) at every position of every row: almost
+    surely transformers' convention (``attention_mask``, 1 = token) passed where ringdilated's
+    (``True`` = padding) is read. The output of such a call is all zeros."""
