@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.fault_tasks import caught_as
+
 __all__ = ["empty_shard_on_layout", "one_process_call_beside_a_group"]
 
 
@@ -17,7 +19,7 @@ def _outcome(call: Any) -> dict[str, Any]:
     try:
         call()
     except Exception as exc:
-        return {"raised": type(exc).__name__, "message": str(exc)}
+        return {"raised": caught_as(exc), "message": str(exc)}
     return {"raised": None, "message": ""}
 
 
