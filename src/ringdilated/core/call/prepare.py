@@ -16,7 +16,6 @@ A one-process call resolves no communicator.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Callable
 
@@ -42,6 +41,7 @@ from ringdilated.core.run.local import (
     Run,
     as_lse_layout,
     draw_seed,
+    effective_scale,
     pattern_run,
 )
 from ringdilated.core.run.sharded import ShardedRun
@@ -91,8 +91,9 @@ RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
 
 @attrs.frozen
 class CallPlan:
-    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``layout`` places
-    documents, padding and a query suffix; ``shards`` holds every rank's shard plan (empty on
+    """A validated call. ``scale`` is resolved
+    (:func:`~ringdilated.core.run.local.effective_scale`); ``layout`` places documents, padding
+    and a query suffix; ``shards`` holds every rank's shard plan (empty on
     one process) and ``communicator`` moves their pieces (``None`` on one process);
     ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
     ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
@@ -574,12 +575,11 @@ def prepare_call(
         if layout is not None and checked.shards:
             starts = checked.shards[0].starts
             layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
-    scale = options.scale
     plan = CallPlan(
         pattern=checked.pattern,
         kernel=checked.plan,
         causal=checked.causal,
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
+        scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
         layout=checked.layout,
         rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]

@@ -56,6 +56,7 @@ __all__ = [
     "StridedView",
     "as_lse_layout",
     "draw_seed",
+    "effective_scale",
     "lse_buffer",
     "lse_gradient",
     "pattern_run",
@@ -856,6 +857,11 @@ class DilatedAttentionFunction(torch.autograd.Function):
         return (*first_order_only(grads, (q, k, v)), None, None)
 
 
+def effective_scale(scale: float | None, head_dim: int) -> float:
+    """``scale`` as a float, or the default ``1 / sqrt(head_dim)`` for ``None``: every path's."""
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
+
+
 def pattern_run(
     kernel: Kernel,
     pattern: DilationPattern,
@@ -873,8 +879,8 @@ def pattern_run(
 ) -> Run:
     """The :class:`Run` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
-    and a query suffix), scale defaulting to ``1/sqrt(D)``, no kernel call holding more problems
-    than ``batch_limit`` allows, and every call's results and inputs checked
+    and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
+    problems than ``batch_limit`` allows, and every call's results and inputs checked
     (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
@@ -900,7 +906,7 @@ def pattern_run(
         covers_queries=covers,
         covers_keys=covers and layout.query_start == 0,
         exclusive=pattern.mode == "head_groups",
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
+        scale=effective_scale(scale, dim),
         causal=causal,
         dropout_p=float(dropout_p),
         complete=complete,
