@@ -28,7 +28,12 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
-from ringdilated.core.contract.communicator import Communicator, TransferStats, parallelism_of
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    TransferStats,
+    hybrid_parts,
+    parallelism_of,
+)
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
@@ -313,7 +318,7 @@ class CallPlan:
         """The 2-D run: head parallelism within this rank's inner group, whose shards make one
         chunk of the sequence, and sequence pieces between chunks across its outer group."""
         assert isinstance(self.group, Grid) and self.communicator is not None
-        heads_comm, sequence_comm = _hybrid_parts(self.communicator)
+        heads_comm, sequence_comm = hybrid_parts(self.communicator)
         (outer, inner), (o, i) = self.group.shape, self.group.coordinates
         starts, heads, kv_heads = shard.starts, q.shape[2], k.shape[2]
         chunks = tuple(starts[c * inner + inner] - starts[c * inner] for c in range(outer))
@@ -782,21 +787,6 @@ def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallSt
     if plan.dropout_p == 0.0 and stats is None:
         return _NO_DROPOUT[plan.lse_used, needed]
     return CallState(draw_seed(plan.dropout_p), stats, plan.lse_used, needed)  # type: ignore[arg-type]
-
-
-def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:
-    """A hybrid communicator's ``heads`` and ``sequence`` communicators (see
-    :mod:`ringdilated.core.contract.communicator`); raises ``TypeError`` naming what is missing."""
-    parts = []
-    for name in ("heads", "sequence"):
-        part = getattr(communicator, name, None)
-        if not isinstance(part, Communicator) or parallelism_of(part) != name:
-            raise TypeError(
-                f"{type(communicator).__name__}.{name} must be a Communicator of parallelism "
-                f"{name!r} (a hybrid communicator holds one of each), got {part!r}"
-            )
-        parts.append(part)
-    return parts[0], parts[1]
 
 
 def _communicator_names(checked: _Checked) -> str:

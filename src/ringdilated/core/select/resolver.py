@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core.contract.communicator import Communicator, delivery_of, parallelism_of
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    delivery_of,
+    hybrid_parts,
+    layout_mismatch,
+    parallelism_of,
+)
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.select.capabilities import (
@@ -400,34 +406,22 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
 def _check_instance_layout(
     communicator: Communicator, world_size: int, grid: tuple[int, int] | None
 ) -> None:
-    """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
-    the call's layout (a hybrid one needs a 2-D layout, every other kind a process group), or
-    declares an unknown ``delivery`` or ``parallelism``: a named one is rejected with the same
-    reasons."""
+    """Raise :class:`ResolutionError` when a communicator passed as an instance declares an
+    unknown ``delivery`` or ``parallelism``, lacks a hybrid's parts (:func:`hybrid_parts`) or
+    cannot run on the call's layout (:func:`layout_mismatch`): a named one is rejected with the
+    same reasons."""
     what = type(communicator).__name__
     try:
         parallelism = parallelism_of(communicator)
         delivery_of(communicator)
-    except ValueError as exc:
+        if parallelism == "hybrid":
+            hybrid_parts(communicator)
+    except (TypeError, ValueError) as exc:
         raise ResolutionError(f"communicator {what} instance: {exc}") from None
-    if parallelism == "hybrid":
-        for part, wanted in (("heads", "heads"), ("sequence", "sequence")):
-            inner = getattr(communicator, part, None)
-            try:
-                ok = isinstance(inner, Communicator) and parallelism_of(inner) == wanted
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ResolutionError(
-                    f"communicator {what} instance: its {part!r} must be a Communicator of "
-                    f"parallelism {wanted!r}, got {inner!r}"
-                )
-    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
-        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
-        has = "a process group" if grid is None else "a 2-D layout"
+    mismatch = layout_mismatch(2 if parallelism == "hybrid" else 1, 1 if grid is None else 2)
+    if world_size > 1 and mismatch is not None:
         raise ResolutionError(
-            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
-            f"call has {has}"
+            f"communicator {what} instance (parallelism {parallelism!r}) {mismatch}"
         )
 
 
