@@ -40,11 +40,11 @@ from ringdilated.core.plan.pattern import Block, DilationPattern
 from ringdilated.core.plan.shards import ShardPlan, shard_plan
 from ringdilated.core.run.head_parallel import HeadParallelRun
 from ringdilated.core.run.local import (
+    BackwardInputs,
     CallState,
     DilatedAttentionFunction,
     Executor,
     Run,
-    as_lse_layout,
     draw_seed,
     effective_scale,
     pattern_run,
@@ -207,30 +207,13 @@ class CallPlan:
         return torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` without autograd (see :meth:`forward`)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
-            return self.parts[0][1].backward(dout, dlse, q, k, v, out, lse, call)
+            return self.parts[0][1].backward(inputs, call)
         grads = [
-            executor.backward(
-                dout[rows].contiguous(),
-                None if dlse is None else as_lse_layout(dlse[rows]),
-                q[rows].contiguous(),
-                k[rows],
-                v[rows],
-                out[rows].contiguous(),
-                as_lse_layout(lse[rows]),
-                call.derive("rows", i),
-            )
+            executor.backward(inputs.rows(rows), call.derive("rows", i))  # type: ignore[arg-type]
             for i, (rows, executor) in enumerate(self.parts)
         ]
         dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))

@@ -27,7 +27,7 @@ import torch
 
 from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.plan.heads import HeadShare
-from ringdilated.core.run.local import CallState, Run
+from ringdilated.core.run.local import BackwardInputs, CallState, Run
 from ringdilated.core.run.sharded import ShardedRun
 
 __all__ = ["HeadParallelRun"]
@@ -66,20 +66,13 @@ class HeadParallelRun:
         return out, lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # lse and dlse as (B, n, H): the sequence in dimension 1, as for q. Whether dlse travels
         # is the agreed call's (call.lse_used), never this rank's: every rank must send the same
         # parts. A dlse of None (this rank's loss does not use lse) then travels as zeros, and the
         # lse term runs (exact for zeros too: reading the host to skip it would stall the GPU).
+        dout, dlse, q, k, v, out, lse = inputs
         parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
         parts.append((dout, "q"))
         if call.lse_used:
@@ -90,7 +83,9 @@ class HeadParallelRun:
         dlse_h = received[6].transpose(1, 2) if call.lse_used else None
         inner_call = call.derive("heads", self.rank)
         dq_h, dk_h, dv_h = self.inner.backward(
-            dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2), inner_call, cast=False
+            BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2)),
+            inner_call,
+            cast=False,
         )
         dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2], call.stats)[0]
         if not self.shared_kv:

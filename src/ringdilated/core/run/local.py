@@ -31,7 +31,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import torch
@@ -47,6 +47,7 @@ from ringdilated.core.select.dtypes import autocast_off
 
 __all__ = [
     "HIGHER_ORDER_MESSAGE",
+    "BackwardInputs",
     "BatchLimitedKernel",
     "CallState",
     "DilatedAttentionFunction",
@@ -90,6 +91,28 @@ class CallState:
         if self.seed == 0:
             return self
         return attrs.evolve(self, seed=derive_seed(self.seed, *path))
+
+
+class BackwardInputs(NamedTuple):
+    """What an executor's backward reads: the gradient of ``out`` (``dout``) and of ``lse``
+    (``dlse``; ``None``: none flows), the forward's inputs and its final ``out`` and ``lse``.
+    ``dout`` and ``out`` are shaped and strided like ``q`` (contiguous); ``k`` and ``v`` have
+    any strides whose last is 1; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
+
+    dout: torch.Tensor
+    dlse: torch.Tensor | None
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    def rows(self, rows: slice) -> BackwardInputs:
+        """These inputs' batch rows ``rows``, in the layouts above."""
+        dlse = None if self.dlse is None else as_lse_layout(self.dlse[rows])
+        q, k, v = self.q[rows].contiguous(), self.k[rows], self.v[rows]
+        dout, out = self.dout[rows].contiguous(), self.out[rows].contiguous()
+        return BackwardInputs(dout, dlse, q, k, v, out, as_lse_layout(self.lse[rows]))
 
 
 def draw_seed(dropout_p: float) -> int:
@@ -550,20 +573,11 @@ class Run:
         return buffer
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
-        ``dout`` and ``out`` are shaped and strided like ``q``; ``lse`` and ``dlse`` like
-        :func:`lse_buffer`."""
+        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers
+        hold."""
+        dout, dlse, q, k, v, out, lse = inputs
         # A gradient written once per element is written in the input dtype (the kernel's result,
         # no second rounding); one that sums several contributions accumulates in float32/64.
         kv_once = self.exclusive and _kv_exclusive(self.blocks)
@@ -739,23 +753,15 @@ class Executor(Protocol):
     """Runs one planned attention call's forward and backward: :class:`Run` on one process,
     :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
     :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads. Built once per plan and
-    reused; what differs per call comes in ``call``. ``q`` (and ``dout``, ``out``) are
-    contiguous; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
+    reused; what differs per call comes in ``call``. ``q`` is contiguous; the backward reads
+    :class:`BackwardInputs`."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -845,13 +851,7 @@ class DilatedAttentionFunction(torch.autograd.Function):
             dlse = as_lse_layout(dlse.to(lse.dtype))
         with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
-                dout,
-                dlse,
-                q,
-                k,
-                v,
-                out,
-                lse,
+                BackwardInputs(dout, dlse, q, k, v, out, lse),
                 ctx.call,  # type: ignore[attr-defined]
             )
         return (*first_order_only(grads, (q, k, v)), None, None)

@@ -37,7 +37,13 @@ from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.shards import Crossing, ShardPlan
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
-from ringdilated.core.run.local import BatchLimitedKernel, CallState, Run, lse_gradient
+from ringdilated.core.run.local import (
+    BackwardInputs,
+    BatchLimitedKernel,
+    CallState,
+    Run,
+    lse_gradient,
+)
 
 __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 
@@ -74,18 +80,9 @@ class ShardedRun:
         return sharded_forward(self, q, k, v, call)
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sharded_backward(self, dout, dlse, q, k, v, out, lse, call, cast)
+        return sharded_backward(self, inputs, call, cast)
 
     def options(self, seed_index: int, own: bool, seed: int) -> BlockOptions:
         """A crossing partial's options: the diagonal for a rank's own piece under causal; no
@@ -162,16 +159,9 @@ def sharded_forward(
 
 
 def _partial_backward(
-    run: ShardedRun,
-    options: BlockOptions,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    run: ShardedRun, options: BlockOptions, inputs: BackwardInputs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout, dlse, q, k, v, out, lse = inputs
     dq, dk, dv = run.kernel.backward(dout, q, k, v, out, lse, options)
     if dlse is not None:
         dq_l, dk_l = lse_gradient(run.kernel, options, dlse, q, k, v, lse)
@@ -180,53 +170,39 @@ def _partial_backward(
 
 
 def sharded_backward(
-    run: ShardedRun,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    call: CallState,
-    cast: bool = True,
+    run: ShardedRun, inputs: BackwardInputs, call: CallState, cast: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
     accumulation dtype, for a caller that adds more to them)."""
     me, plan = run.plan.rank, run.plan
+    dout, dlse, q, k, v, out, lse = inputs
     exchange = _exchange(run, k, v, call.stats)
     exchange.start()
     acc = accumulation_dtype(q.dtype)
     call = call.derive("shard", run.rank)
     # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
-    dq, dk, dv = run.inner.backward(dout, dlse, q, k, v, out, lse, call, cast=False)
+    dq, dk, dv = run.inner.backward(inputs, call, cast=False)
     index = {c: i for i, c in enumerate(plan.crossings)}
 
-    def views(
-        c: Crossing,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def views(c: Crossing, kc: torch.Tensor, vc: torch.Tensor) -> BackwardInputs:
+        """Crossing ``c``'s piece of this rank's inputs, with its keys and values ``kc``, ``vc``."""
         qh = wire.q_heads(c)
-        return (
+        return BackwardInputs(
             wire.piece(dout, c, me, qh),
             None if dlse is None else wire.lse_piece(dlse, c, me),
             wire.piece(q, c, me, qh),
+            kc,
+            vc,
             wire.piece(out, c, me, qh),
             wire.lse_piece(lse, c, me),
         )
 
     for c in plan.crossings:
-        do, dl, qc, oc, lc = views(c)
         kh = wire.kv_heads(c)
         gq, gk, gv = _partial_backward(
             run,
             run.options(_seed_index(run, index[c], me), own=True, seed=call.seed),
-            do,
-            dl,
-            qc,
-            wire.piece(k, c, me, kh),
-            wire.piece(v, c, me, kh),
-            oc,
-            lc,
+            views(c, wire.piece(k, c, me, kh), wire.piece(v, c, me, kh)),
         )
         wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
         wire.piece(dk, c, me, kh).add_(gk)
@@ -236,17 +212,10 @@ def sharded_backward(
         # Gradients of the pieces received, in each sender's payload layout, to send back.
         back: dict[int, list[torch.Tensor]] = {}
         for src, i, c, kr, vr in received:
-            do, dl, qc, oc, lc = views(c)
             gq, gk, gv = _partial_backward(
                 run,
                 run.options(_seed_index(run, index[c], src), own=False, seed=call.seed),
-                do,
-                dl,
-                qc,
-                kr,
-                vr,
-                oc,
-                lc,
+                views(c, kr, vr),
             )
             wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
             incoming = exchange.payload(src, me)
