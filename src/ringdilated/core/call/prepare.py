@@ -193,27 +193,27 @@ class CallPlan:
         return result  # type: ignore[no-any-return]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` without autograd: this plan as an
         :class:`~ringdilated.core.run.local.Executor` (its parts, one group of batch rows each, in
         batch order; each part its own dropout seed)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
-            return self.parts[0][1].forward(q, k, v, call)
+            return self.parts[0][1].forward(q, k, v, call, cast)
         results = [
-            executor.forward(q[rows].contiguous(), k[rows], v[rows], call.derive("rows", i))
+            executor.forward(q[rows].contiguous(), k[rows], v[rows], call.derive("rows", i), cast)
             for i, (rows, executor) in enumerate(self.parts)
         ]
         return torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
 
     def backward(
-        self, inputs: BackwardInputs, call: CallState
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` without autograd (see :meth:`forward`)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
-            return self.parts[0][1].backward(inputs, call)
+            return self.parts[0][1].backward(inputs, call, cast)
         grads = [
-            executor.backward(inputs.rows(rows), call.derive("rows", i))  # type: ignore[arg-type]
+            executor.backward(inputs.rows(rows), call.derive("rows", i), cast)  # type: ignore[arg-type]
             for i, (rows, executor) in enumerate(self.parts)
         ]
         dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))

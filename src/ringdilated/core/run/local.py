@@ -524,9 +524,9 @@ class Run:
         k: torch.Tensor,
         v: torch.Tensor,
         call: CallState,
-        keep_state: bool = False,
+        cast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
+        """``(out, lse)``; with ``cast=False`` a merging run returns its float32/float64 state.
         ``q`` is contiguous (see :meth:`calls`)."""
         B, Lq, H, _ = q.shape
         acc = accumulation_dtype(q.dtype)
@@ -555,7 +555,7 @@ class Run:
                     Accumulator.add(step.q.of(out), step.lse.of(lse), out_b, lse_b)
         if self.exclusive:
             return out, lse  # type: ignore[return-value]
-        return (out if keep_state else out.to(q.dtype)), lse  # type: ignore[return-value]
+        return (out.to(q.dtype) if cast else out), lse  # type: ignore[return-value]
 
     def _result_buffer(
         self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
@@ -754,14 +754,17 @@ class Executor(Protocol):
     :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
     :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads. Built once per plan and
     reused; what differs per call comes in ``call``. ``q`` is contiguous; the backward reads
-    :class:`BackwardInputs`."""
+    :class:`BackwardInputs`. Results are in the input dtypes; with ``cast=False``, an executor
+    that merges or adds them may leave them in the accumulation dtype (for a caller that adds
+    more to them: a sharded run's inner run, a head-parallel run's inner one). Every executor
+    takes exactly these arguments, so none is told apart from another."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
-        self, inputs: BackwardInputs, call: CallState
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 

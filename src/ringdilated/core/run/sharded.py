@@ -75,16 +75,16 @@ class ShardedRun:
         return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of this rank's shard: the inner blocks, then each crossing's partials,
-        this rank's own piece first, then each piece as it arrives, merged in the
-        accumulation dtype."""
+        this rank's own piece first, then each piece as it arrives, merged in the accumulation
+        dtype (``cast=False``: ``out`` left in it where it merges)."""
         me, crossings = self.plan.rank, self.plan.crossings
         exchange = self._exchange(k, v, call.stats)
         exchange.start()
         call = call.derive("shard", self.rank).with_lse()
-        out, lse = self.inner.forward(q, k, v, call, keep_state=True)
+        out, lse = self.inner.forward(q, k, v, call, cast=False)
         index = {c: i for i, c in enumerate(crossings)}
         states: dict[Crossing, Accumulator] = {}
         for c in crossings:
@@ -116,7 +116,7 @@ class ShardedRun:
                     state.out,
                     state.lse,
                 )
-        if not self.inner.exclusive:
+        if cast and not self.inner.exclusive:
             out = out.to(q.dtype)
         return out, lse
 
