@@ -1,16 +1,17 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
-:func:`prepare_call` makes it once per call signature on a
-:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (or once per call without one), on
-every rank, before any work: it validates every argument (the pattern included), resolves the
-kernel for the tensors actually passed, and, on a process group, plans every rank's shard and
-resolves the communicator; then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad
-input raises on every rank. The plan builds its executors once; every call of it then runs::
+:func:`plan_for` finds a call's plan on its
+:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (by :func:`plan_key`), or has
+:func:`prepare_call` make it, on every rank, before any work: it validates every argument (the
+pattern included), resolves the kernel for the tensors actually passed, and, on a process group,
+plans every rank's shard and resolves the communicator (one process: only its name is checked);
+then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
+The plan builds its executors once (:meth:`CallPlan.with_executors`: per group of batch rows, a
+:class:`~ringdilated.core.run.local.Run`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
+over either, each communicator that runs prepared); every call of it then runs::
 
-    plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, layout)
-    out, lse = plan.apply(q, k, v, CallState(seed, stats, lse_used))   # kernels and exchanges
-
-A one-process call resolves no communicator.
+    plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
+    out, lse = plan.apply(*operands(q, k, v), call_state(plan, stats))   # kernels and exchanges
 """
 
 from __future__ import annotations
@@ -98,12 +99,13 @@ RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
 class CallPlan:
     """A validated call. ``scale`` is resolved
     (:func:`~ringdilated.core.run.local.effective_scale`); ``layout`` places documents, padding
-    and a query suffix; ``shards`` holds every rank's shard plan (empty on
-    one process) and ``communicator`` moves their pieces (``None`` on one process);
-    ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
-    ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
-    every call of the plan). The plan is itself an
-    :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
+    and a query suffix; ``shards`` holds every rank's shard plan (empty on one process) and
+    ``communicator`` moves their pieces (``None`` on one process); ``row_plans``: each group of
+    padded rows' own shard plans and communicator; ``lse_used``: whether the caller
+    differentiates through ``lse`` (agreed by every rank). ``parts``: the executor of each group
+    of batch rows (:meth:`executor`, built by :meth:`with_executors`, reused by every call of
+    the plan). The plan is itself an :class:`~ringdilated.core.run.local.Executor` over them
+    (:meth:`forward`, :meth:`backward`), which :meth:`apply` runs under one autograd node."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -225,12 +227,14 @@ class CallPlan:
         return self.shards[self.rank] if self.shards else None
 
     def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
-        """The driver's :class:`Run` of a one-process call: the whole pattern."""
+        """The :class:`Run` of a one-process call: the whole pattern."""
         return self._blocks_run(q, k, None, complete=True)
 
     def executor(self, q: torch.Tensor, k: torch.Tensor) -> Executor:
-        """What runs the call: the :class:`Run`, a :class:`ShardedRun` over it, or a
-        :class:`HeadParallelRun`."""
+        """What runs the call, by the communicator's parallelism: on one process the
+        :class:`Run`; ``sequence``, a :class:`ShardedRun` over the inner blocks' run; ``heads``,
+        a :class:`HeadParallelRun` over this rank's heads' run; ``hybrid``, a
+        :class:`HeadParallelRun` over a :class:`ShardedRun` (:meth:`_hybrid`)."""
         shard = self.shard
         if shard is None:
             return self.run(q, k)
@@ -259,8 +263,7 @@ class CallPlan:
         *,
         complete: bool,
     ) -> Run:
-        """A driver :class:`Run` of ``blocks`` (``None``: the layout's), with this call's
-        options."""
+        """A :class:`Run` of ``blocks`` (``None``: the layout's), with this call's options."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,

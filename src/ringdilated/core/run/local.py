@@ -1,15 +1,19 @@
-"""Runs a dilation pattern on a kernel, forward and backward, on one process.
+"""Runs a dilation pattern on a kernel, forward and backward, on one process; and what every
+executor shares: the :class:`Executor` protocol (:class:`Run` here; the sharded and
+head-parallel runs and the call's plan), :class:`BackwardInputs`, :class:`CallState` and
+:class:`DilatedAttentionFunction`, which runs any executor under one autograd node.
 
 Call flow::
 
     run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, run, CallState(seed, stats, lse_used))
+    out, lse = DilatedAttentionFunction.apply(q, k, v, executor, CallState(seed, stats, ...))
         forward:  for each kernel call: its steps' strided views of q, k, v (several small
                   steps of one shape gathered into one call) -> kernel.forward -> (out_c, lse_c)
                   head_groups: each (position, head) has one block, so out is copied in place;
                   longnet: partials are merged by the Accumulator (float32 log-sum-exp)
         backward: for each kernel call: kernel.backward(dout, q, k, v, out, lse) with the FINAL
-                  merged out and lse, gradients added into dq, dk, dv (float32 or float64)
+                  merged out and lse; a gradient with one contribution per element is written
+                  in the input dtype, others are added in float32 or float64
 
 A :class:`Run` is built once per planned call and reused by every call of that plan: its
 *steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
@@ -752,12 +756,14 @@ class BatchLimitedKernel:
 class Executor(Protocol):
     """Runs one planned attention call's forward and backward: :class:`Run` on one process,
     :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
-    :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads. Built once per plan and
-    reused; what differs per call comes in ``call``. ``q`` is contiguous; the backward reads
-    :class:`BackwardInputs`. Results are in the input dtypes; with ``cast=False``, an executor
-    that merges or adds them may leave them in the accumulation dtype (for a caller that adds
-    more to them: a sharded run's inner run, a head-parallel run's inner one). Every executor
-    takes exactly these arguments, so none is told apart from another."""
+    :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads (over either of them),
+    :class:`~ringdilated.core.call.prepare.CallPlan` over one per group of batch rows. Built
+    once per plan and reused; what differs per call comes in ``call``. ``q`` is contiguous;
+    the backward reads :class:`BackwardInputs`. Results are in the input dtypes; with
+    ``cast=False``, an executor that merges or adds them may leave them in the accumulation
+    dtype (for a caller that adds more to them: a sharded run's inner run, a head-parallel
+    run's inner one). Every executor takes exactly these arguments, so none is told apart from
+    another."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True

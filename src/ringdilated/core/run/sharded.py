@@ -9,7 +9,7 @@ Call flow on rank ``r`` (every rank runs the same steps)::
     forward:
         exchange step 1 starts                  pieces of crossing segments, straight to the
                                                 ranks whose queries see them (shard plan)
-        inner blocks -> out, lse                local, exactly the single-process driver
+        inner blocks -> out, lse                local, exactly the single-process Run
         own piece of each crossing -> partial   merged by the Accumulator (float32)
         for each step: start step + 1; wait step; each received piece -> partial -> merge
         crossing results written into out / merged into the longnet state
