@@ -85,6 +85,7 @@ from ringdilated.core.call.validation import check_bool, check_options
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.plan.documents import check_readable, read_padding
 from ringdilated.core.plan.pattern import DilationPattern, HeadRun, Mode, split_by_kv
+from ringdilated.core.run.local import effective_scale
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 
@@ -407,7 +408,7 @@ class DilatedKVCache:
         does not fit ``module`` (both values) and the module that owns it.
 
         It fits when its pattern (``segment_lengths``, ``dilation_rates``, ``mode``),
-        ``causal``, effective scale (``scale``, or ``head_dim ** -0.5`` for ``None``) and head
+        ``causal``, effective scale (:func:`~ringdilated.core.run.local.effective_scale`) and head
         counts are the module's; when, holding a sequence, that sequence's head dim, device and
         (unless ``dtype`` is ``None``: not known before the projections, as under autocast)
         dtype are the module's; and when it belongs to no module or to ``module``. A cache
@@ -416,15 +417,13 @@ class DilatedKVCache:
         used by another module holds that module's keys and values (per-layer caches swapped),
         and one whose module no longer exists holds a deleted module's. Changes nothing when it
         raises. The modules call it before any work; a direct :meth:`attend` needs no owner."""
-        default = head_dim**-0.5  # the effective scale of scale=None
         p, given = self.pattern, pattern
         made: list[tuple[str, object, object]] = [
             ("segment_lengths", p.segment_lengths, given.segment_lengths),
             ("dilation_rates", p.dilation_rates, given.dilation_rates),
             ("mode", p.mode, given.mode),
             ("causal", self.causal, causal),
-            ("scale", default if self.scale is None else self.scale,
-             default if scale is None else scale),
+            ("scale", effective_scale(self.scale, head_dim), effective_scale(scale, head_dim)),
             ("num_heads", self.num_heads, num_heads),
             ("num_kv_heads", self.num_kv_heads, num_kv_heads),
         ]  # fmt: skip
@@ -688,7 +687,7 @@ class DilatedKVCache:
                 keys,
                 values,
                 causal=self.causal,
-                scale=self.scale if self.scale is not None else dim**-0.5,
+                scale=effective_scale(self.scale, dim),
                 dropout_p=0.0,
                 kernel=self.kernel,
                 return_lse=True,  # read, and differentiated through the merge below
@@ -781,7 +780,7 @@ class DilatedKVCache:
         self._positions = torch.zeros(batch, dtype=torch.int64, device=k.device)
         self._dtype, self._device = k.dtype, k.device
         self._work = torch.float64 if k.dtype == torch.float64 else torch.float32
-        self._scale = self.scale if self.scale is not None else dim**-0.5
+        self._scale = effective_scale(self.scale, dim)
         self._step_shapes = (
             torch.Size((batch, 1, self.num_heads, dim)),
             torch.Size((batch, 1, kv_heads, dim)),

@@ -41,6 +41,7 @@ from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.communicator import TransferStats
 from ringdilated.core.run.local import (
+    BackwardInputs,
     CallState,
     Run,
     as_lse_layout,
@@ -261,15 +262,12 @@ def _define_attention_ops() -> tuple[Any, Any]:
         )  # fmt: skip
         q, k, v = operands(q, k, v)
         with autocast_off(q.device.type):
+            dlse = None if dlse is None or not return_lse else as_lse_layout(dlse.to(lse.dtype))
+            inputs = BackwardInputs(
+                dout.contiguous(), dlse, q, k, v, out.contiguous(), as_lse_layout(lse)
+            )
             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = plan.backward(
-                dout.contiguous(),
-                None if dlse is None or not return_lse else as_lse_layout(dlse.to(lse.dtype)),
-                q,
-                k,
-                v,
-                out.contiguous(),
-                as_lse_layout(lse),
-                _state(plan, seed, stats),
+                inputs, _state(plan, seed, stats)
             )
         return grads
 
@@ -458,16 +456,9 @@ def _dilated_attention_backward(
         dlse = None
     q, k, v = operands(q, k, v)
     with autocast_off(q.device.type):
-        return run.backward(
-            dout.contiguous(),
-            None if dlse is None else as_lse_layout(dlse.to(lse.dtype)),
-            q,
-            k,
-            v,
-            out,
-            as_lse_layout(lse),
-            CallState(int(seed.item()) if dropout_p > 0.0 else 0),
-        )
+        dlse = None if dlse is None else as_lse_layout(dlse.to(lse.dtype))
+        inputs = BackwardInputs(dout.contiguous(), dlse, q, k, v, out, as_lse_layout(lse))
+        return run.backward(inputs, CallState(int(seed.item()) if dropout_p > 0.0 else 0))
 
 
 IMPLEMENTATIONS["ringdilated::dilated_attention_backward"] = _dilated_attention_backward

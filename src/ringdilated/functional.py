@@ -18,7 +18,6 @@ a graph break.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Literal, overload
 
@@ -47,6 +46,7 @@ from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.plan.pattern import DilationPattern, Mode
+from ringdilated.core.run.local import effective_scale
 from ringdilated.core.select.dtypes import autocast_inputs
 from ringdilated.core.select.resolver import Resolver
 from ringdilated.registry import default_resolver
@@ -220,7 +220,7 @@ def _attend_op(
             options["key_padding_mask"],
             *fields,
             causal,
-            scale_value if scale_value is not None else 1.0 / math.sqrt(q.shape[-1]),
+            effective_scale(scale_value, q.shape[-1]),
             dropout,
             kernel,
             backward,

@@ -1,22 +1,22 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
-:func:`prepare_call` makes it once per call signature on a
-:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (or once per call without one), on
-every rank, before any work: it validates every argument (the pattern included), resolves the
-kernel for the tensors actually passed, and, on a process group, plans every rank's shard and
-resolves the communicator; then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad
-input raises on every rank. The plan builds its executors once; every call of it then runs::
+:func:`plan_for` finds a call's plan on its
+:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (by :func:`plan_key`), or has
+:func:`prepare_call` make it, on every rank, before any work: it validates every argument (the
+pattern included), resolves the kernel for the tensors actually passed, and, on a process group,
+plans every rank's shard and resolves the communicator (one process: only its name is checked);
+then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
+The plan builds its executors once (:meth:`CallPlan.with_executors`: per group of batch rows, a
+:class:`~ringdilated.core.run.local.Run`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
+over either, each communicator that runs prepared); every call of it then runs::
 
-    plan = prepare_call(pattern_args, q, k, v, CallOptions(...), resolver, layout)
-    out, lse = plan.apply(q, k, v, CallState(seed, stats, lse_used))   # kernels and exchanges
-
-A one-process call resolves no communicator.
+    plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
+    out, lse = plan.apply(*operands(q, k, v), call_state(plan, stats))   # kernels and exchanges
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 from collections.abc import Callable
 
@@ -29,19 +29,25 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
-from ringdilated.core.contract.communicator import Communicator, TransferStats, parallelism_of
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    TransferStats,
+    hybrid_parts,
+    parallelism_of,
+)
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
 from ringdilated.core.plan.shards import ShardPlan, shard_plan
 from ringdilated.core.run.head_parallel import HeadParallelRun
 from ringdilated.core.run.local import (
+    BackwardInputs,
     CallState,
     DilatedAttentionFunction,
     Executor,
     Run,
-    as_lse_layout,
     draw_seed,
+    effective_scale,
     pattern_run,
 )
 from ringdilated.core.run.sharded import ShardedRun
@@ -91,13 +97,15 @@ RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
 
 @attrs.frozen
 class CallPlan:
-    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``layout`` places
-    documents, padding and a query suffix; ``shards`` holds every rank's shard plan (empty on
-    one process) and ``communicator`` moves their pieces (``None`` on one process);
-    ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
-    ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
-    every call of the plan). The plan is itself an
-    :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
+    """A validated call. ``scale`` is resolved
+    (:func:`~ringdilated.core.run.local.effective_scale`); ``layout`` places documents, padding
+    and a query suffix; ``shards`` holds every rank's shard plan (empty on one process) and
+    ``communicator`` moves their pieces (``None`` on one process); ``row_plans``: each group of
+    padded rows' own shard plans and communicator; ``lse_used``: whether the caller
+    differentiates through ``lse`` (agreed by every rank). ``parts``: the executor of each group
+    of batch rows (:meth:`executor`, built by :meth:`with_executors`, reused by every call of
+    the plan). The plan is itself an :class:`~ringdilated.core.run.local.Executor` over them
+    (:meth:`forward`, :meth:`backward`), which :meth:`apply` runs under one autograd node."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -187,44 +195,27 @@ class CallPlan:
         return result  # type: ignore[no-any-return]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` without autograd: this plan as an
         :class:`~ringdilated.core.run.local.Executor` (its parts, one group of batch rows each, in
         batch order; each part its own dropout seed)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
-            return self.parts[0][1].forward(q, k, v, call)
+            return self.parts[0][1].forward(q, k, v, call, cast)
         results = [
-            executor.forward(q[rows].contiguous(), k[rows], v[rows], call.derive("rows", i))
+            executor.forward(q[rows].contiguous(), k[rows], v[rows], call.derive("rows", i), cast)
             for i, (rows, executor) in enumerate(self.parts)
         ]
         return torch.cat([o for o, _ in results]), torch.cat([s for _, s in results])
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` without autograd (see :meth:`forward`)."""
         if len(self.parts) == 1 and self.parts[0][0] is None:
-            return self.parts[0][1].backward(dout, dlse, q, k, v, out, lse, call)
+            return self.parts[0][1].backward(inputs, call, cast)
         grads = [
-            executor.backward(
-                dout[rows].contiguous(),
-                None if dlse is None else as_lse_layout(dlse[rows]),
-                q[rows].contiguous(),
-                k[rows],
-                v[rows],
-                out[rows].contiguous(),
-                as_lse_layout(lse[rows]),
-                call.derive("rows", i),
-            )
+            executor.backward(inputs.rows(rows), call.derive("rows", i), cast)  # type: ignore[arg-type]
             for i, (rows, executor) in enumerate(self.parts)
         ]
         dq, dk, dv = (torch.cat([g[i] for g in grads]) for i in range(3))
@@ -236,12 +227,14 @@ class CallPlan:
         return self.shards[self.rank] if self.shards else None
 
     def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
-        """The driver's :class:`Run` of a one-process call: the whole pattern."""
+        """The :class:`Run` of a one-process call: the whole pattern."""
         return self._blocks_run(q, k, None, complete=True)
 
     def executor(self, q: torch.Tensor, k: torch.Tensor) -> Executor:
-        """What runs the call: the :class:`Run`, a :class:`ShardedRun` over it, or a
-        :class:`HeadParallelRun`."""
+        """What runs the call, by the communicator's parallelism: on one process the
+        :class:`Run`; ``sequence``, a :class:`ShardedRun` over the inner blocks' run; ``heads``,
+        a :class:`HeadParallelRun` over this rank's heads' run; ``hybrid``, a
+        :class:`HeadParallelRun` over a :class:`ShardedRun` (:meth:`_hybrid`)."""
         shard = self.shard
         if shard is None:
             return self.run(q, k)
@@ -270,8 +263,7 @@ class CallPlan:
         *,
         complete: bool,
     ) -> Run:
-        """A driver :class:`Run` of ``blocks`` (``None``: the layout's), with this call's
-        options."""
+        """A :class:`Run` of ``blocks`` (``None``: the layout's), with this call's options."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -312,7 +304,7 @@ class CallPlan:
         """The 2-D run: head parallelism within this rank's inner group, whose shards make one
         chunk of the sequence, and sequence pieces between chunks across its outer group."""
         assert isinstance(self.group, Grid) and self.communicator is not None
-        heads_comm, sequence_comm = _hybrid_parts(self.communicator)
+        heads_comm, sequence_comm = hybrid_parts(self.communicator)
         (outer, inner), (o, i) = self.group.shape, self.group.coordinates
         starts, heads, kv_heads = shard.starts, q.shape[2], k.shape[2]
         chunks = tuple(starts[c * inner + inner] - starts[c * inner] for c in range(outer))
@@ -574,12 +566,11 @@ def prepare_call(
         if layout is not None and checked.shards:
             starts = checked.shards[0].starts
             layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
-    scale = options.scale
     plan = CallPlan(
         pattern=checked.pattern,
         kernel=checked.plan,
         causal=checked.causal,
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),  # type: ignore[arg-type]
+        scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
         layout=checked.layout,
         rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
@@ -782,21 +773,6 @@ def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallSt
     if plan.dropout_p == 0.0 and stats is None:
         return _NO_DROPOUT[plan.lse_used, needed]
     return CallState(draw_seed(plan.dropout_p), stats, plan.lse_used, needed)  # type: ignore[arg-type]
-
-
-def _hybrid_parts(communicator: Communicator) -> tuple[Communicator, Communicator]:
-    """A hybrid communicator's ``heads`` and ``sequence`` communicators (see
-    :mod:`ringdilated.core.contract.communicator`); raises ``TypeError`` naming what is missing."""
-    parts = []
-    for name in ("heads", "sequence"):
-        part = getattr(communicator, name, None)
-        if not isinstance(part, Communicator) or parallelism_of(part) != name:
-            raise TypeError(
-                f"{type(communicator).__name__}.{name} must be a Communicator of parallelism "
-                f"{name!r} (a hybrid communicator holds one of each), got {part!r}"
-            )
-        parts.append(part)
-    return parts[0], parts[1]
 
 
 def _communicator_names(checked: _Checked) -> str:

@@ -8,6 +8,7 @@ import numbers
 import torch
 
 from ringdilated.core.call.agreement import safe_repr
+from ringdilated.core.contract.kernel import check_dropout
 from ringdilated.core.plan.pattern import DilationPattern
 
 __all__ = [
@@ -103,8 +104,7 @@ def check_options(scale: object, dropout_p: object) -> None:
         value = _real("scale", scale, "a float or None")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if not 0.0 <= _real("dropout_p", dropout_p, "a float") < 1.0:
-        raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {dropout_p!r}")
+    check_dropout(_real("dropout_p", dropout_p, "a float"), dropout_p)
 
 
 def check_shard_lengths(lengths: tuple[int, ...]) -> None:

@@ -30,11 +30,13 @@ peer one flat tensor of bytes at once (all peers in one step, ``uniform=False``)
 sequence shards into whole-sequence head shares and back. ``"hybrid"``: on a 2-D
 :class:`~ringdilated.core.call.grid.Grid`, head parallelism within its inner groups and sequence
 pieces across its outer groups; the communicator then holds one communicator for each, as its
-attributes ``heads`` (parallelism ``"heads"``) and ``sequence`` (``"sequence"``).
+attributes ``heads`` (parallelism ``"heads"``) and ``sequence`` (``"sequence"``). That rule lives
+in :func:`layout_mismatch` and :func:`hybrid_parts`, and nowhere else.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -55,6 +57,8 @@ __all__ = [
     "TransferStats",
     "delivery_of",
     "every_peer_at_once",
+    "hybrid_parts",
+    "layout_mismatch",
     "parallelism_of",
     "process_group",
 ]
@@ -147,6 +151,34 @@ def parallelism_of(communicator: object) -> str:
             f"{parallelism!r}"
         )
     return str(parallelism)
+
+
+def layout_mismatch(runs_on: int, call_has: int) -> str | None:
+    """Why a communicator that runs on ``runs_on``-D process layouts (1: a process group; 2: a
+    2-D grid, parallelism ``hybrid``) cannot serve a call on a ``call_has``-D one; ``None``
+    where they agree."""
+    if runs_on == call_has:
+        return None
+    layouts = {1: "a process group", 2: "a 2-D process layout (a 2-D DeviceMesh)"}
+    runs = layouts.get(runs_on, f"{runs_on}-D layouts")
+    return f"runs on {runs}, the call has {layouts.get(call_has, f'a {call_has}-D layout')}"
+
+
+def hybrid_parts(communicator: object) -> tuple[Communicator, Communicator]:
+    """A ``hybrid`` communicator's ``heads`` and ``sequence`` communicators (module docstring);
+    raises ``TypeError`` naming the one missing or of another parallelism."""
+    parts: list[Communicator] = []
+    for name in ("heads", "sequence"):
+        part = getattr(communicator, name, None)
+        with contextlib.suppress(ValueError):  # an unknown parallelism is another one
+            if isinstance(part, Communicator) and parallelism_of(part) == name:
+                parts.append(part)
+                continue
+        raise TypeError(
+            f"{type(communicator).__name__}.{name} must be a Communicator of parallelism "
+            f"{name!r} (a hybrid communicator holds one of each), got {part!r}"
+        )
+    return parts[0], parts[1]
 
 
 def every_peer_at_once(rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:

@@ -59,6 +59,7 @@ __all__ = [
     "BlockOptions",
     "Kernel",
     "all_finite",
+    "check_dropout",
     "derive_seed",
     "finite_along",
     "inputs_finite",
@@ -77,9 +78,12 @@ def derive_seed(seed: int, *path: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def _check_dropout(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+def check_dropout(value: float, given: object = None) -> None:
+    """Raise ``ValueError`` unless ``0 <= value < 1``, naming ``given`` (what a caller passed,
+    ``value`` being it as a float) or else ``value``: the one dropout-range rule."""
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {value!r}")
+        shown = value if given is None else given
+        raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {shown!r}")
 
 
 @attrs.frozen
@@ -102,7 +106,7 @@ class BlockOptions:
 
     scale: float
     causal_offset: int | None = None
-    dropout_p: float = attrs.field(default=0.0, validator=_check_dropout)
+    dropout_p: float = attrs.field(default=0.0, validator=lambda _, __, p: check_dropout(p))
     dropout_seed: int = 0
     finite: bool | None = None
 

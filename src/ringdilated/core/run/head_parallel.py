@@ -27,23 +27,24 @@ import torch
 
 from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.plan.heads import HeadShare
-from ringdilated.core.run.local import CallState, Run
-from ringdilated.core.run.sharded import ShardedRun
+from ringdilated.core.run.local import BackwardInputs, CallState, Executor
 
 __all__ = ["HeadParallelRun"]
 
 
 @attrs.frozen
 class HeadParallelRun:
-    """A head-parallel call's fixed parts: ``inner`` attends this rank's share of the heads over
-    the whole sequence (a :class:`Run`), or over the chunk of the group's shards, with pieces
-    from other chunks (a :class:`ShardedRun` across a grid's outer group: ``hybrid``);
+    """A head-parallel call's fixed parts: ``inner``, an
+    :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over
+    the whole sequence (a :class:`~ringdilated.core.run.local.Run`), or over the chunk of the
+    group's shards, with pieces from other chunks (a
+    :class:`~ringdilated.core.run.sharded.ShardedRun` across a grid's outer group: ``hybrid``);
     ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or
     chunk) sequence, then its length. Built once per plan; the index tensors of the heads each
     rank holds are made once per device and kept. A call's dropout seed is its part
     ``("heads", rank)``: local head 0 of every rank is another head."""
 
-    inner: Run | ShardedRun
+    inner: Executor
     shares: tuple[HeadShare, ...]
     starts: tuple[int, ...]
     rank: int
@@ -58,28 +59,22 @@ class HeadParallelRun:
         return self.shares[self.rank]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         qh, kh, vh = self._to_heads([(q, "q"), (k, "kv"), (v, "kv")], call.stats)
-        out_h, lse_h = self.inner.forward(qh, kh, vh, call.derive("heads", self.rank).with_lse())
+        inner_call = call.derive("heads", self.rank).with_lse()
+        out_h, lse_h = self.inner.forward(qh, kh, vh, inner_call, cast)
         out, lse = self._to_sequence([(out_h, "q", 1), (lse_h, "q", 2)], q.shape[2], call.stats)
         return out, lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # lse and dlse as (B, n, H): the sequence in dimension 1, as for q. Whether dlse travels
         # is the agreed call's (call.lse_used), never this rank's: every rank must send the same
         # parts. A dlse of None (this rank's loss does not use lse) then travels as zeros, and the
         # lse term runs (exact for zeros too: reading the host to skip it would stall the GPU).
+        dout, dlse, q, k, v, out, lse = inputs
         parts = [(q, "q"), (k, "kv"), (v, "kv"), (out, "q"), (lse.transpose(1, 2), "q")]
         parts.append((dout, "q"))
         if call.lse_used:
@@ -90,7 +85,9 @@ class HeadParallelRun:
         dlse_h = received[6].transpose(1, 2) if call.lse_used else None
         inner_call = call.derive("heads", self.rank)
         dq_h, dk_h, dv_h = self.inner.backward(
-            dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2), inner_call, cast=False
+            BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2)),
+            inner_call,
+            cast=False,
         )
         dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2], call.stats)[0]
         if not self.shared_kv:
@@ -100,7 +97,7 @@ class HeadParallelRun:
         dk, dv = self._to_sequence(
             [(dk_h, "kv", 1), (dv_h, "kv", 1)], k.shape[2], call.stats, summed=self.shared_kv
         )
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return (dq, dk.to(k.dtype), dv.to(v.dtype)) if cast else (dq, dk, dv)
 
     def _index(self, rank: int, kind: str, device: torch.device) -> torch.Tensor:
         """The heads ``rank`` holds of ``kind`` (``"q"`` or ``"kv"``) as an index tensor on

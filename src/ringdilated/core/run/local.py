@@ -1,15 +1,19 @@
-"""Runs a dilation pattern on a kernel, forward and backward, on one process.
+"""Runs a dilation pattern on a kernel, forward and backward, on one process; and what every
+executor shares: the :class:`Executor` protocol (:class:`Run` here; the sharded and
+head-parallel runs and the call's plan), :class:`BackwardInputs`, :class:`CallState` and
+:class:`DilatedAttentionFunction`, which runs any executor under one autograd node.
 
 Call flow::
 
     run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, run, CallState(seed, stats, lse_used))
+    out, lse = DilatedAttentionFunction.apply(q, k, v, executor, CallState(seed, stats, ...))
         forward:  for each kernel call: its steps' strided views of q, k, v (several small
                   steps of one shape gathered into one call) -> kernel.forward -> (out_c, lse_c)
                   head_groups: each (position, head) has one block, so out is copied in place;
                   longnet: partials are merged by the Accumulator (float32 log-sum-exp)
         backward: for each kernel call: kernel.backward(dout, q, k, v, out, lse) with the FINAL
-                  merged out and lse, gradients added into dq, dk, dv (float32 or float64)
+                  merged out and lse; a gradient with one contribution per element is written
+                  in the input dtype, others are added in float32 or float64
 
 A :class:`Run` is built once per planned call and reused by every call of that plan: its
 *steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
@@ -31,7 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import torch
@@ -47,6 +51,7 @@ from ringdilated.core.select.dtypes import autocast_off
 
 __all__ = [
     "HIGHER_ORDER_MESSAGE",
+    "BackwardInputs",
     "BatchLimitedKernel",
     "CallState",
     "DilatedAttentionFunction",
@@ -56,6 +61,7 @@ __all__ = [
     "StridedView",
     "as_lse_layout",
     "draw_seed",
+    "effective_scale",
     "lse_buffer",
     "lse_gradient",
     "pattern_run",
@@ -89,6 +95,28 @@ class CallState:
         if self.seed == 0:
             return self
         return attrs.evolve(self, seed=derive_seed(self.seed, *path))
+
+
+class BackwardInputs(NamedTuple):
+    """What an executor's backward reads: the gradient of ``out`` (``dout``) and of ``lse``
+    (``dlse``; ``None``: none flows), the forward's inputs and its final ``out`` and ``lse``.
+    ``dout`` and ``out`` are shaped and strided like ``q`` (contiguous); ``k`` and ``v`` have
+    any strides whose last is 1; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
+
+    dout: torch.Tensor
+    dlse: torch.Tensor | None
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    def rows(self, rows: slice) -> BackwardInputs:
+        """These inputs' batch rows ``rows``, in the layouts above."""
+        dlse = None if self.dlse is None else as_lse_layout(self.dlse[rows])
+        q, k, v = self.q[rows].contiguous(), self.k[rows], self.v[rows]
+        dout, out = self.dout[rows].contiguous(), self.out[rows].contiguous()
+        return BackwardInputs(dout, dlse, q, k, v, out, as_lse_layout(self.lse[rows]))
 
 
 def draw_seed(dropout_p: float) -> int:
@@ -500,9 +528,9 @@ class Run:
         k: torch.Tensor,
         v: torch.Tensor,
         call: CallState,
-        keep_state: bool = False,
+        cast: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``; with ``keep_state`` a merging run returns its float32/float64 state.
+        """``(out, lse)``; with ``cast=False`` a merging run returns its float32/float64 state.
         ``q`` is contiguous (see :meth:`calls`)."""
         B, Lq, H, _ = q.shape
         acc = accumulation_dtype(q.dtype)
@@ -531,7 +559,7 @@ class Run:
                     Accumulator.add(step.q.of(out), step.lse.of(lse), out_b, lse_b)
         if self.exclusive:
             return out, lse  # type: ignore[return-value]
-        return (out if keep_state else out.to(q.dtype)), lse  # type: ignore[return-value]
+        return (out.to(q.dtype) if cast else out), lse  # type: ignore[return-value]
 
     def _result_buffer(
         self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
@@ -549,20 +577,11 @@ class Run:
         return buffer
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold.
-        ``dout`` and ``out`` are shaped and strided like ``q``; ``lse`` and ``dlse`` like
-        :func:`lse_buffer`."""
+        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers
+        hold."""
+        dout, dlse, q, k, v, out, lse = inputs
         # A gradient written once per element is written in the input dtype (the kernel's result,
         # no second rounding); one that sums several contributions accumulates in float32/64.
         kv_once = self.exclusive and _kv_exclusive(self.blocks)
@@ -737,24 +756,21 @@ class BatchLimitedKernel:
 class Executor(Protocol):
     """Runs one planned attention call's forward and backward: :class:`Run` on one process,
     :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
-    :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads. Built once per plan and
-    reused; what differs per call comes in ``call``. ``q`` (and ``dout``, ``out``) are
-    contiguous; ``lse`` and ``dlse`` are laid out by :func:`lse_buffer`."""
+    :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads (over either of them),
+    :class:`~ringdilated.core.call.prepare.CallPlan` over one per group of batch rows. Built
+    once per plan and reused; what differs per call comes in ``call``. ``q`` is contiguous;
+    the backward reads :class:`BackwardInputs`. Results are in the input dtypes; with
+    ``cast=False``, an executor that merges or adds them may leave them in the accumulation
+    dtype (for a caller that adds more to them: a sharded run's inner run, a head-parallel
+    run's inner one). Every executor takes exactly these arguments, so none is told apart from
+    another."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -844,16 +860,15 @@ class DilatedAttentionFunction(torch.autograd.Function):
             dlse = as_lse_layout(dlse.to(lse.dtype))
         with torch.no_grad(), autocast_off(q.device.type):
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
-                dout,
-                dlse,
-                q,
-                k,
-                v,
-                out,
-                lse,
+                BackwardInputs(dout, dlse, q, k, v, out, lse),
                 ctx.call,  # type: ignore[attr-defined]
             )
         return (*first_order_only(grads, (q, k, v)), None, None)
+
+
+def effective_scale(scale: float | None, head_dim: int) -> float:
+    """``scale`` as a float, or the default ``1 / sqrt(head_dim)`` for ``None``: every path's."""
+    return float(scale) if scale is not None else 1.0 / math.sqrt(head_dim)
 
 
 def pattern_run(
@@ -873,8 +888,8 @@ def pattern_run(
 ) -> Run:
     """The :class:`Run` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
-    and a query suffix), scale defaulting to ``1/sqrt(D)``, no kernel call holding more problems
-    than ``batch_limit`` allows, and every call's results and inputs checked
+    and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
+    problems than ``batch_limit`` allows, and every call's results and inputs checked
     (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
@@ -900,7 +915,7 @@ def pattern_run(
         covers_queries=covers,
         covers_keys=covers and layout.query_start == 0,
         exclusive=pattern.mode == "head_groups",
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(dim),
+        scale=effective_scale(scale, dim),
         causal=causal,
         dropout_p=float(dropout_p),
         complete=complete,

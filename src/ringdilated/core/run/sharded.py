@@ -9,7 +9,7 @@ Call flow on rank ``r`` (every rank runs the same steps)::
     forward:
         exchange step 1 starts                  pieces of crossing segments, straight to the
                                                 ranks whose queries see them (shard plan)
-        inner blocks -> out, lse                local, exactly the single-process driver
+        inner blocks -> out, lse                local, exactly the single-process Run
         own piece of each crossing -> partial   merged by the Accumulator (float32)
         for each step: start step + 1; wait step; each received piece -> partial -> merge
         crossing results written into out / merged into the longnet state
@@ -37,9 +37,15 @@ from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.shards import Crossing, ShardPlan
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
-from ringdilated.core.run.local import BatchLimitedKernel, CallState, Run, lse_gradient
+from ringdilated.core.run.local import (
+    BackwardInputs,
+    BatchLimitedKernel,
+    CallState,
+    Run,
+    lse_gradient,
+)
 
-__all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
+__all__ = ["ShardedRun"]
 
 
 @attrs.frozen
@@ -69,29 +75,114 @@ class ShardedRun:
         return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return sharded_forward(self, q, k, v, call)
+        """``(out, lse)`` of this rank's shard: the inner blocks, then each crossing's partials,
+        this rank's own piece first, then each piece as it arrives, merged in the accumulation
+        dtype (``cast=False``: ``out`` left in it where it merges)."""
+        me, crossings = self.plan.rank, self.plan.crossings
+        exchange = self._exchange(k, v, call.stats)
+        exchange.start()
+        call = call.derive("shard", self.rank).with_lse()
+        out, lse = self.inner.forward(q, k, v, call, cast=False)
+        index = {c: i for i, c in enumerate(crossings)}
+        states: dict[Crossing, Accumulator] = {}
+        for c in crossings:
+            qc = wire.piece(q, c, me, wire.q_heads(c))
+            states[c] = Accumulator(
+                torch.empty(qc.shape, dtype=lse.dtype, device=q.device),
+                torch.empty(qc.shape[:-1], dtype=lse.dtype, device=q.device),
+            )
+            o, s = self.kernel.forward(
+                qc,
+                wire.piece(k, c, me, wire.kv_heads(c)),
+                wire.piece(v, c, me, wire.kv_heads(c)),
+                self.options(index[c], me, call.seed),
+            )
+            Accumulator.add(states[c].out, states[c].lse, o, s)
+        for _, received in exchange:
+            for src, _, c, kr, vr in received:
+                qc = wire.piece(q, c, me, wire.q_heads(c))
+                o, s = self.kernel.forward(qc, kr, vr, self.options(index[c], src, call.seed))
+                Accumulator.add(states[c].out, states[c].lse, o, s)
+        for c, state in states.items():
+            if self.inner.exclusive:
+                wire.piece(out, c, me, wire.q_heads(c)).copy_(state.out)
+                wire.lse_piece(lse, c, me).copy_(state.lse)
+            else:
+                Accumulator.add(
+                    wire.piece(out, c, me, wire.q_heads(c)),
+                    wire.lse_piece(lse, c, me),
+                    state.out,
+                    state.lse,
+                )
+        if cast and not self.inner.exclusive:
+            out = out.to(q.dtype)
+        return out, lse
 
     def backward(
-        self,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return sharded_backward(self, dout, dlse, q, k, v, out, lse, call, cast)
+        """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
+        accumulation dtype, for a caller that adds more to them)."""
+        me, crossings = self.plan.rank, self.plan.crossings
+        dout, dlse, q, k, v, out, lse = inputs
+        exchange = self._exchange(k, v, call.stats)
+        exchange.start()
+        acc = accumulation_dtype(q.dtype)
+        call = call.derive("shard", self.rank)
+        # inner.complete is False, so these are zero-started accumulators in the acc dtype.
+        dq, dk, dv = self.inner.backward(inputs, call, cast=False)
+        index = {c: i for i, c in enumerate(crossings)}
 
-    def options(self, seed_index: int, own: bool, seed: int) -> BlockOptions:
-        """A crossing partial's options: the diagonal for a rank's own piece under causal; no
-        mask for another rank's (only earlier ranks send under causal, and all their keys are
-        visible). ``seed``: the shard's dropout seed (``0``: none; the options are then made
-        once and kept)."""
+        def views(c: Crossing, kc: torch.Tensor, vc: torch.Tensor) -> BackwardInputs:
+            """Crossing ``c``'s piece of this rank's inputs, its keys and values ``kc``, ``vc``."""
+            qh = wire.q_heads(c)
+            return BackwardInputs(
+                wire.piece(dout, c, me, qh),
+                None if dlse is None else wire.lse_piece(dlse, c, me),
+                wire.piece(q, c, me, qh),
+                kc,
+                vc,
+                wire.piece(out, c, me, qh),
+                wire.lse_piece(lse, c, me),
+            )
+
+        for c in crossings:
+            kh = wire.kv_heads(c)
+            gq, gk, gv = self._partial_backward(
+                self.options(index[c], me, call.seed),
+                views(c, wire.piece(k, c, me, kh), wire.piece(v, c, me, kh)),
+            )
+            wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
+            wire.piece(dk, c, me, kh).add_(gk)
+            wire.piece(dv, c, me, kh).add_(gv)
+        batch, head_dim = k.shape[0], k.shape[3]
+        for step, received in exchange:
+            # Gradients of the pieces received, in each sender's payload layout, to send back.
+            back: dict[int, list[torch.Tensor]] = {}
+            for src, i, c, kr, vr in received:
+                gq, gk, gv = self._partial_backward(
+                    self.options(index[c], src, call.seed), views(c, kr, vr)
+                )
+                wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
+                incoming = exchange.payload(src, me)
+                if src not in back:
+                    back[src] = wire.gradient_buffers(incoming, batch, head_dim, acc, k.device)
+                wire.scatter_add(back[src], incoming, i, gk, gv)
+            exchange.return_gradients(step, back, dk, dv)
+        exchange.finish(dk, dv)
+        if not cast:
+            return dq, dk, dv
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def options(self, crossing: int, src: int, seed: int) -> BlockOptions:
+        """The options of the partial of crossing number ``crossing`` against rank ``src``'s
+        piece: the diagonal for this rank's own piece under causal; no mask for another rank's
+        (only earlier ranks send under causal, and all their keys are visible). ``seed``: the
+        shard's dropout seed (``0``: none; the options are then made once and kept)."""
+        own = src == self.plan.rank
+        seed_index = crossing * self.plan.world_size + src
         if seed == 0:
             key = (seed_index, own)
             options = self._options.get(key)
@@ -108,162 +199,21 @@ class ShardedRun:
             dropout_seed=seed,
         )
 
-
-def _seed_index(run: ShardedRun, crossing_index: int, src: int) -> int:
-    return crossing_index * run.plan.world_size + src
-
-
-def sharded_forward(
-    run: ShardedRun, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
-) -> tuple[torch.Tensor, torch.Tensor]:
-    me = run.plan.rank
-    exchange = _exchange(run, k, v, call.stats)
-    exchange.start()
-    call = call.derive("shard", run.rank).with_lse()
-    out, lse = run.inner.forward(q, k, v, call, keep_state=True)
-    index = {c: i for i, c in enumerate(run.plan.crossings)}
-    states: dict[Crossing, Accumulator] = {}
-    for c in run.plan.crossings:
-        qc = wire.piece(q, c, me, wire.q_heads(c))
-        states[c] = Accumulator(
-            torch.empty(qc.shape, dtype=lse.dtype, device=q.device),
-            torch.empty(qc.shape[:-1], dtype=lse.dtype, device=q.device),
-        )
-        o, s = run.kernel.forward(
-            qc,
-            wire.piece(k, c, me, wire.kv_heads(c)),
-            wire.piece(v, c, me, wire.kv_heads(c)),
-            run.options(_seed_index(run, index[c], me), own=True, seed=call.seed),
-        )
-        Accumulator.add(states[c].out, states[c].lse, o, s)
-    for _, received in exchange:
-        for src, _, c, kr, vr in received:
-            o, s = run.kernel.forward(
-                wire.piece(q, c, me, wire.q_heads(c)),
-                kr,
-                vr,
-                run.options(_seed_index(run, index[c], src), own=False, seed=call.seed),
-            )
-            Accumulator.add(states[c].out, states[c].lse, o, s)
-    for c, state in states.items():
-        if run.inner.exclusive:
-            wire.piece(out, c, me, wire.q_heads(c)).copy_(state.out)
-            wire.lse_piece(lse, c, me).copy_(state.lse)
-        else:
-            Accumulator.add(
-                wire.piece(out, c, me, wire.q_heads(c)),
-                wire.lse_piece(lse, c, me),
-                state.out,
-                state.lse,
-            )
-    if not run.inner.exclusive:
-        out = out.to(q.dtype)
-    return out, lse
-
-
-def _partial_backward(
-    run: ShardedRun,
-    options: BlockOptions,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = run.kernel.backward(dout, q, k, v, out, lse, options)
-    if dlse is not None:
-        dq_l, dk_l = lse_gradient(run.kernel, options, dlse, q, k, v, lse)
-        dq, dk = dq.to(lse.dtype) + dq_l, dk.to(lse.dtype) + dk_l
-    return dq, dk, dv
-
-
-def sharded_backward(
-    run: ShardedRun,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    call: CallState,
-    cast: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of this rank's shard, in the input dtypes (``cast=False``: in the
-    accumulation dtype, for a caller that adds more to them)."""
-    me, plan = run.plan.rank, run.plan
-    exchange = _exchange(run, k, v, call.stats)
-    exchange.start()
-    acc = accumulation_dtype(q.dtype)
-    call = call.derive("shard", run.rank)
-    # run.inner.complete is False, so these are zero-started accumulators in the acc dtype.
-    dq, dk, dv = run.inner.backward(dout, dlse, q, k, v, out, lse, call, cast=False)
-    index = {c: i for i, c in enumerate(plan.crossings)}
-
-    def views(
-        c: Crossing,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        qh = wire.q_heads(c)
-        return (
-            wire.piece(dout, c, me, qh),
-            None if dlse is None else wire.lse_piece(dlse, c, me),
-            wire.piece(q, c, me, qh),
-            wire.piece(out, c, me, qh),
-            wire.lse_piece(lse, c, me),
-        )
-
-    for c in plan.crossings:
-        do, dl, qc, oc, lc = views(c)
-        kh = wire.kv_heads(c)
-        gq, gk, gv = _partial_backward(
-            run,
-            run.options(_seed_index(run, index[c], me), own=True, seed=call.seed),
-            do,
-            dl,
-            qc,
-            wire.piece(k, c, me, kh),
-            wire.piece(v, c, me, kh),
-            oc,
-            lc,
-        )
-        wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
-        wire.piece(dk, c, me, kh).add_(gk)
-        wire.piece(dv, c, me, kh).add_(gv)
-    batch, head_dim = k.shape[0], k.shape[3]
-    for step, received in exchange:
-        # Gradients of the pieces received, in each sender's payload layout, to send back.
-        back: dict[int, list[torch.Tensor]] = {}
-        for src, i, c, kr, vr in received:
-            do, dl, qc, oc, lc = views(c)
-            gq, gk, gv = _partial_backward(
-                run,
-                run.options(_seed_index(run, index[c], src), own=False, seed=call.seed),
-                do,
-                dl,
-                qc,
-                kr,
-                vr,
-                oc,
-                lc,
-            )
-            wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
-            incoming = exchange.payload(src, me)
-            if src not in back:
-                back[src] = wire.gradient_buffers(incoming, batch, head_dim, acc, k.device)
-            wire.scatter_add(back[src], incoming, i, gk, gv)
-        exchange.return_gradients(step, back, dk, dv)
-    exchange.finish(dk, dv)
-    if not cast:
+    def _partial_backward(
+        self, options: BlockOptions, inputs: BackwardInputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One crossing partial's ``(dq, dk, dv)``, the lse's share added where ``dlse`` flows."""
+        dout, dlse, q, k, v, out, lse = inputs
+        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, options)
+        if dlse is not None:
+            dq_l, dk_l = lse_gradient(self.kernel, options, dlse, q, k, v, lse)
+            dq, dk = dq.to(lse.dtype) + dq_l, dk.to(lse.dtype) + dk_l
         return dq, dk, dv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-
-def _exchange(
-    run: ShardedRun, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
-) -> PieceExchange:
-    """The exchange of ``run``'s pieces of ``k``, ``v`` (this rank's shard)."""
-    return PieceExchange(
-        run.plans, run.rank, run.communicator, run.group, run.inner.causal, k, v, stats
-    )
+    def _exchange(
+        self, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
+    ) -> PieceExchange:
+        """The exchange of this rank's pieces of ``k``, ``v`` (its shard)."""
+        return PieceExchange(
+            self.plans, self.rank, self.communicator, self.group, self.inner.causal, k, v, stats
+        )

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ringdilated.core.contract import rules
+from ringdilated.core.contract.communicator import layout_mismatch
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
@@ -22,10 +23,11 @@ class CommunicatorSpec:
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
     ``causal``: honours the causal rule of sending only toward later ranks.
     ``dims``: the process layout it runs on: 1, a process group; 2, a 2-D
-    :class:`~ringdilated.core.call.grid.Grid` (``hybrid``). ``plan_reasons``: given every rank's
-    shard plan and the causal flag, the reasons this
-    communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
-    anything but str, :meth:`reasons` turns that into a reason against this communicator.
+    :class:`~ringdilated.core.call.grid.Grid` (``hybrid``; the rule:
+    :func:`~ringdilated.core.contract.communicator.layout_mismatch`). ``plan_reasons``: given
+    every rank's shard plan and the causal flag, the reasons this communicator cannot move that
+    plan's data exactly (empty: it can); if it raises or returns anything but str,
+    :meth:`reasons` turns that into a reason against this communicator.
     ``name`` follows the kernel name rule (non-empty, no whitespace or commas, not ``"auto"``),
     ``priority`` is an int (not a bool); every field is validated on construction, and again
     by the plugin manager.
@@ -49,12 +51,9 @@ class CommunicatorSpec:
         for what ``plan_reasons`` does. ``dims``: the call's process layout (1: a group; 2: a
         2-D grid)."""
         out: list[str] = []
-        if world_size > 1 and dims != self.dims:
-            layouts = {1: "a process group", 2: "a 2-D process layout (a 2-D DeviceMesh)"}
-            out.append(
-                f"runs on {layouts.get(self.dims, f'{self.dims}-D layouts')}, the call has "
-                f"{layouts.get(dims, f'a {dims}-D layout')}"
-            )
+        mismatch = layout_mismatch(self.dims, dims)
+        if world_size > 1 and mismatch is not None:
+            out.append(mismatch)
         if world_size > 1 and not self.distributed:
             out.append(f"serves one process only, the group has {world_size} ranks")
         if world_size == 1 and self.distributed:

@@ -32,7 +32,12 @@ from collections.abc import Sequence
 
 import attrs
 
-from ringdilated.core.contract.communicator import Communicator, delivery_of, parallelism_of
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    delivery_of,
+    hybrid_parts,
+    parallelism_of,
+)
 from ringdilated.core.plan.heads import deal_heads, share_plan
 from ringdilated.core.plan.shards import (
     ShardPlan,
@@ -239,9 +244,7 @@ def _hybrid_traffic(
             received[o * inner + i] += group_received[i]
     chunks = tuple(starts[(o + 1) * inner] - starts[o * inner] for o in range(outer))
     shares = deal_heads(first.pattern, length, first.num_heads, first.num_kv_heads, inner)
-    ring = getattr(communicator, "sequence", None)
-    if not isinstance(ring, Communicator):
-        raise TypeError(f"{name!r} holds no sequence communicator, got {ring!r}")
+    _, ring = hybrid_parts(communicator)
     ring_steps = 0
     for i, share in enumerate(shares):
         across = [

@@ -22,12 +22,18 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core.contract.communicator import Communicator, delivery_of, parallelism_of
+from ringdilated.core.contract.communicator import (
+    Communicator,
+    delivery_of,
+    hybrid_parts,
+    layout_mismatch,
+    parallelism_of,
+)
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.select.capabilities import (
@@ -109,47 +115,24 @@ class Resolver:
 
     def check_kernel_name(self, kernel: object) -> None:
         """Raise unless ``kernel`` is ``"auto"``, a known kernel's name or a Kernel instance
-        (no request yet)."""
-        if isinstance(kernel, Kernel) and not isinstance(kernel, str):
-            return
-        if not isinstance(kernel, str):
-            raise TypeError(
-                f"kernel must be 'auto', a backend name (str) or a Kernel instance, got {kernel!r}"
-            )
-        if kernel != "auto" and kernel not in self.specs:
-            raise ValueError(
-                f"unknown kernel {kernel!r}; known kernels: "
-                f"{', '.join(self.names()) or 'none'}, or 'auto'"
-            )
+        (no request yet): :func:`_check_choice`."""
+        _check_choice("kernel", kernel, self.specs)
 
     def check_communicator_name(self, communicator: object) -> None:
         """Raise unless ``communicator`` is ``"auto"``, a known communicator's name or a
-        Communicator instance (no group yet)."""
-        if isinstance(communicator, Communicator) and not isinstance(communicator, str):
-            return
-        if not isinstance(communicator, str):
-            raise TypeError(
-                "communicator must be 'auto', a communicator name (str) or a Communicator "
-                f"instance, got {communicator!r}"
-            )
-        if communicator != "auto" and communicator not in self.communicator_specs:
-            known = ", ".join(sorted(self.communicator_specs)) or "none"
-            raise ValueError(
-                f"unknown communicator {communicator!r}; known communicators: {known}, or 'auto'"
-            )
+        Communicator instance (no group yet): :func:`_check_choice`."""
+        _check_choice("communicator", communicator, self.communicator_specs)
 
     def resolve(self, request: Request, kernel: str | Kernel = "auto") -> Plan:
         """The plan for ``request``: ``kernel`` is ``"auto"``, a backend name to force, or a
         :class:`~ringdilated.core.Kernel` instance to use as it is (httpx's ``transport=``
         style: it declares nothing, so nothing is checked against the request; the driver still
         checks every call's results)."""
-        if isinstance(kernel, Kernel) and not isinstance(kernel, str):
+        if _check_choice("kernel", kernel, None):
+            assert isinstance(kernel, Kernel)
             name = f"{type(kernel).__name__} instance"
             return Plan(request, name, kernel, forced_by="kernel=<instance>")
-        if not isinstance(kernel, str):
-            raise TypeError(
-                f"kernel must be 'auto', a backend name (str) or a Kernel instance, got {kernel!r}"
-            )
+        assert isinstance(kernel, str)
         forced_by = None
         forced = os.environ.get(KERNEL_ENV_VAR, "").strip()  # spaces stripped, as everywhere
         if kernel == "auto" and forced:
@@ -157,11 +140,7 @@ class Resolver:
             forced_by = f"{KERNEL_ENV_VAR}={kernel}"
         elif kernel != "auto":
             forced_by = f"kernel={kernel!r}"
-        if kernel != "auto" and kernel not in self.specs:
-            raise ValueError(
-                f"unknown kernel {kernel!r} ({forced_by}); known kernels: "
-                f"{', '.join(self.names()) or 'none'}, or 'auto'"
-            )
+        _check_choice("kernel", kernel, self.specs, forced_by=forced_by)
         return self._resolve(request, kernel, forced_by)
 
     def _resolve_uncached(self, request: Request, kernel: str, forced_by: str | None) -> Plan:
@@ -314,19 +293,11 @@ class Resolver:
         forced one that does not fit raises with its reasons. ``plans`` also let a communicator
         check that
         it can move them."""
-        if isinstance(name, Communicator) and not isinstance(name, str):
+        if _check_choice("communicator", name, self.communicator_specs):
+            assert isinstance(name, Communicator)
             _check_instance_layout(name, world_size, grid)
             return name
-        if not isinstance(name, str):
-            raise TypeError(
-                "communicator must be 'auto', a communicator name (str) or a Communicator "
-                f"instance, got {name!r}"
-            )
-        if name != "auto" and name not in self.communicator_specs:
-            known = ", ".join(sorted(self.communicator_specs)) or "none"
-            raise ValueError(
-                f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
-            )
+        assert isinstance(name, str)
         # Traffic is modelled only to choose: a forced name needs none (explain shows it).
         modelled = size if name == "auto" else None
         judged = self._judge_communicators(world_size, causal, plans, modelled, grid)
@@ -361,8 +332,7 @@ class Resolver:
 
     def kernel(self, name: str) -> Kernel:
         """The kernel instance of backend ``name``, built once; no capability check."""
-        if name not in self.specs:
-            raise ValueError(f"unknown kernel {name!r}; known kernels: {', '.join(self.names())}")
+        _check_choice("kernel", name, self.specs, names_only=True)
         return self._kernel(self.specs[name])
 
     def _kernel(self, spec: KernelSpec) -> Kernel:
@@ -375,6 +345,44 @@ class Resolver:
                 )
             self._kernels[spec.name] = kernel
         return self._kernels[spec.name]
+
+
+_CHOICES: dict[str, tuple[type, str]] = {
+    "kernel": (Kernel, "backend"),
+    "communicator": (Communicator, "communicator"),
+}
+"""What a ``kernel=`` or ``communicator=`` argument may be an instance of, and what its name
+names."""
+
+
+def _check_choice(
+    kind: str,
+    choice: object,
+    known: Collection[str] | None,
+    *,
+    forced_by: str | None = None,
+    names_only: bool = False,
+) -> bool:
+    """The one rule for a ``kernel=`` or ``communicator=`` (``kind``) choice: whether it is an
+    instance (used as it is); else ``TypeError`` unless a str, and ``ValueError`` naming it,
+    and ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``:
+    not checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no
+    ``"auto"``)."""
+    protocol, noun = _CHOICES[kind]
+    if not names_only:
+        if isinstance(choice, protocol) and not isinstance(choice, str):
+            return True
+        if not isinstance(choice, str):
+            raise TypeError(
+                f"{kind} must be 'auto', a {noun} name (str) or a {protocol.__name__} "
+                f"instance, got {choice!r}"
+            )
+    if known is not None and choice not in known and (names_only or choice != "auto"):
+        via = "" if forced_by is None else f" ({forced_by})"
+        names = ", ".join(sorted(known)) or "none"
+        auto = "" if names_only else ", or 'auto'"
+        raise ValueError(f"unknown {kind} {choice!r}{via}; known {kind}s: {names}{auto}")
+    return False
 
 
 #: The rank of a backend whose priority could not be read: below every real one.
@@ -399,34 +407,22 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
 def _check_instance_layout(
     communicator: Communicator, world_size: int, grid: tuple[int, int] | None
 ) -> None:
-    """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
-    the call's layout (a hybrid one needs a 2-D layout, every other kind a process group), or
-    declares an unknown ``delivery`` or ``parallelism``: a named one is rejected with the same
-    reasons."""
+    """Raise :class:`ResolutionError` when a communicator passed as an instance declares an
+    unknown ``delivery`` or ``parallelism``, lacks a hybrid's parts (:func:`hybrid_parts`) or
+    cannot run on the call's layout (:func:`layout_mismatch`): a named one is rejected with the
+    same reasons."""
     what = type(communicator).__name__
     try:
         parallelism = parallelism_of(communicator)
         delivery_of(communicator)
-    except ValueError as exc:
+        if parallelism == "hybrid":
+            hybrid_parts(communicator)
+    except (TypeError, ValueError) as exc:
         raise ResolutionError(f"communicator {what} instance: {exc}") from None
-    if parallelism == "hybrid":
-        for part, wanted in (("heads", "heads"), ("sequence", "sequence")):
-            inner = getattr(communicator, part, None)
-            try:
-                ok = isinstance(inner, Communicator) and parallelism_of(inner) == wanted
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ResolutionError(
-                    f"communicator {what} instance: its {part!r} must be a Communicator of "
-                    f"parallelism {wanted!r}, got {inner!r}"
-                )
-    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
-        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
-        has = "a process group" if grid is None else "a 2-D layout"
+    mismatch = layout_mismatch(2 if parallelism == "hybrid" else 1, 1 if grid is None else 2)
+    if world_size > 1 and mismatch is not None:
         raise ResolutionError(
-            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
-            f"call has {has}"
+            f"communicator {what} instance (parallelism {parallelism!r}) {mismatch}"
         )
 
 
