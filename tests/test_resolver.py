@@ -252,19 +252,15 @@ def test_traffic_counts_bytes_and_steps_by_hand() -> None:
 
     resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
     plans = _plans([16], [1], 16, 4)
-    ring = traffic("ringpass", resolver.communicator_for(4, False, "ringpass"), plans, False, size)
-    gather = traffic(
-        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
-    )
+    ring = traffic(resolver.choose_communicator(4, False, "ringpass"), plans, False, size)
+    gather = traffic(resolver.choose_communicator(4, False, "allgather"), plans, False, size)
     assert ring.sent == ring.minimum == ring.received == (3 * 4 * _SIZE_BYTES,) * 4
     assert ring.steps == 3 and ring.above_minimum == 0
     assert gather.sent == gather.received == ring.sent and gather.steps == 1
     # Causal: rank r sends its 4 positions to the 3 - r later ranks only; allgather still sends
     # them to all 3 peers (rank 3's 4 positions too), so rank 3 sends 12 positions above its 0.
-    ring_c = traffic("ringpass", resolver.communicator_for(4, True, "ringpass"), plans, True, size)
-    gather_c = traffic(
-        "allgather", resolver.communicator_for(4, True, "allgather"), plans, True, size
-    )
+    ring_c = traffic(resolver.choose_communicator(4, True, "ringpass"), plans, True, size)
+    gather_c = traffic(resolver.choose_communicator(4, True, "allgather"), plans, True, size)
     assert ring_c.sent == tuple((3 - r) * 4 * _SIZE_BYTES for r in range(4))
     assert ring_c.received == tuple(r * 4 * _SIZE_BYTES for r in range(4))
     assert gather_c.sent == (3 * 4 * _SIZE_BYTES,) * 4 and gather_c.minimum == ring_c.sent
@@ -282,9 +278,7 @@ def test_traffic_pads_uneven_broadcast_payloads_to_the_largest() -> None:
     pattern, lengths = DilationPattern([16], [2]), (2, 6, 5, 3)
     plans = [shard_plan(pattern, 16, 1, 1, r, 4, None, lengths) for r in range(4)]
     resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
-    gather = traffic(
-        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
-    )
+    gather = traffic(resolver.choose_communicator(4, False, "allgather"), plans, False, size)
     assert gather.minimum == tuple(3 * n * _SIZE_BYTES for n in (1, 3, 3, 1))
     assert gather.sent == (3 * 3 * _SIZE_BYTES,) * 4
     assert gather.above_minimum == 3 * 2 * _SIZE_BYTES
@@ -320,19 +314,21 @@ def test_auto_chooses_the_communicator_of_least_modelled_time(
 
 def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_can() -> None:
     """A schedule that raises: the communicator still fits but ranks after every modelled one;
-    an unknown ``delivery`` (its run would raise): rejected with the reason, given plans."""
+    a spec forged around its validators with an unknown ``delivery``: rejected with the rule,
+    given plans."""
     from ringdilated.backends.ringpass import RingPassCommunicator
     from ringdilated.core.select.communicator_spec import CommunicatorSpec
     from ringdilated.core.select.cost import PieceSize
 
     class Odd(RingPassCommunicator):
-        delivery = "multicast"
+        pass
 
     class Unscheduled(RingPassCommunicator):
         def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
             raise RuntimeError("no schedule today")
 
     odd = CommunicatorSpec(name="odd", factory=Odd, priority=1000)
+    object.__setattr__(odd, "delivery", "multicast")  # forged around the validators
     unscheduled = CommunicatorSpec(name="unscheduled", factory=Unscheduled, priority=900)
     base = _builtin_communicators()
     resolver = Resolver([], communicators=[*base.communicator_specs.values(), odd, unscheduled])
@@ -340,7 +336,10 @@ def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_
     chosen = resolver.communicator_for(4, False, "auto", plans, size)
     assert type(chosen).__name__ == "AllGatherCommunicator"
     text = resolver.explain_communicator(4, False, "auto", plans, size)
-    assert "rejected odd: Odd.delivery must be one of ('pairwise', 'broadcast'), got" in text
+    assert (
+        "rejected odd: CommunicatorSpec.delivery must be one of ('pairwise', 'broadcast'), got"
+        in text
+    )
     assert (
         "not chosen unscheduled: fits; traffic not modelled (RuntimeError: no schedule today)"
         in text
@@ -366,21 +365,25 @@ def test_head_parallel_and_hybrid_traffic_by_hand() -> None:
     192 B out and 4 x 20 = 80 B of results back; across the outer pair, each chunk of 8 sends
     the other its 8 positions of the share's key and value head (8 x 2 x 16 = 256 B): 528 B, in
     2 + 1 steps."""
-    from ringdilated.backends.hybrid import HybridCommunicator
-    from ringdilated.backends.ulysses import UlyssesCommunicator
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
     from ringdilated.core.plan.pattern import DilationPattern
     from ringdilated.core.plan.shards import shard_plan
     from ringdilated.core.select.cost import PieceSize, traffic
 
+    resolver = Resolver([], communicators=[RINGPASS_SPEC, ULYSSES_SPEC, HYBRID_SPEC])
+    ulysses = resolver.choose_communicator(4, False, "ulysses")
+    hybrid = resolver.choose_communicator(4, False, "hybrid", grid=(2, 2))
     size = PieceSize(1, 4, 4)
     plans = [shard_plan(DilationPattern([16], [1]), 16, 4, 4, r, 4) for r in range(4)]
-    heads = traffic("ulysses", UlyssesCommunicator(), plans, False, size)
+    heads = traffic(ulysses, plans, False, size)
     assert heads.sent == heads.received == (816,) * 4 and heads.steps == 2
     plans = [shard_plan(DilationPattern([16], [1]), 16, 2, 2, r, 4) for r in range(4)]
-    grid = traffic("hybrid", HybridCommunicator(), plans, False, size, (2, 2))
+    grid = traffic(hybrid, plans, False, size, (2, 2))
     assert grid.sent == grid.received == (528,) * 4 and grid.steps == 3
     with pytest.raises(ValueError, match="runs on a 2-D layout: its traffic needs"):
-        traffic("hybrid", HybridCommunicator(), plans, False, size)
+        traffic(hybrid, plans, False, size)
 
 
 def test_auto_chooses_ulysses_where_every_rank_needs_every_piece_and_bytes_dominate() -> None:

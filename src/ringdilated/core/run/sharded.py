@@ -46,14 +46,16 @@ __all__ = ["ShardedRun", "sharded_backward", "sharded_forward"]
 class ShardedRun:
     """A sharded plan's fixed parts, built once and reused by every call of the plan.
     ``inner`` is the single-process run of the inner blocks; ``plans`` every rank's shard plan,
-    ``plan`` this rank's. A call's dropout seed is its part ``("shard", rank)``: every rank's
-    inner blocks count from 0."""
+    ``plan`` this rank's; ``broadcast``: the communicator's spec declares broadcast delivery.
+    A call's dropout seed is its part ``("shard", rank)``: every rank's inner blocks count
+    from 0."""
 
     inner: Run
     plans: tuple[ShardPlan, ...]
     rank: int
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
+    broadcast: bool = attrs.field(kw_only=True)
     _options: dict[tuple[int, bool], BlockOptions] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
@@ -265,5 +267,13 @@ def _exchange(
 ) -> PieceExchange:
     """The exchange of ``run``'s pieces of ``k``, ``v`` (this rank's shard)."""
     return PieceExchange(
-        run.plans, run.rank, run.communicator, run.group, run.inner.causal, k, v, stats
+        run.plans,
+        run.rank,
+        run.communicator,
+        run.group,
+        run.inner.causal,
+        k,
+        v,
+        stats,
+        broadcast=run.broadcast,
     )
