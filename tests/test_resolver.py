@@ -432,3 +432,144 @@ def test_layouts_pick_their_communicators() -> None:
         ResolutionError, match=r"runs on a 2-D process layout .* the call has a pro"
     ):
         resolver.communicator_for(4, False, "hybrid")
+
+
+def _every_builtin_communicator() -> Resolver:
+    from ringdilated.backends.allgather import ALLGATHER_SPEC
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+
+    specs = [LOCAL_SPEC, RINGPASS_SPEC, ALLGATHER_SPEC, ULYSSES_SPEC, HYBRID_SPEC]
+    return Resolver([], communicators=specs)
+
+
+def test_a_hybrid_resolves_its_parts_by_name_as_forced_names() -> None:
+    """The spec's parts, each the resolver's one instance of that name; a part that is unknown,
+    of the wrong parallelism or not causal where the call is: the hybrid cannot serve, and the
+    reason names the part."""
+    import attrs
+
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+
+    resolver = _every_builtin_communicator()
+    chosen = resolver.choose_communicator(4, True, "hybrid", grid=(2, 2))
+    assert chosen.spec is HYBRID_SPEC and chosen.parallelism == "hybrid"
+    assert [(p.name, p.parallelism) for p in chosen.parts] == [
+        ("ulysses", "heads"),
+        ("ringpass", "sequence"),
+    ]
+    assert chosen.parts[0].instance is resolver.communicator_for(4, True, "ulysses")
+    missing = Resolver([], communicators=[RINGPASS_SPEC, HYBRID_SPEC])
+    with pytest.raises(
+        ResolutionError,
+        match=r"'hybrid' cannot serve 4 rank\(s\): its heads part 'ulysses' is no known comm",
+    ):
+        missing.communicator_for(4, False, "hybrid", grid=(2, 2))
+    with pytest.raises(ResolutionError, match="no communicator can serve 4 rank"):
+        missing.communicator_for(4, False, "auto", grid=(2, 2))
+    swapped = attrs.evolve(HYBRID_SPEC, name="swapped", parts=("ringpass", "ulysses"))
+    acausal = attrs.evolve(RINGPASS_SPEC, name="acausal", causal=False)
+    loose = attrs.evolve(HYBRID_SPEC, name="loose", parts=("ulysses", "acausal"))
+    resolver = Resolver([], communicators=[RINGPASS_SPEC, ULYSSES_SPEC, swapped, acausal, loose])
+    with pytest.raises(
+        ResolutionError, match="its heads part 'ringpass' has parallelism 'sequence', not 'heads'"
+    ):
+        resolver.communicator_for(4, False, "swapped", grid=(2, 2))
+    assert resolver.choose_communicator(4, False, "loose", grid=(2, 2)).parts[1].name == "acausal"
+    with pytest.raises(ResolutionError, match="its sequence part 'acausal' cannot restrict"):
+        resolver.communicator_for(4, True, "loose", grid=(2, 2))
+
+
+def test_an_instance_of_a_registered_class_is_described_by_that_spec() -> None:
+    """Its class, or its nearest registered base, is what a registered factory builds: no
+    attribute is read and nothing warns (warnings are errors here); a hybrid's parts by name."""
+    from ringdilated.backends.allgather import AllGatherCommunicator
+    from ringdilated.backends.hybrid import HybridCommunicator
+    from ringdilated.backends.ulysses import UlyssesCommunicator
+
+    class Quieter(UlyssesCommunicator):
+        parallelism = "sequence"  # ignored: the spec of the registered base describes it
+
+    resolver = _every_builtin_communicator()
+    for instance, name in (
+        (UlyssesCommunicator(), "ulysses"),
+        (Quieter(), "ulysses"),
+        (AllGatherCommunicator(), "allgather"),
+    ):
+        chosen = resolver.choose_communicator(4, False, instance)
+        assert chosen.spec is resolver.communicator_specs[name] and chosen.instance is instance
+    hybrid = HybridCommunicator()
+    chosen = resolver.choose_communicator(4, False, hybrid, grid=(2, 2))
+    assert chosen.instance is hybrid and [p.name for p in chosen.parts] == ["ulysses", "ringpass"]
+    with pytest.raises(ResolutionError, match=r"HybridCommunicator instance .* runs on a 2-D"):
+        resolver.choose_communicator(4, False, hybrid)
+
+
+class _Transport:
+    """A user's own communicator class, registered nowhere (it moves nothing)."""
+
+    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        return tuple((p,) for p in range(world_size) if p != rank)
+
+    def prepare(self, group: object, plans: object, causal: bool) -> None:
+        return None
+
+    def exchange(self, group: object, sends: object, recvs: object, uniform: bool = False) -> None:
+        raise AssertionError("not exchanged here")
+
+
+def test_an_unregistered_instance_is_described_by_its_attributes_with_a_warning() -> None:
+    """For one release: ``delivery``/``parallelism`` attributes (defaults pairwise, sequence),
+    a ``DeprecationWarning`` once per class that declares one; a hybrid's ``heads`` and
+    ``sequence`` instances described alike; an unknown value or missing part raises."""
+    from ringdilated.backends.ringpass import RingPassCommunicator
+
+    class Broadcast(_Transport):
+        delivery = "broadcast"
+
+    class Heads(_Transport):
+        parallelism = "heads"
+
+    class Hybrid(_Transport):
+        parallelism = "hybrid"
+
+        def __init__(self) -> None:
+            self.heads, self.sequence = Heads(), RingPassCommunicator()
+
+    class Multicast(_Transport):
+        delivery = "multicast"
+
+    resolver = _every_builtin_communicator()
+    plain = resolver.choose_communicator(4, False, _Transport())  # declares nothing: no warning
+    assert (plain.spec.delivery, plain.parallelism) == ("pairwise", "sequence")
+    declare = "declares its delivery or parallelism as an attribute: declare them in a Commun"
+    with pytest.warns(DeprecationWarning, match=f"Broadcast {declare}"):
+        chosen = resolver.choose_communicator(4, False, Broadcast())
+    assert chosen.broadcast and chosen.parallelism == "sequence"
+    assert resolver.choose_communicator(4, False, Broadcast()).broadcast  # warned once
+    with pytest.warns(DeprecationWarning, match=declare) as caught:
+        chosen = resolver.choose_communicator(4, False, Hybrid(), grid=(2, 2))
+    assert sorted(str(w.message).split()[0] for w in caught) == ["Heads", "Hybrid"]
+    assert [(p.parallelism, type(p.instance).__name__) for p in chosen.parts] == [
+        ("heads", "Heads"),
+        ("sequence", "RingPassCommunicator"),
+    ]
+    assert chosen.parts[1].spec is resolver.communicator_specs["ringpass"]
+    with pytest.raises(ResolutionError, match=r"Hybrid instance \(parallelism 'hybrid'\) runs on"):
+        resolver.choose_communicator(4, False, Hybrid())
+    with (
+        pytest.warns(DeprecationWarning, match="Multicast declares"),
+        pytest.raises(
+            ResolutionError,
+            match=r"Multicast instance: Multicast.delivery must be one of \('pairwise', 'broad",
+        ),
+    ):
+        resolver.choose_communicator(4, False, Multicast())
+    hollow = Hybrid()
+    del hollow.heads
+    with pytest.raises(ResolutionError, match="its 'heads' must be a Communicator of parallelism"):
+        resolver.choose_communicator(4, False, hollow, grid=(2, 2))
