@@ -267,13 +267,6 @@ def _exchange(
 ) -> PieceExchange:
     """The exchange of ``run``'s pieces of ``k``, ``v`` (this rank's shard)."""
     return PieceExchange(
-        run.plans,
-        run.rank,
-        run.communicator,
-        run.group,
-        run.inner.causal,
-        k,
-        v,
-        stats,
+        run.plans, run.rank, run.communicator, run.group, run.inner.causal, k, v, stats,
         broadcast=run.broadcast,
-    )
+    )  # fmt: skip

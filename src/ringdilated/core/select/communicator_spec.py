@@ -1,10 +1,6 @@
-"""How a communicator plugin describes itself to the resolver, and what the resolver hands out.
-
-A :class:`CommunicatorSpec` is the one description of a communicator: its name, priority and
-fitness, and how the run uses it (``delivery``, ``parallelism`` and, for a hybrid, ``parts``).
-The instance its factory builds only moves bytes. The resolver hands out a
-:class:`CommunicatorChoice`: the chosen spec beside its instance (and a hybrid's parts).
-"""
+"""How a communicator plugin describes itself to the resolver (:class:`CommunicatorSpec`: the one
+description; the instance only moves bytes), and what the resolver hands out
+(:class:`CommunicatorChoice`: the chosen spec beside its instance, and a hybrid's parts)."""
 
 from __future__ import annotations
 
@@ -27,14 +23,10 @@ ROLES = ("heads", "sequence")
 """A hybrid's parts, in the order of ``CommunicatorSpec.parts``."""
 
 
-def _dims_for(parallelism: object) -> int:
-    return 2 if parallelism == "hybrid" else 1
-
-
 def _dims(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     """``dims`` follows from ``parallelism``: 2 for ``"hybrid"``, else 1."""
     parallelism = instance.parallelism
-    wanted = _dims_for(parallelism)
+    wanted = 2 if parallelism == "hybrid" else 1
     rules.Rule(
         f"{wanted} for parallelism {rules.describe(parallelism)} (it follows from parallelism: "
         "2 for 'hybrid', else 1)",
@@ -43,18 +35,13 @@ def _dims(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None
     )(instance, attribute, value)
 
 
-def _is_pair_of_names(value: object) -> bool:
-    return isinstance(value, tuple) and len(value) == 2 and all(map(rules.names.check, value))
-
-
 def _parts(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     """A ``(heads, sequence)`` pair of communicator names for a hybrid, ``None`` otherwise."""
     parallelism = instance.parallelism
     if parallelism == "hybrid":
         rule = rules.Rule(
-            "a (heads, sequence) pair of communicator names (non-empty str without whitespace "
-            "or commas, not 'auto') for parallelism 'hybrid'",
-            _is_pair_of_names,
+            "a (heads, sequence) pair of communicator names for parallelism 'hybrid'",
+            lambda v: isinstance(v, tuple) and len(v) == 2 and all(map(rules.names.check, v)),
             lambda v: isinstance(v, tuple),
         )
     else:
@@ -69,20 +56,16 @@ def _parts(instance: Any, attribute: attrs.Attribute[Any], value: object) -> Non
 
 @attrs.frozen
 class CommunicatorSpec:
-    """A communicator as a plugin offers it.
+    """A communicator as a plugin offers it: its one description (the instance moves bytes).
 
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
-    ``causal``: honours the causal rule of sending only toward later ranks.
-    ``delivery``: what the sharded run sends through it: ``"pairwise"`` (each peer exactly its
-    payload) or ``"broadcast"`` (one payload to every peer of a step, as a collective moves;
-    see :mod:`ringdilated.core.contract.communicator`). ``parallelism``: ``"sequence"`` (ranks
-    keep their shards and exchange crossing pieces), ``"heads"`` (the call runs by head
-    parallelism) or ``"hybrid"`` (on a 2-D layout: head parallelism within the inner groups,
-    sequence pieces across the outer ones). ``parts``: a hybrid's ``(heads, sequence)``
-    communicator names, resolved by the resolver as forced names are (required for, and only
-    for, ``"hybrid"``). ``dims``: the process layout it runs on, which follows from
-    ``parallelism`` (2, a 2-D :class:`~ringdilated.core.call.grid.Grid`, for ``"hybrid"``; else 1,
-    a process group): accepted for compatibility, and a contradiction is rejected.
+    ``causal``: honours the causal rule of sending only toward later ranks. ``delivery``:
+    ``"pairwise"`` or ``"broadcast"``; ``parallelism``: ``"sequence"``, ``"heads"`` or
+    ``"hybrid"`` (see :mod:`ringdilated.core.contract.communicator`); ``parts``: a hybrid's
+    ``(heads, sequence)`` communicator names, resolved as forced names are (required for, and
+    only for, ``"hybrid"``). ``dims``: its process layout, which follows from ``parallelism`` (2,
+    a 2-D :class:`~ringdilated.core.call.grid.Grid`, for ``"hybrid"``; else 1, a process group):
+    accepted for compatibility, a contradiction rejected.
     ``plan_reasons``: given every rank's shard plan and the causal flag, the reasons this
     communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
     anything but str, :meth:`reasons` turns that into a reason against this communicator.
@@ -105,7 +88,7 @@ class CommunicatorSpec:
     )
     parts: tuple[str, str] | None = attrs.field(default=None, validator=_parts, kw_only=True)
     dims: int = attrs.field(
-        default=attrs.Factory(lambda self: _dims_for(self.parallelism), takes_self=True),
+        default=attrs.Factory(lambda s: 2 if s.parallelism == "hybrid" else 1, takes_self=True),
         validator=_dims,
     )
     description: str = attrs.field(default="", validator=rules.strs)
@@ -135,18 +118,6 @@ class CommunicatorSpec:
         if plans and self.plan_reasons is not None and not out:
             out.extend(rules.contained_reasons("plan_reasons", self.plan_reasons, plans, causal))
         return tuple(out)
-
-    def description_problems(self) -> tuple[str, ...]:
-        """What the fields the run reads (``delivery``, ``parallelism``, ``parts``, ``dims``)
-        break of their rules, for a spec that reached a resolver built around its validators
-        (empty: none)."""
-        for field in attrs.fields(CommunicatorSpec):
-            if field.name in ("delivery", "parallelism", "parts", "dims"):
-                try:
-                    field.validator(self, field, getattr(self, field.name))  # type: ignore[misc]
-                except (TypeError, ValueError) as exc:
-                    return (rules.describe_exception(exc),)
-        return ()
 
 
 @attrs.frozen(eq=False)

@@ -145,20 +145,12 @@ def traffic(
     parallelism, its instance the schedule; ``grid``: ``(outer, inner)`` of a 2-D layout. Raises
     what the communicator's ``schedule`` raises, and ``ValueError`` for a hybrid communicator
     without a grid. Cached per problem (the plans are cached values, and hash once)."""
-    spec = chosen.spec
     ring = chosen.parts[1] if len(chosen.parts) == 2 else None
     # An instance (and a choice) hashes by identity: the resolver keeps one instance per name.
     return _traffic(
-        spec.name,
-        chosen.instance,  # type: ignore[arg-type]
-        spec.parallelism,
-        chosen.broadcast,
-        ring,
-        tuple(plans),
-        causal,
-        size,
-        grid,
-    )
+        chosen.name, chosen.instance, chosen.parallelism,  # type: ignore[arg-type]
+        chosen.broadcast, ring, tuple(plans), causal, size, grid,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

@@ -286,12 +286,13 @@ class Resolver:
         size: PieceSize | None,
         grid: tuple[int, int] | None,
     ) -> tuple[tuple[str, ...], Traffic | str | None]:
-        """A fitting communicator checked (its description's rules, its factory and a hybrid's
-        parts: failures are reasons) and, given ``size``, its traffic (a failure there is said,
+        """A fitting communicator checked (its spec's rules, its factory and a hybrid's parts:
+        failures are reasons) and, given ``size``, its traffic (a failure there is said,
         not a reason). Never raises for what a plugin does."""
-        problems = _contained("description_problems", spec.description_problems)
-        if problems:
-            return problems, None
+        try:
+            attrs.validate(spec)  # a spec built around its validators (its run would misread it)
+        except Exception as exc:  # a rule it breaks, or whatever a hostile field raises
+            return (describe_exception(exc),), None
         try:
             chosen = self._choice(spec, causal)
         except ResolutionError as exc:  # a hybrid's part that does not resolve
@@ -326,14 +327,12 @@ class Resolver:
         size: PieceSize | None = None,
         grid: tuple[int, int] | None = None,
     ) -> CommunicatorChoice:
-        """The communicator for a group of ``world_size`` ranks, with the spec that describes
-        it: ``name`` forced, or for ``"auto"`` the fitting one of least modelled time (given
-        every rank's ``plans`` and the ``size`` of a position;
-        :mod:`ringdilated.core.select.cost`), priority breaking ties and deciding alone without
-        them; or a :class:`~ringdilated.core.contract.communicator.Communicator` instance used as
-        it is (described by :meth:`describe_communicator`). A forced one that does not fit
-        raises with its reasons. ``plans`` also let a communicator check that it can move them.
-        A hybrid's parts are resolved by the names its spec gives, as forced names are."""
+        """The communicator for a group of ``world_size`` ranks, beside the spec describing it:
+        ``name`` forced, or for ``"auto"`` the fitting one of least modelled time (given every
+        rank's ``plans`` and the ``size`` of a position; :mod:`ringdilated.core.select.cost`),
+        priority breaking ties and deciding alone without them; or a ``Communicator`` instance
+        used as it is (:meth:`describe_communicator`). A forced one that does not fit raises
+        with its reasons; a hybrid's parts are resolved by name, as forced names are."""
         if isinstance(name, Communicator) and not isinstance(name, str):
             chosen = self.describe_communicator(name, causal)
             _check_instance_layout(chosen, world_size, grid)
@@ -372,12 +371,10 @@ class Resolver:
         raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
 
     def describe_communicator(self, communicator: Communicator, causal: bool) -> CommunicatorChoice:
-        """A communicator instance a user passed, with its description: the spec of the
-        registered communicator whose factory builds its class (or a base of it, nearest
-        first), or else, for one release, its own attributes
-        (:func:`~ringdilated.core.select.communicator_spec.described_by_attributes`, with a
-        ``DeprecationWarning``). Raises :class:`ResolutionError` naming the instance for a
-        description it cannot use (an unknown value, a hybrid's part that does not resolve)."""
+        """A user's communicator instance, described by the registered spec whose factory builds
+        its class (or its nearest base), else for one release by its own attributes
+        (:func:`~ringdilated.core.select.communicator_spec.described_by_attributes`). Raises
+        :class:`ResolutionError` naming the instance for a description it cannot use."""
         what = type(communicator).__name__
         try:
             spec = self._spec_of_class(type(communicator))
@@ -426,7 +423,7 @@ class Resolver:
                 try:
                     parts.append(CommunicatorChoice(part, self._communicator(part)))
                 except Exception as exc:  # a plugin's factory may fail in any way
-                    why = f"factory failed: {type(exc).__name__}: {describe_exception(exc)}"
+                    why = f"is not built: {type(exc).__name__}: {describe_exception(exc)}"
             if why is not None:
                 raise ResolutionError(f"its {role} part {name!r} {why}")
         return tuple(parts)
