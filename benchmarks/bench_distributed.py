@@ -42,10 +42,10 @@ running the same schedule with a communicator that moves nothing ("compute only"
 ``ringpass``'s P-1 steps and ``allgather``'s one step on zeroed receive buffers; for
 ``ulysses`` a ``UlyssesCommunicator`` subclass whose ``exchange`` zeroes the receive buffers and
 returns (the sharding into head shares and back, and the kernel calls, are the same; the
-all-to-all's own concatenation and copy-out are skipped with it); for ``hybrid`` a
-``HybridCommunicator`` holding that and the no-op ``ringpass``. Zeroed, not left unfilled:
-garbage holding a NaN would make the kernels' non-finite repair mark rows NaN, and their results
-would no longer be comparable.
+all-to-all's own concatenation and copy-out are skipped with it); for ``hybrid`` the hybrid
+spec with those two as its parts (each ``compute/<name>``, registered in the rank processes).
+Zeroed, not left unfilled: garbage holding a NaN would make the kernels' non-finite repair mark
+rows NaN, and their results would no longer be comparable.
 "In exchange": the time a rank spends inside ``RingPassCommunicator``,
 ``AllGatherCommunicator`` and ``UlyssesCommunicator``'s ``exchange`` and the wait on what they
 return (the methods are wrapped in the rank processes started here, nowhere else; ``hybrid``
@@ -146,40 +146,12 @@ class _Done:
         return None
 
 
-class ComputeOnly:
-    """A communicator's schedule and delivery, moving nothing: receive buffers are zeroed."""
+def compute_only(cls: type) -> type:
+    """Communicator class ``cls`` with an ``exchange`` that moves nothing: receive buffers are
+    zeroed (left unfilled, one holding a NaN would send the kernel to its dense path). Its
+    schedule, and its spec's delivery and parallelism, are ``cls``'s."""
 
-    def __init__(self, like: str) -> None:
-        from ringdilated.backends.allgather import AllGatherCommunicator
-        from ringdilated.backends.ringpass import RingPassCommunicator
-
-        self._like = AllGatherCommunicator() if like == "allgather" else RingPassCommunicator()
-        self.delivery = getattr(self._like, "delivery", "pairwise")
-
-    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
-        return self._like.schedule(rank, world_size)
-
-    def prepare(self, group: object, plans: Any, causal: bool) -> None:
-        return None
-
-    def exchange(
-        self,
-        group: object,
-        sends: Mapping[int, Any],
-        recvs: Mapping[int, Any],
-        uniform: bool = False,
-    ) -> _Done:
-        for buffer in recvs.values():
-            buffer.zero_()
-        return _Done()
-
-
-def compute_only_ulysses() -> Any:
-    """A ``UlyssesCommunicator`` whose all-to-alls move nothing: receive buffers are zeroed
-    (left unfilled, one holding a NaN would send the kernel to its dense path)."""
-    from ringdilated.backends.ulysses import UlyssesCommunicator
-
-    class ComputeOnlyUlysses(UlyssesCommunicator):
+    class ComputeOnly(cls):  # type: ignore[valid-type,misc]
         def exchange(
             self,
             group: object,
@@ -191,20 +163,27 @@ def compute_only_ulysses() -> Any:
                 buffer.zero_()
             return _Done()
 
-    return ComputeOnlyUlysses()
+    ComputeOnly.__name__ = ComputeOnly.__qualname__ = f"ComputeOnly{cls.__name__}"
+    return ComputeOnly
 
 
-def compute_only_hybrid() -> Any:
-    """A ``HybridCommunicator`` whose two parts move nothing."""
-    from ringdilated.backends.hybrid import HybridCommunicator
+def register_compute_only() -> None:
+    """Register in this process's resolver ``compute/<name>`` for every communicator: its spec,
+    with a factory whose exchanges move nothing (for ``hybrid``: its parts' twins as parts)."""
+    import attrs
 
-    hybrid = HybridCommunicator()
-    hybrid.heads = compute_only_ulysses()  # parallelism "heads"
-    hybrid.sequence = ComputeOnly("ringpass")  # parallelism "sequence" (the default)
-    return hybrid
+    from ringdilated.registry import default_resolver
+
+    specs = default_resolver().communicator_specs
+    for name in COMMUNICATORS:
+        spec = specs[name]
+        parts = None if spec.parts is None else tuple(f"compute/{p}" for p in spec.parts)
+        factory = spec.factory if parts else compute_only(spec.factory)  # type: ignore[arg-type]
+        twin = attrs.evolve(spec, name=f"compute/{name}", factory=factory, parts=parts)
+        specs[twin.name] = attrs.evolve(twin, priority=-1000)  # never "auto"'s choice
 
 
-# Variant name -> what is passed as ``communicator=``; "compute/X" moves nothing on X's schedule.
+# Variant name, passed as ``communicator=``; "compute/X" moves nothing on X's schedule.
 VARIANTS = (*COMMUNICATORS, *(f"compute/{name}" for name in COMMUNICATORS))
 # Where the sequence communicators move nothing, only the balance case is run, without allgather
 # and compute-only variants: ringpass (moving nothing) as the sequence-parallel reference.
@@ -316,13 +295,7 @@ def _rank(
             [torch.randn(1, shard, heads, D) for _ in range(3)],
             torch.randn(1, shard, heads, D),
         )
-    chosen: dict[str, Any] = {
-        **{name: name for name in COMMUNICATORS},
-        "compute/ringpass": ComputeOnly("ringpass"),
-        "compute/allgather": ComputeOnly("allgather"),
-        "compute/ulysses": compute_only_ulysses(),
-        "compute/hybrid": compute_only_hybrid(),
-    }
+    register_compute_only()
     groups = {name: layout if name.endswith("hybrid") else group for name in VARIANTS}
     results: dict[str, Any] = {}
     for number, ((pattern, causal, backward), variants) in enumerate(plan):
@@ -344,7 +317,7 @@ def _rank(
         ) -> None:
             o = ringdilated.dilated_attention(
                 *inputs, *pattern_args, causal=causal, process_group=groups[variant],
-                communicator=chosen[variant], transfer_stats=stats,
+                communicator=variant, transfer_stats=stats,
             )  # fmt: skip
             if backward:
                 o.backward(dout)
@@ -433,25 +406,28 @@ def modelled(
     """``cost.traffic`` for every communicator over every rank's shard plan (forward pass);
     ``hybrid`` only with a ``grid``; ``None`` for a communicator that cannot serve (``ulysses``
     with fewer query heads than ranks)."""
-    from ringdilated.backends.allgather import AllGatherCommunicator
-    from ringdilated.backends.hybrid import HybridCommunicator
-    from ringdilated.backends.ringpass import RingPassCommunicator
-    from ringdilated.backends.ulysses import UlyssesCommunicator
     from ringdilated.core.plan.shards import shard_plan
     from ringdilated.core.select.cost import NCCL, PieceSize, traffic
+    from ringdilated.registry import default_resolver
 
     plans = [shard_plan(pattern, length, heads, heads, r, world) for r in range(world)]
     size = PieceSize(1, head_dim, element_size, NCCL)
+    resolver = default_resolver()
+
+    def model(name: str, layout: tuple[int, int] | None = None) -> Traffic:
+        chosen = resolver.choose_communicator(world, causal, name, grid=layout)
+        return traffic(chosen, plans, causal, size, layout)
+
     models: dict[str, Traffic | None] = {
-        "ringpass": traffic("ringpass", RingPassCommunicator(), plans, causal, size),
-        "allgather": traffic("allgather", AllGatherCommunicator(), plans, causal, size),
+        "ringpass": model("ringpass"),
+        "allgather": model("allgather"),
         "ulysses": None,
         "hybrid": None,
     }
     if heads >= world:
-        models["ulysses"] = traffic("ulysses", UlyssesCommunicator(), plans, causal, size)
+        models["ulysses"] = model("ulysses")
     if grid is not None and heads >= grid[1]:
-        models["hybrid"] = traffic("hybrid", HybridCommunicator(), plans, causal, size, grid)
+        models["hybrid"] = model("hybrid", grid)
     return models
 
 
@@ -467,22 +443,23 @@ def hybrid_across(
     """Bytes each rank of a ``hybrid`` forward sends across its outer group (between chunks: the
     ring part, ``ringpass`` on its share of the heads), in flat rank order; the rest of what it
     sends is its inner group's all-to-all."""
-    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.backends.ringpass import RINGPASS_SPEC, RingPassCommunicator
     from ringdilated.core.plan.heads import deal_heads, share_plan
     from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.select.communicator_spec import CommunicatorChoice
     from ringdilated.core.select.cost import NCCL, PieceSize, traffic
 
     outer, inner = grid
     size = PieceSize(1, head_dim, element_size, NCCL)
     chunks = tuple([length // outer] * outer)
     sent = [0] * (outer * inner)
-    ring = RingPassCommunicator()
+    ring = CommunicatorChoice(RINGPASS_SPEC, RingPassCommunicator())
     for i, share in enumerate(deal_heads(pattern, length, heads, heads, inner)):
         across = [
             share_plan(shard_plan(pattern, length, heads, heads, o, outer, None, chunks), share)
             for o in range(outer)
         ]
-        moved = traffic("ringpass", ring, across, causal, size)
+        moved = traffic(ring, across, causal, size)
         for o in range(outer):
             sent[o * inner + i] = moved.sent[o]
     return sent

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ringdilated
+from ringdilated.backends.hybrid import HYBRID_SPEC
 from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.cli.main import main
@@ -212,6 +213,40 @@ CASES = {
         fragments=("CommunicatorSpec 'hostile-comm'", "field distributed", "'yes'"),
         registered=(),
         absent=("hostile-comm",),
+    ),
+    "communicator-delivery-unknown": Case(
+        communicators=lambda: [_communicator(delivery="multicast")],
+        fragments=("CommunicatorSpec 'hostile-comm'", "field delivery", "one of", "'multicast'"),
+        registered=(),
+        absent=("hostile-comm",),
+    ),
+    "communicator-parallelism-unknown": Case(
+        communicators=lambda: [_communicator(parallelism="diagonal")],
+        fragments=("CommunicatorSpec 'hostile-comm'", "field parallelism", "'diagonal'"),
+        registered=(),
+        absent=("hostile-comm",),
+    ),
+    "communicator-hybrid-without-parts": Case(
+        communicators=lambda: [_communicator(parallelism="hybrid", dims=2)],
+        fragments=("CommunicatorSpec 'hostile-comm'", "field parts", "got None"),
+        registered=(),
+        absent=("hostile-comm",),
+    ),
+    "communicator-dims-contradicts-parallelism": Case(
+        communicators=lambda: [_communicator(dims=2)],
+        fragments=("field dims", "must be 1 for parallelism 'sequence'", "got 2"),
+        registered=(),
+        absent=("hostile-comm",),
+    ),
+    "communicator-hybrid-part-unknown": Case(
+        communicators=lambda: [
+            attrs.evolve(HYBRID_SPEC, name="hostile-comm", parts=("ulysses", "missing"))
+        ],
+        fragments=("'hostile-comm'", "its sequence part 'missing' is no known communicator"),
+        registry=False,
+        registered=("hostile-comm",),
+        absent=(),
+        forced=lambda: default_resolver().communicator_for(4, False, "hostile-comm", grid=(2, 2)),
     ),
     "hook-returns-dict": Case(
         kernels=lambda: {"hostile-kernel": _kernel()},
@@ -435,6 +470,49 @@ def _valid_target(**kw: object) -> Target:
         (lambda: PriorityRule(1, device_type=""), ValueError, "PriorityRule.device_type"),
         (lambda: CommunicatorSpec("c", object, priority=1.5), TypeError, "priority"),
         (lambda: CommunicatorSpec("c", object, plan_reasons=3), TypeError, "plan_reasons"),
+        (
+            lambda: CommunicatorSpec("c", object, delivery="multicast"),
+            ValueError,
+            "CommunicatorSpec.delivery must be one of ('pairwise', 'broadcast'), got 'multicast'",
+        ),
+        (lambda: CommunicatorSpec("c", object, delivery=None), TypeError, "delivery"),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="diagonal"),
+            ValueError,
+            "CommunicatorSpec.parallelism must be one of ('sequence', 'heads', 'hybrid')",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="hybrid"),
+            TypeError,
+            "CommunicatorSpec.parts must be a (heads, sequence) pair of communicator names",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="hybrid", parts=("a", "auto")),
+            ValueError,
+            "for parallelism 'hybrid', got ('a', 'auto')",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="hybrid", parts=["a", "b"]),
+            TypeError,
+            "got ['a', 'b'] (a list)",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parts=("a", "b")),
+            ValueError,
+            "CommunicatorSpec.parts must be None for parallelism 'sequence' (only a 'hybrid'",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, dims=2),
+            ValueError,
+            "CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows from",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="hybrid", parts=("a", "b"), dims=1),
+            ValueError,
+            "dims must be 2 for parallelism 'hybrid' (it follows from parallelism: 2 for 'hybrid'"
+            ", else 1), got 1",
+        ),
+        (lambda: CommunicatorSpec("c", object, dims="2"), TypeError, "CommunicatorSpec.dims"),
     ],
 )
 def test_a_bad_spec_cannot_be_constructed(

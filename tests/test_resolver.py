@@ -252,19 +252,15 @@ def test_traffic_counts_bytes_and_steps_by_hand() -> None:
 
     resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
     plans = _plans([16], [1], 16, 4)
-    ring = traffic("ringpass", resolver.communicator_for(4, False, "ringpass"), plans, False, size)
-    gather = traffic(
-        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
-    )
+    ring = traffic(resolver.choose_communicator(4, False, "ringpass"), plans, False, size)
+    gather = traffic(resolver.choose_communicator(4, False, "allgather"), plans, False, size)
     assert ring.sent == ring.minimum == ring.received == (3 * 4 * _SIZE_BYTES,) * 4
     assert ring.steps == 3 and ring.above_minimum == 0
     assert gather.sent == gather.received == ring.sent and gather.steps == 1
     # Causal: rank r sends its 4 positions to the 3 - r later ranks only; allgather still sends
     # them to all 3 peers (rank 3's 4 positions too), so rank 3 sends 12 positions above its 0.
-    ring_c = traffic("ringpass", resolver.communicator_for(4, True, "ringpass"), plans, True, size)
-    gather_c = traffic(
-        "allgather", resolver.communicator_for(4, True, "allgather"), plans, True, size
-    )
+    ring_c = traffic(resolver.choose_communicator(4, True, "ringpass"), plans, True, size)
+    gather_c = traffic(resolver.choose_communicator(4, True, "allgather"), plans, True, size)
     assert ring_c.sent == tuple((3 - r) * 4 * _SIZE_BYTES for r in range(4))
     assert ring_c.received == tuple(r * 4 * _SIZE_BYTES for r in range(4))
     assert gather_c.sent == (3 * 4 * _SIZE_BYTES,) * 4 and gather_c.minimum == ring_c.sent
@@ -282,9 +278,7 @@ def test_traffic_pads_uneven_broadcast_payloads_to_the_largest() -> None:
     pattern, lengths = DilationPattern([16], [2]), (2, 6, 5, 3)
     plans = [shard_plan(pattern, 16, 1, 1, r, 4, None, lengths) for r in range(4)]
     resolver, size = _builtin_communicators(), PieceSize(1, 4, 4)
-    gather = traffic(
-        "allgather", resolver.communicator_for(4, False, "allgather"), plans, False, size
-    )
+    gather = traffic(resolver.choose_communicator(4, False, "allgather"), plans, False, size)
     assert gather.minimum == tuple(3 * n * _SIZE_BYTES for n in (1, 3, 3, 1))
     assert gather.sent == (3 * 3 * _SIZE_BYTES,) * 4
     assert gather.above_minimum == 3 * 2 * _SIZE_BYTES
@@ -320,19 +314,21 @@ def test_auto_chooses_the_communicator_of_least_modelled_time(
 
 def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_can() -> None:
     """A schedule that raises: the communicator still fits but ranks after every modelled one;
-    an unknown ``delivery`` (its run would raise): rejected with the reason, given plans."""
+    a spec forged around its validators with an unknown ``delivery``: rejected with the rule,
+    given plans."""
     from ringdilated.backends.ringpass import RingPassCommunicator
     from ringdilated.core.select.communicator_spec import CommunicatorSpec
     from ringdilated.core.select.cost import PieceSize
 
     class Odd(RingPassCommunicator):
-        delivery = "multicast"
+        pass
 
     class Unscheduled(RingPassCommunicator):
         def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
             raise RuntimeError("no schedule today")
 
     odd = CommunicatorSpec(name="odd", factory=Odd, priority=1000)
+    object.__setattr__(odd, "delivery", "multicast")  # forged around the validators
     unscheduled = CommunicatorSpec(name="unscheduled", factory=Unscheduled, priority=900)
     base = _builtin_communicators()
     resolver = Resolver([], communicators=[*base.communicator_specs.values(), odd, unscheduled])
@@ -340,7 +336,10 @@ def test_a_communicator_whose_traffic_cannot_be_modelled_comes_after_those_that_
     chosen = resolver.communicator_for(4, False, "auto", plans, size)
     assert type(chosen).__name__ == "AllGatherCommunicator"
     text = resolver.explain_communicator(4, False, "auto", plans, size)
-    assert "rejected odd: Odd.delivery must be one of ('pairwise', 'broadcast'), got" in text
+    assert (
+        "rejected odd: CommunicatorSpec.delivery must be one of ('pairwise', 'broadcast'), got"
+        in text
+    )
     assert (
         "not chosen unscheduled: fits; traffic not modelled (RuntimeError: no schedule today)"
         in text
@@ -366,21 +365,25 @@ def test_head_parallel_and_hybrid_traffic_by_hand() -> None:
     192 B out and 4 x 20 = 80 B of results back; across the outer pair, each chunk of 8 sends
     the other its 8 positions of the share's key and value head (8 x 2 x 16 = 256 B): 528 B, in
     2 + 1 steps."""
-    from ringdilated.backends.hybrid import HybridCommunicator
-    from ringdilated.backends.ulysses import UlyssesCommunicator
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
     from ringdilated.core.plan.pattern import DilationPattern
     from ringdilated.core.plan.shards import shard_plan
     from ringdilated.core.select.cost import PieceSize, traffic
 
+    resolver = Resolver([], communicators=[RINGPASS_SPEC, ULYSSES_SPEC, HYBRID_SPEC])
+    ulysses = resolver.choose_communicator(4, False, "ulysses")
+    hybrid = resolver.choose_communicator(4, False, "hybrid", grid=(2, 2))
     size = PieceSize(1, 4, 4)
     plans = [shard_plan(DilationPattern([16], [1]), 16, 4, 4, r, 4) for r in range(4)]
-    heads = traffic("ulysses", UlyssesCommunicator(), plans, False, size)
+    heads = traffic(ulysses, plans, False, size)
     assert heads.sent == heads.received == (816,) * 4 and heads.steps == 2
     plans = [shard_plan(DilationPattern([16], [1]), 16, 2, 2, r, 4) for r in range(4)]
-    grid = traffic("hybrid", HybridCommunicator(), plans, False, size, (2, 2))
+    grid = traffic(hybrid, plans, False, size, (2, 2))
     assert grid.sent == grid.received == (528,) * 4 and grid.steps == 3
     with pytest.raises(ValueError, match="runs on a 2-D layout: its traffic needs"):
-        traffic("hybrid", HybridCommunicator(), plans, False, size)
+        traffic(hybrid, plans, False, size)
 
 
 def test_auto_chooses_ulysses_where_every_rank_needs_every_piece_and_bytes_dominate() -> None:
@@ -429,3 +432,144 @@ def test_layouts_pick_their_communicators() -> None:
         ResolutionError, match=r"runs on a 2-D process layout .* the call has a pro"
     ):
         resolver.communicator_for(4, False, "hybrid")
+
+
+def _every_builtin_communicator() -> Resolver:
+    from ringdilated.backends.allgather import ALLGATHER_SPEC
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+
+    specs = [LOCAL_SPEC, RINGPASS_SPEC, ALLGATHER_SPEC, ULYSSES_SPEC, HYBRID_SPEC]
+    return Resolver([], communicators=specs)
+
+
+def test_a_hybrid_resolves_its_parts_by_name_as_forced_names() -> None:
+    """The spec's parts, each the resolver's one instance of that name; a part that is unknown,
+    of the wrong parallelism or not causal where the call is: the hybrid cannot serve, and the
+    reason names the part."""
+    import attrs
+
+    from ringdilated.backends.hybrid import HYBRID_SPEC
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.backends.ulysses import ULYSSES_SPEC
+
+    resolver = _every_builtin_communicator()
+    chosen = resolver.choose_communicator(4, True, "hybrid", grid=(2, 2))
+    assert chosen.spec is HYBRID_SPEC and chosen.parallelism == "hybrid"
+    assert [(p.name, p.parallelism) for p in chosen.parts] == [
+        ("ulysses", "heads"),
+        ("ringpass", "sequence"),
+    ]
+    assert chosen.parts[0].instance is resolver.communicator_for(4, True, "ulysses")
+    missing = Resolver([], communicators=[RINGPASS_SPEC, HYBRID_SPEC])
+    with pytest.raises(
+        ResolutionError,
+        match=r"'hybrid' cannot serve 4 rank\(s\): its heads part 'ulysses' is no known comm",
+    ):
+        missing.communicator_for(4, False, "hybrid", grid=(2, 2))
+    with pytest.raises(ResolutionError, match="no communicator can serve 4 rank"):
+        missing.communicator_for(4, False, "auto", grid=(2, 2))
+    swapped = attrs.evolve(HYBRID_SPEC, name="swapped", parts=("ringpass", "ulysses"))
+    acausal = attrs.evolve(RINGPASS_SPEC, name="acausal", causal=False)
+    loose = attrs.evolve(HYBRID_SPEC, name="loose", parts=("ulysses", "acausal"))
+    resolver = Resolver([], communicators=[RINGPASS_SPEC, ULYSSES_SPEC, swapped, acausal, loose])
+    with pytest.raises(
+        ResolutionError, match="its heads part 'ringpass' has parallelism 'sequence', not 'heads'"
+    ):
+        resolver.communicator_for(4, False, "swapped", grid=(2, 2))
+    assert resolver.choose_communicator(4, False, "loose", grid=(2, 2)).parts[1].name == "acausal"
+    with pytest.raises(ResolutionError, match="its sequence part 'acausal' cannot restrict"):
+        resolver.communicator_for(4, True, "loose", grid=(2, 2))
+
+
+def test_an_instance_of_a_registered_class_is_described_by_that_spec() -> None:
+    """Its class, or its nearest registered base, is what a registered factory builds: no
+    attribute is read and nothing warns (warnings are errors here); a hybrid's parts by name."""
+    from ringdilated.backends.allgather import AllGatherCommunicator
+    from ringdilated.backends.hybrid import HybridCommunicator
+    from ringdilated.backends.ulysses import UlyssesCommunicator
+
+    class Quieter(UlyssesCommunicator):
+        parallelism = "sequence"  # ignored: the spec of the registered base describes it
+
+    resolver = _every_builtin_communicator()
+    for instance, name in (
+        (UlyssesCommunicator(), "ulysses"),
+        (Quieter(), "ulysses"),
+        (AllGatherCommunicator(), "allgather"),
+    ):
+        chosen = resolver.choose_communicator(4, False, instance)
+        assert chosen.spec is resolver.communicator_specs[name] and chosen.instance is instance
+    hybrid = HybridCommunicator()
+    chosen = resolver.choose_communicator(4, False, hybrid, grid=(2, 2))
+    assert chosen.instance is hybrid and [p.name for p in chosen.parts] == ["ulysses", "ringpass"]
+    with pytest.raises(ResolutionError, match=r"HybridCommunicator instance .* runs on a 2-D"):
+        resolver.choose_communicator(4, False, hybrid)
+
+
+class _Transport:
+    """A user's own communicator class, registered nowhere (it moves nothing)."""
+
+    def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
+        return tuple((p,) for p in range(world_size) if p != rank)
+
+    def prepare(self, group: object, plans: object, causal: bool) -> None:
+        return None
+
+    def exchange(self, group: object, sends: object, recvs: object, uniform: bool = False) -> None:
+        raise AssertionError("not exchanged here")
+
+
+def test_an_unregistered_instance_is_described_by_its_attributes_with_a_warning() -> None:
+    """For one release: ``delivery``/``parallelism`` attributes (defaults pairwise, sequence),
+    a ``DeprecationWarning`` once per class that declares one; a hybrid's ``heads`` and
+    ``sequence`` instances described alike; an unknown value or missing part raises."""
+    from ringdilated.backends.ringpass import RingPassCommunicator
+
+    class Broadcast(_Transport):
+        delivery = "broadcast"
+
+    class Heads(_Transport):
+        parallelism = "heads"
+
+    class Hybrid(_Transport):
+        parallelism = "hybrid"
+
+        def __init__(self) -> None:
+            self.heads, self.sequence = Heads(), RingPassCommunicator()
+
+    class Multicast(_Transport):
+        delivery = "multicast"
+
+    resolver = _every_builtin_communicator()
+    plain = resolver.choose_communicator(4, False, _Transport())  # declares nothing: no warning
+    assert (plain.spec.delivery, plain.parallelism) == ("pairwise", "sequence")
+    declare = "declares its delivery or parallelism as an attribute: declare them in a Commun"
+    with pytest.warns(DeprecationWarning, match=f"Broadcast {declare}"):
+        chosen = resolver.choose_communicator(4, False, Broadcast())
+    assert chosen.broadcast and chosen.parallelism == "sequence"
+    assert resolver.choose_communicator(4, False, Broadcast()).broadcast  # warned once
+    with pytest.warns(DeprecationWarning, match=declare) as caught:
+        chosen = resolver.choose_communicator(4, False, Hybrid(), grid=(2, 2))
+    assert sorted(str(w.message).split()[0] for w in caught) == ["Heads", "Hybrid"]
+    assert [(p.parallelism, type(p.instance).__name__) for p in chosen.parts] == [
+        ("heads", "Heads"),
+        ("sequence", "RingPassCommunicator"),
+    ]
+    assert chosen.parts[1].spec is resolver.communicator_specs["ringpass"]
+    with pytest.raises(ResolutionError, match=r"Hybrid instance \(parallelism 'hybrid'\) runs on"):
+        resolver.choose_communicator(4, False, Hybrid())
+    with (
+        pytest.warns(DeprecationWarning, match="Multicast declares"),
+        pytest.raises(
+            ResolutionError,
+            match=r"Multicast instance: Multicast.delivery must be one of \('pairwise', 'broad",
+        ),
+    ):
+        resolver.choose_communicator(4, False, Multicast())
+    hollow = Hybrid()
+    del hollow.heads
+    with pytest.raises(ResolutionError, match="its 'heads' must be a Communicator of parallelism"):
+        resolver.choose_communicator(4, False, hollow, grid=(2, 2))

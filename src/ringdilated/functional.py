@@ -405,7 +405,8 @@ def dilated_attention(
       dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
       ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
       (``"ringpass"``, ``"allgather"``) or a
-      :class:`~ringdilated.core.contract.communicator.Communicator` instance. Inputs are checked on
+      :class:`~ringdilated.core.contract.communicator.Communicator` instance (described by the
+      registered spec whose factory builds its class). Inputs are checked on
       every rank and a rejection raises on every rank; every shard must
       hold at least one position (an empty one raises on every rank, naming its rank).
       ``dist.group.WORLD`` is ``None`` until ``torch.distributed.init_process_group()``: passed

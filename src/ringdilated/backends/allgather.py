@@ -2,9 +2,9 @@
 
 Each rank contributes one payload, the union of what any peer's queries see (its *broadcast
 payload*, :func:`~ringdilated.core.plan.shards.broadcast_payload`), padded to the largest of the
-group's; every rank receives all of them and extracts its own part
-(``delivery = "broadcast"``, see :mod:`ringdilated.core.contract.communicator`). This serves every
-plan ``ringpass`` serves, exactly:
+group's; every rank receives all of them and extracts its own part (its spec declares
+``delivery="broadcast"``, see :mod:`ringdilated.core.contract.communicator`). This serves
+every plan ``ringpass`` serves, exactly:
 
 - **causal**: the collective also delivers pieces to earlier ranks, who ignore them;
 - **uneven pieces**: padded to the group's largest;
@@ -51,8 +51,6 @@ __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 class AllGatherCommunicator:
     """One ``all_gather`` of broadcast payloads for pieces; point to point for gradients."""
 
-    delivery = "broadcast"
-
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
 
@@ -91,6 +89,7 @@ ALLGATHER_SPEC = CommunicatorSpec(
     priority=50,
     distributed=True,
     causal=True,
+    delivery="broadcast",
     description="one all_gather of each rank's pieces on the call's group (exact for every "
     "plan; moves more than the minimum where not every rank needs every piece)",
 )

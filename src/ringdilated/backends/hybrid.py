@@ -8,6 +8,10 @@ heads; the chunks then exchange only their crossing pieces of those heads across
 group, point to point (the minimum, for those heads); a second all-to-all returns the results.
 So only crossing pieces travel over the outer links, which are typically the slow ones
 (between nodes), and the all-to-all stays on the fast inner ones.
+
+The spec says all of it: ``parallelism="hybrid"`` and ``parts=("ulysses", "ringpass")``, which
+the resolver resolves by name (as forced names are) and the run prepares and uses. The
+instance its factory builds moves nothing itself.
 """
 
 from __future__ import annotations
@@ -16,25 +20,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ringdilated.backends.ringpass import RingPassCommunicator
-from ringdilated.backends.ulysses import UlyssesCommunicator
+from ringdilated.backends.ringpass import RingPassCommunicator, point_to_point
 from ringdilated.core import CommunicatorSpec, Pending, ShardPlan
 
 __all__ = ["HYBRID_SPEC", "HybridCommunicator"]
 
 
 class HybridCommunicator:
-    """Holds the two communicators of a 2-D run: ``heads`` (inner) and ``sequence`` (outer).
-    Its own ``exchange`` is never called (the run uses the parts); it moves point to point."""
-
-    parallelism = "hybrid"
-
-    def __init__(self) -> None:
-        self.heads = UlyssesCommunicator()
-        self.sequence = RingPassCommunicator()
+    """What ``hybrid``'s factory builds: the run exchanges through the spec's parts, never
+    through this (it would move point to point, on ``ringpass``'s schedule)."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
-        return self.sequence.schedule(rank, world_size)
+        return RingPassCommunicator().schedule(rank, world_size)
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
         return None
@@ -46,13 +43,7 @@ class HybridCommunicator:
         recvs: Mapping[int, torch.Tensor],
         uniform: bool = False,
     ) -> Pending:
-        return self.sequence.exchange(group, sends, recvs, uniform)
-
-
-def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
-    """Heads are dealt within each inner group: at least one query head per inner rank is
-    checked when the run is built; nothing else limits it."""
-    return ()
+        return point_to_point(group, sends, recvs)
 
 
 HYBRID_SPEC = CommunicatorSpec(
@@ -61,7 +52,8 @@ HYBRID_SPEC = CommunicatorSpec(
     priority=20,
     distributed=True,
     causal=True,
-    dims=2,
+    parallelism="hybrid",
+    parts=("ulysses", "ringpass"),
     description="on a 2-D layout: all-to-all head parallelism within inner groups, ringpass "
     "pieces across outer groups",
 )

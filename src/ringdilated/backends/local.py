@@ -44,5 +44,7 @@ LOCAL_SPEC = CommunicatorSpec(
     factory=LocalCommunicator,
     priority=0,
     distributed=False,
+    delivery="pairwise",
+    parallelism="sequence",
     description="one process; no communication",
 )

@@ -74,5 +74,7 @@ RINGPASS_SPEC = CommunicatorSpec(
     factory=RingPassCommunicator,
     priority=100,
     distributed=True,
+    delivery="pairwise",
+    parallelism="sequence",
     description="point-to-point rotation (isend/irecv), overlapped with compute",
 )

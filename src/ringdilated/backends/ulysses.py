@@ -86,9 +86,8 @@ def _point_to_point(
 
 
 class UlyssesCommunicator:
-    """Head parallelism: every peer in one step, moved by one all_to_all."""
-
-    parallelism = "heads"
+    """Head parallelism (its spec's ``parallelism="heads"``): every peer in one step, moved by
+    one all_to_all."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
@@ -124,6 +123,7 @@ ULYSSES_SPEC = CommunicatorSpec(
     priority=30,
     distributed=True,
     causal=True,
+    parallelism="heads",
     plan_reasons=plan_reasons,
     description="head parallelism: all-to-all to whole-sequence head shares and back (exact "
     "for any plan with at least one query head per rank)",

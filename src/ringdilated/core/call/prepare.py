@@ -29,12 +29,7 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
-from ringdilated.core.contract.communicator import (
-    Communicator,
-    TransferStats,
-    hybrid_parts,
-    parallelism_of,
-)
+from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
@@ -52,6 +47,7 @@ from ringdilated.core.run.local import (
 )
 from ringdilated.core.run.sharded import ShardedRun
 from ringdilated.core.select.capabilities import Request
+from ringdilated.core.select.communicator_spec import CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
 from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
 from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
@@ -91,21 +87,20 @@ class CallOptions:
     key_padding_mask: object = attrs.field(default=None, eq=False)
 
 
-RowPlan = tuple[Rows, tuple[ShardPlan, ...], Communicator]
+RowPlan = tuple[Rows, tuple[ShardPlan, ...], CommunicatorChoice]
 """Batch rows sharing one padding, every rank's shard plan for them, and their communicator."""
 
 
 @attrs.frozen
 class CallPlan:
-    """A validated call. ``scale`` is resolved
-    (:func:`~ringdilated.core.run.local.effective_scale`); ``layout`` places documents, padding
-    and a query suffix; ``shards`` holds every rank's shard plan (empty on one process) and
-    ``communicator`` moves their pieces (``None`` on one process); ``row_plans``: each group of
-    padded rows' own shard plans and communicator; ``lse_used``: whether the caller
-    differentiates through ``lse`` (agreed by every rank). ``parts``: the executor of each group
-    of batch rows (:meth:`executor`, built by :meth:`with_executors`, reused by every call of
-    the plan). The plan is itself an :class:`~ringdilated.core.run.local.Executor` over them
-    (:meth:`forward`, :meth:`backward`), which :meth:`apply` runs under one autograd node."""
+    """A validated call. ``scale`` is resolved (``1 / sqrt(D)`` by default); ``layout`` places
+    documents, padding and a query suffix; ``shards`` holds every rank's shard plan (empty on
+    one process) and ``communicator`` moves their pieces (``None`` on one process): the
+    resolver's choice, its spec (which says how the run uses it) beside its instance;
+    ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
+    ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
+    every call of the plan). The plan is itself an
+    :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
 
     pattern: DilationPattern
     kernel: Plan
@@ -115,7 +110,7 @@ class CallPlan:
     layout: DocumentLayout
     rank: int = 0
     shards: tuple[ShardPlan, ...] = ()
-    communicator: Communicator | None = attrs.field(default=None, eq=False)
+    communicator: CommunicatorChoice | None = attrs.field(default=None, eq=False)
     group: object = attrs.field(default=None, eq=False)
     row_plans: tuple[RowPlan, ...] = attrs.field(default=(), eq=False)
     size: PieceSize | None = None
@@ -157,13 +152,10 @@ class CallPlan:
 
     def with_executors(self, q: torch.Tensor, k: torch.Tensor) -> CallPlan:
         """This plan with its executors built for tensors shaped like ``q`` and ``k``, and every
-        communicator that runs prepared (once per plan)."""
-        parts = []
-        for rows, part in self.row_parts():
-            if part.communicator is not None:
-                part.communicator.prepare(part.group, part.shards, part.causal)
-            parts.append((rows, part.executor(q, k)))
-        return attrs.evolve(self, parts=tuple(parts))
+        communicator that runs (a hybrid's parts) prepared as its executor is built (once per
+        plan)."""
+        parts = tuple((rows, part.executor(q, k)) for rows, part in self.row_parts())
+        return attrs.evolve(self, parts=parts)
 
     def check_shard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` at once, on this rank, if a later call's shard contradicts the
@@ -231,25 +223,24 @@ class CallPlan:
         return self._blocks_run(q, k, None, complete=True)
 
     def executor(self, q: torch.Tensor, k: torch.Tensor) -> Executor:
-        """What runs the call, by the communicator's parallelism: on one process the
-        :class:`Run`; ``sequence``, a :class:`ShardedRun` over the inner blocks' run; ``heads``,
-        a :class:`HeadParallelRun` over this rank's heads' run; ``hybrid``, a
-        :class:`HeadParallelRun` over a :class:`ShardedRun` (:meth:`_hybrid`)."""
-        shard = self.shard
+        """What runs the call, by its communicator's spec: the :class:`Run`, a
+        :class:`ShardedRun` over it, or a :class:`HeadParallelRun`; every communicator it runs
+        is prepared here, on the group it exchanges on (call it once per plan)."""
+        shard, chosen = self.shard, self.communicator
         if shard is None:
             return self.run(q, k)
-        assert self.communicator is not None
-        parallelism = parallelism_of(self.communicator)
-        if parallelism == "heads":
-            return self._head_parallel(q, k, shard)
-        if parallelism == "hybrid":
-            return self._hybrid(q, k, shard)
+        assert chosen is not None
+        if chosen.parallelism == "heads":
+            return self._head_parallel(q, k, shard, chosen)
+        if chosen.parallelism == "hybrid":
+            return self._hybrid(q, k, shard, chosen)
         return ShardedRun(
             inner=self._blocks_run(q, k, shard.inner, complete=False),
             plans=self.shards,
             rank=self.rank,
-            communicator=self.communicator,
+            communicator=_prepared(chosen, self.group, self.shards, self.causal),
             group=self.group,
+            broadcast=chosen.broadcast,
         )
 
     def _documents(self) -> tuple[tuple[int, int], ...] | None:
@@ -279,7 +270,9 @@ class CallPlan:
             layout=self.layout,
         )
 
-    def _head_parallel(self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan) -> HeadParallelRun:
+    def _head_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, chosen: CommunicatorChoice
+    ) -> HeadParallelRun:
         """The head-parallel run: this rank's share of the heads over the whole sequence."""
         length, heads, kv_heads = shard.starts[-1], q.shape[2], k.shape[2]
         shares = deal_heads(self.pattern, length, heads, kv_heads, len(self.shards))
@@ -290,21 +283,23 @@ class CallPlan:
             else self.pattern.document_blocks(documents, heads, kv_heads)
         )
         local = share_blocks(blocks, shares[self.rank], heads, kv_heads)
-        assert self.communicator is not None
         return HeadParallelRun(
             inner=self._blocks_run(q, k, local, complete=True),
             shares=shares,
             starts=shard.starts,
             rank=self.rank,
-            communicator=self.communicator,
+            communicator=_prepared(chosen, self.group, self.shards, self.causal),
             group=self.group,
         )
 
-    def _hybrid(self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan) -> HeadParallelRun:
+    def _hybrid(
+        self, q: torch.Tensor, k: torch.Tensor, shard: ShardPlan, chosen: CommunicatorChoice
+    ) -> HeadParallelRun:
         """The 2-D run: head parallelism within this rank's inner group, whose shards make one
-        chunk of the sequence, and sequence pieces between chunks across its outer group."""
-        assert isinstance(self.group, Grid) and self.communicator is not None
-        heads_comm, sequence_comm = hybrid_parts(self.communicator)
+        chunk of the sequence, by the hybrid's heads part, and sequence pieces between chunks
+        across its outer group, by its sequence part."""
+        assert isinstance(self.group, Grid)
+        heads_part, sequence_part = chosen.parts
         (outer, inner), (o, i) = self.group.shape, self.group.coordinates
         starts, heads, kv_heads = shard.starts, q.shape[2], k.shape[2]
         chunks = tuple(starts[c * inner + inner] - starts[c * inner] for c in range(outer))
@@ -322,16 +317,18 @@ class CallPlan:
             inner=self._blocks_run(q, k, plans[o].inner, complete=False),
             plans=plans,
             rank=o,
-            communicator=sequence_comm,
+            communicator=_prepared(sequence_part, self.group.outer, plans, self.causal),
             group=self.group.outer,
+            broadcast=sequence_part.broadcast,
         )
         first = starts[o * inner]
+        ranks = self.shards[o * inner : (o + 1) * inner]  # the inner group's, in its rank order
         return HeadParallelRun(
             inner=across,
             shares=shares,
             starts=tuple(s - first for s in starts[o * inner : (o + 1) * inner + 1]),
             rank=i,
-            communicator=heads_comm,
+            communicator=_prepared(heads_part, self.group.inner, ranks, self.causal),
             group=self.group.inner,
         )
 
@@ -348,7 +345,7 @@ class _Checked:
     layout: DocumentLayout
     sequence: SequenceLayout
     shards: tuple[ShardPlan, ...] = ()
-    communicator: Communicator | None = None
+    communicator: CommunicatorChoice | None = None
     row_plans: tuple[RowPlan, ...] = ()
     size: PieceSize | None = None
 
@@ -441,8 +438,8 @@ def _check(
     def size(batch: int) -> PieceSize:
         return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
 
-    def communicator(shards: tuple[ShardPlan, ...], batch: int) -> Communicator:
-        return resolver.communicator_for(
+    def communicator(shards: tuple[ShardPlan, ...], batch: int) -> CommunicatorChoice:
+        return resolver.choose_communicator(
             ranks,
             causal,
             options.communicator,  # type: ignore[arg-type]
@@ -775,10 +772,20 @@ def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallSt
     return CallState(draw_seed(plan.dropout_p), stats, plan.lse_used, needed)  # type: ignore[arg-type]
 
 
+def _prepared(
+    chosen: CommunicatorChoice, group: object, plans: tuple[ShardPlan, ...], causal: bool
+) -> Communicator:
+    """``chosen``'s instance, prepared for ``plans`` (its group's ranks') on ``group``."""
+    chosen.instance.prepare(group, plans, causal)
+    return chosen.instance
+
+
 def _communicator_names(checked: _Checked) -> str:
     """The communicator of every group of rows (one, without padding), by type."""
-    chosen: list[object] = [c for _, _, c in checked.row_plans] or [checked.communicator]
-    return ",".join(type(c).__name__ for c in chosen)
+    chosen: list[CommunicatorChoice | None] = [c for _, _, c in checked.row_plans]
+    return ",".join(
+        type(c.instance if c else None).__name__ for c in chosen or [checked.communicator]
+    )
 
 
 def _shard_length(k: object) -> int:

@@ -13,30 +13,30 @@ Every rank calls ``exchange`` for the same steps in the same order; a peer with 
 or receive is simply absent from the mappings. A communicator is a transport and keeps no count:
 the sharded run adds the bytes of each exchange to the call's :class:`TransferStats`.
 
-**Delivery.** A communicator may declare a class attribute ``delivery``:
+**Description.** A communicator is described by its
+:class:`~ringdilated.core.select.communicator_spec.CommunicatorSpec`, never by the instance,
+which only moves bytes. The spec's ``delivery`` says what the sharded run sends it:
 
-- ``"pairwise"`` (the default when absent): each rank sends each peer exactly what that peer's
-  queries see (its payload, the analytic minimum); sizes differ per pair.
+- ``"pairwise"`` (the default): each rank sends each peer exactly what that peer's queries see
+  (its payload, the analytic minimum); sizes differ per pair.
 - ``"broadcast"``: at each step each rank sends *one* payload, the union of what any peer needs,
   padded to the largest of the group's, to every peer of the step, and every peer of the step
   is present in ``sends`` and ``recvs`` (``uniform=True``): what a collective such as
   ``all_gather`` moves. Receivers take their part and ignore the rest; the bytes above the
   minimum are counted like any others. Gradients always return pairwise (``uniform=False``).
 
-**Parallelism.** A communicator may also declare ``parallelism``: ``"sequence"`` (the default:
-ranks keep their sequence shards and exchange crossing pieces, as above) or ``"heads"``: the
-call runs by head parallelism (:mod:`ringdilated.core.run.head_parallel`): each exchange sends every
-peer one flat tensor of bytes at once (all peers in one step, ``uniform=False``), turning
-sequence shards into whole-sequence head shares and back. ``"hybrid"``: on a 2-D
+Its ``parallelism`` says how the call uses it: ``"sequence"`` (the default: ranks keep their
+sequence shards and exchange crossing pieces, as above) or ``"heads"``: the call runs by head
+parallelism (:mod:`ringdilated.core.run.head_parallel`): each exchange sends every peer one flat
+tensor of bytes at once (all peers in one step, ``uniform=False``), turning sequence shards into
+whole-sequence head shares and back. ``"hybrid"``: on a 2-D
 :class:`~ringdilated.core.call.grid.Grid`, head parallelism within its inner groups and sequence
-pieces across its outer groups; the communicator then holds one communicator for each, as its
-attributes ``heads`` (parallelism ``"heads"``) and ``sequence`` (``"sequence"``). That rule lives
-in :func:`layout_mismatch` and :func:`hybrid_parts`, and nowhere else.
+pieces across its outer groups, by the two communicators the spec names as its ``parts``
+(``"heads"``, then ``"sequence"``), each resolved by name and prepared like any other.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -55,19 +55,18 @@ __all__ = [
     "Communicator",
     "Pending",
     "TransferStats",
-    "delivery_of",
     "every_peer_at_once",
-    "hybrid_parts",
     "layout_mismatch",
-    "parallelism_of",
     "process_group",
 ]
 
 DELIVERIES = ("pairwise", "broadcast")
-"""The ways a communicator may deliver pieces (see the module docstring)."""
+"""The ways a communicator may deliver pieces (``CommunicatorSpec.delivery``; see the module
+docstring)."""
 
 PARALLELISMS = ("sequence", "heads", "hybrid")
-"""How a communicator splits a call's work between ranks (see the module docstring)."""
+"""How a communicator splits a call's work between ranks (``CommunicatorSpec.parallelism``; see
+the module docstring)."""
 
 
 @register
@@ -107,11 +106,12 @@ class Communicator(Protocol):
         ...
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        """Called on every rank, with every rank's plan, once per planned call (when a call
-        signature is first planned on a layout, or per call without a layout), before its first
-        exchange; later calls of the plan exchange without it. It must not create process
-        groups: ``dist.new_group`` is a collective over the whole default group, which
-        independent groups (those of a mesh) reach at different times."""
+        """Called on every rank of ``group`` (the group it exchanges on), with each of its
+        ranks' plans, once per planned call (when a call signature is first planned on a layout,
+        or per call without a layout), before its first exchange; later calls of the plan
+        exchange without it. A hybrid's parts are prepared alike, each on its own group. It
+        must not create process groups: ``dist.new_group`` is a collective over the whole
+        default group, which independent groups (those of a mesh) reach at different times."""
         ...
 
     def exchange(
@@ -130,29 +130,6 @@ class Communicator(Protocol):
         ...
 
 
-def delivery_of(communicator: object) -> str:
-    """``communicator.delivery`` (``"pairwise"`` when absent); raises ``ValueError`` naming any
-    other value."""
-    delivery = getattr(communicator, "delivery", "pairwise")
-    if not isinstance(delivery, str) or delivery not in DELIVERIES:
-        raise ValueError(
-            f"{type(communicator).__name__}.delivery must be one of {DELIVERIES}, got {delivery!r}"
-        )
-    return str(delivery)
-
-
-def parallelism_of(communicator: object) -> str:
-    """``communicator.parallelism`` (``"sequence"`` when absent); raises ``ValueError`` naming
-    any other value."""
-    parallelism = getattr(communicator, "parallelism", "sequence")
-    if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
-        raise ValueError(
-            f"{type(communicator).__name__}.parallelism must be one of {PARALLELISMS}, got "
-            f"{parallelism!r}"
-        )
-    return str(parallelism)
-
-
 def layout_mismatch(runs_on: int, call_has: int) -> str | None:
     """Why a communicator that runs on ``runs_on``-D process layouts (1: a process group; 2: a
     2-D grid, parallelism ``hybrid``) cannot serve a call on a ``call_has``-D one; ``None``
@@ -162,23 +139,6 @@ def layout_mismatch(runs_on: int, call_has: int) -> str | None:
     layouts = {1: "a process group", 2: "a 2-D process layout (a 2-D DeviceMesh)"}
     runs = layouts.get(runs_on, f"{runs_on}-D layouts")
     return f"runs on {runs}, the call has {layouts.get(call_has, f'a {call_has}-D layout')}"
-
-
-def hybrid_parts(communicator: object) -> tuple[Communicator, Communicator]:
-    """A ``hybrid`` communicator's ``heads`` and ``sequence`` communicators (module docstring);
-    raises ``TypeError`` naming the one missing or of another parallelism."""
-    parts: list[Communicator] = []
-    for name in ("heads", "sequence"):
-        part = getattr(communicator, name, None)
-        with contextlib.suppress(ValueError):  # an unknown parallelism is another one
-            if isinstance(part, Communicator) and parallelism_of(part) == name:
-                parts.append(part)
-                continue
-        raise TypeError(
-            f"{type(communicator).__name__}.{name} must be a Communicator of parallelism "
-            f"{name!r} (a hybrid communicator holds one of each), got {part!r}"
-        )
-    return parts[0], parts[1]
 
 
 def every_peer_at_once(rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:

@@ -33,6 +33,7 @@ __all__ = [
     "ints",
     "names",
     "non_empty_str",
+    "one_of",
     "optional",
     "positive_int",
     "requirements",
@@ -95,6 +96,11 @@ def _is_str(value: object) -> bool:
 def optional(rule: Rule) -> Rule:
     """``None``, or what ``rule`` accepts."""
     return Rule(f"None or {rule.expected}", lambda v: v is None or rule.check(v), rule.kind)
+
+
+def one_of(values: tuple[str, ...]) -> Rule:
+    """Exactly a str among ``values``."""
+    return Rule(f"one of {values}", lambda v: _is_str(v) and v in values, _is_str)
 
 
 def _tuple_of(kind: type | Callable[[Any], bool]) -> Callable[[Any], bool]:

@@ -12,8 +12,9 @@ Call flow on every rank (the same steps in the same order)::
     exchange.finish(dk, dv)                       # backward: wait, add what came back
 
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
-rank stays O(L / P) with a pairwise communicator. A broadcast one (``delivery = "broadcast"``,
-see :mod:`ringdilated.core.contract.communicator`) receives every peer of a step at once: each
+rank stays O(L / P) with a pairwise communicator. A broadcast one (its spec's
+``delivery="broadcast"``, see :mod:`ringdilated.core.contract.communicator`; the caller passes
+``broadcast=True``) receives every peer of a step at once: each
 rank's broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
 bytes of every exchange are added to the call's ``TransferStats`` when it has one.
 """
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from ringdilated.core.contract.communicator import Pending, TransferStats, delivery_of
+from ringdilated.core.contract.communicator import Pending, TransferStats
 from ringdilated.core.plan.shards import Crossing, Payload, broadcast_payload, payload
 from ringdilated.core.run import wire as wire
 
@@ -76,17 +77,20 @@ class PieceExchange:
         k: torch.Tensor,
         v: torch.Tensor,
         stats: TransferStats | None,
+        *,
+        broadcast: bool,
     ) -> None:
         """``plans``: every rank's shard plan; ``rank``: this rank's index in them; the pieces
         move through ``communicator`` on ``group``; ``k``, ``v``: this rank's shard (kernel
-        layout); ``stats`` counts the bytes moved (``None``: not counted)."""
+        layout); ``stats`` counts the bytes moved (``None``: not counted); ``broadcast``: its
+        delivery is broadcast (else pairwise)."""
         self.plans, self.rank, self.communicator, self.group = plans, rank, communicator, group
         self.plan = plans[rank]
         self.k, self.v, self.stats = k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
         self.steps = communicator.schedule(rank, len(plans))
         self.causal = causal
-        self.broadcast = delivery_of(communicator) == "broadcast"
+        self.broadcast = broadcast
         self._next: _Step | None = None
         self._returning: _Return | None = None
 

@@ -52,14 +52,16 @@ __all__ = ["ShardedRun"]
 class ShardedRun:
     """A sharded plan's fixed parts, built once and reused by every call of the plan.
     ``inner`` is the single-process run of the inner blocks; ``plans`` every rank's shard plan,
-    ``plan`` this rank's. A call's dropout seed is its part ``("shard", rank)``: every rank's
-    inner blocks count from 0."""
+    ``plan`` this rank's; ``broadcast``: the communicator's spec declares broadcast delivery.
+    A call's dropout seed is its part ``("shard", rank)``: every rank's inner blocks count
+    from 0."""
 
     inner: Run
     plans: tuple[ShardPlan, ...]
     rank: int
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
+    broadcast: bool = attrs.field(kw_only=True)
     _options: dict[tuple[int, bool], BlockOptions] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
@@ -199,6 +201,15 @@ class ShardedRun:
             dropout_seed=seed,
         )
 
+    def _exchange(
+        self, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
+    ) -> PieceExchange:
+        """The exchange of this rank's pieces of ``k``, ``v`` (its shard)."""
+        return PieceExchange(
+            self.plans, self.rank, self.communicator, self.group, self.inner.causal, k, v, stats,
+            broadcast=self.broadcast,
+        )  # fmt: skip
+
     def _partial_backward(
         self, options: BlockOptions, inputs: BackwardInputs
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -209,11 +220,3 @@ class ShardedRun:
             dq_l, dk_l = lse_gradient(self.kernel, options, dlse, q, k, v, lse)
             dq, dk = dq.to(lse.dtype) + dq_l, dk.to(lse.dtype) + dk_l
         return dq, dk, dv
-
-    def _exchange(
-        self, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
-    ) -> PieceExchange:
-        """The exchange of this rank's pieces of ``k``, ``v`` (its shard)."""
-        return PieceExchange(
-            self.plans, self.rank, self.communicator, self.group, self.inner.causal, k, v, stats
-        )

@@ -16,13 +16,14 @@ For every rank, from every rank's shard plan (nothing is sent to compute this):
 The modelled time of one forward exchange is ``steps * latency + hops * hop + max over ranks of
 (sent + received) / bandwidth``, with a :class:`Link` per transport (rough defaults for gloo and
 NCCL, not measured on GPUs; what decides is their ratios: the bytes one step's or one hop's
-latency is worth). ``auto`` takes the fitting
-communicator of least modelled time, priority breaking ties, and one whose traffic cannot be
-modelled (its ``schedule`` or ``delivery`` fails) after every one that can. The backward pass
-moves the same pieces again, plus the gradients of received pieces back to their owners (the
-minimum, pairwise), so the comparison holds for training too. Compute, and how well each
-communicator overlaps it, is not modelled: ``ringpass`` overlaps each step with the previous
-step's compute, ``allgather`` its one step with the inner blocks'.
+latency is worth). The delivery and parallelism are those the communicator's
+:class:`~ringdilated.core.select.communicator_spec.CommunicatorSpec` declares, the steps its
+instance's ``schedule``. ``auto`` takes the fitting communicator of least modelled time, priority
+breaking ties, and one whose traffic cannot be modelled (its ``schedule`` fails) after every one
+that can. The backward pass moves the same pieces again, plus the gradients of received pieces
+back to their owners (the minimum, pairwise), so the comparison holds for training too.
+Compute, and how well each communicator overlaps it, is not modelled: ``ringpass`` overlaps
+each step with the previous step's compute, ``allgather`` its one step with the inner blocks'.
 """
 
 from __future__ import annotations
@@ -32,12 +33,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from ringdilated.core.contract.communicator import (
-    Communicator,
-    delivery_of,
-    hybrid_parts,
-    parallelism_of,
-)
+from ringdilated.core.contract.communicator import Communicator
 from ringdilated.core.plan.heads import deal_heads, share_plan
 from ringdilated.core.plan.shards import (
     ShardPlan,
@@ -45,6 +41,7 @@ from ringdilated.core.plan.shards import (
     payload_positions,
     shard_plan,
 )
+from ringdilated.core.select.communicator_spec import CommunicatorChoice
 
 __all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
 
@@ -137,26 +134,32 @@ def _size(n: int) -> str:
 
 
 def traffic(
-    name: str,
-    communicator: Communicator,
+    chosen: CommunicatorChoice,
     plans: Sequence[ShardPlan],
     causal: bool,
     size: PieceSize,
     grid: tuple[int, int] | None = None,
 ) -> Traffic:
-    """What ``communicator`` (named ``name``) moves in a forward pass over ``plans`` (every
-    rank's, in flat rank order); ``grid``: ``(outer, inner)`` of a 2-D layout. Raises what the
-    communicator's ``schedule``, ``delivery`` or ``parallelism`` raises, and ``ValueError`` for
-    a hybrid communicator without a grid. Cached per problem (the plans are cached values, and
-    hash once)."""
-    # A communicator instance hashes by identity: the resolver keeps one per name.
-    return _traffic(name, communicator, tuple(plans), causal, size, grid)  # type: ignore[arg-type]
+    """What the communicator ``chosen`` (a spec beside its instance) moves in a forward pass
+    over ``plans`` (every rank's, in flat rank order): its spec says the delivery and
+    parallelism, its instance the schedule; ``grid``: ``(outer, inner)`` of a 2-D layout. Raises
+    what the communicator's ``schedule`` raises, and ``ValueError`` for a hybrid communicator
+    without a grid. Cached per problem (the plans are cached values, and hash once)."""
+    ring = chosen.parts[1] if len(chosen.parts) == 2 else None
+    # An instance (and a choice) hashes by identity: the resolver keeps one instance per name.
+    return _traffic(
+        chosen.name, chosen.instance, chosen.parallelism,  # type: ignore[arg-type]
+        chosen.broadcast, ring, tuple(plans), causal, size, grid,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
 def _traffic(
     name: str,
     communicator: Communicator,
+    parallelism: str,
+    broadcast: bool,
+    ring: CommunicatorChoice | None,
     plans: tuple[ShardPlan, ...],
     causal: bool,
     size: PieceSize,
@@ -172,15 +175,16 @@ def _traffic(
         return unit * counts[src].get(dst, 0)
 
     minimum = tuple(sum(pairwise(r, y) for y in range(world) if y != r) for r in range(world))
-    parallelism = parallelism_of(communicator)
     if parallelism == "heads":
         sent, received = _head_parallel_bytes(plans, size)
         return Traffic(name, sent, received, minimum, 2, size.link)
     if parallelism == "hybrid":
         if grid is None:
             raise ValueError(f"{name!r} runs on a 2-D layout: its traffic needs the grid's shape")
-        return _hybrid_traffic(name, communicator, plans, causal, size, grid, minimum)
-    if delivery_of(communicator) == "broadcast":
+        if ring is None:
+            raise ValueError(f"{name!r} has no sequence part to move pieces across its groups")
+        return _hybrid_traffic(name, ring, plans, causal, size, grid, minimum)
+    if broadcast:
         width = unit * max(broadcast_positions(p, causal) for p in plans)
         sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
         steps = max(len(s) for s in schedules) if width else 0
@@ -222,7 +226,7 @@ def _head_parallel_bytes(
 
 def _hybrid_traffic(
     name: str,
-    communicator: object,
+    ring: CommunicatorChoice,
     plans: Sequence[ShardPlan],
     causal: bool,
     size: PieceSize,
@@ -231,7 +235,7 @@ def _hybrid_traffic(
 ) -> Traffic:
     """A 2-D run: head parallelism within each inner group, over the group's chunk, then the
     pieces of each rank's share of the heads across its outer group (pairwise, the minimum for
-    those heads)."""
+    those heads, moved by ``ring``: the hybrid's sequence part)."""
     outer, inner = grid
     first = plans[0]
     starts, length = first.starts, first.starts[-1]
@@ -244,7 +248,6 @@ def _hybrid_traffic(
             received[o * inner + i] += group_received[i]
     chunks = tuple(starts[(o + 1) * inner] - starts[o * inner] for o in range(outer))
     shares = deal_heads(first.pattern, length, first.num_heads, first.num_kv_heads, inner)
-    _, ring = hybrid_parts(communicator)
     ring_steps = 0
     for i, share in enumerate(shares):
         across = [
@@ -257,7 +260,7 @@ def _hybrid_traffic(
             )
             for o in range(outer)
         ]  # fmt: skip
-        moved = traffic(name, ring, across, causal, size)
+        moved = traffic(ring, across, causal, size)
         ring_steps = max(ring_steps, moved.steps)
         for o in range(outer):
             sent[o * inner + i] += moved.sent[o]

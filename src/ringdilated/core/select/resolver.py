@@ -9,9 +9,12 @@ Call flow::
 
 ``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name); for
 communicators, given every rank's shard plan, the one of least modelled exchange time
-(:mod:`ringdilated.core.select.cost`), priority breaking ties.
-A name forces that backend: it fits, or :class:`ResolutionError` lists its reasons. It never
-falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever ``"auto"`` was asked.
+(:mod:`ringdilated.core.select.cost`), priority breaking ties. A communicator is handed out as
+a :class:`~ringdilated.core.select.communicator_spec.CommunicatorChoice`: its spec (which says
+how the run uses it) beside its instance, and for a hybrid its two parts, resolved by the names
+its spec gives. A name forces that backend: it fits, or :class:`ResolutionError` lists its
+reasons. It never falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever
+``"auto"`` was asked.
 
 Plugins are contained: whatever a spec's ``priority_for``/``reasons`` (or the ``extra_reasons``,
 ``plan_reasons`` and factory it carries) raises or returns becomes a reason against that one
@@ -27,13 +30,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ringdilated.core.contract.communicator import (
-    Communicator,
-    delivery_of,
-    hybrid_parts,
-    layout_mismatch,
-    parallelism_of,
-)
+from ringdilated.core.contract.communicator import Communicator
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.select.capabilities import (
@@ -43,7 +40,12 @@ from ringdilated.core.select.capabilities import (
     KernelSpec,
     Request,
 )
-from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.select.communicator_spec import (
+    ROLES,
+    CommunicatorChoice,
+    CommunicatorSpec,
+    described_by_attributes,
+)
 from ringdilated.core.select.cost import PieceSize, Traffic, traffic
 from ringdilated.core.support.errors import ResolutionError
 
@@ -195,8 +197,7 @@ class Resolver:
         (``None``: a process group)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
-        chosen = self.communicator_for(world_size, causal, name, plans, size, grid)
-        chosen_name = next(n for n, c in self._communicators.items() if c is chosen)
+        chosen_name = self.choose_communicator(world_size, causal, name, plans, size, grid).name
         judged = self._judge_communicators(world_size, causal, plans, size, grid)
         if name != "auto":
             how = f"forced by communicator={name!r}"
@@ -229,8 +230,9 @@ class Resolver:
     ) -> list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]]:
         """Every communicator in ``auto``'s order of preference, with its reasons and, where it
         fits and ``plans`` and ``size`` are given, its traffic (or why that failed). Given
-        ``plans``, an instance declaring an unknown ``delivery`` or ``parallelism`` is rejected
-        with the reason (its run would raise). Never raises for what a plugin does."""
+        ``plans``, a spec whose ``delivery``, ``parallelism``, ``parts`` or ``dims`` breaks its
+        rule (one built around the validators) is rejected with the rule, and so is a hybrid
+        whose parts do not resolve. Never raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
         for spec in self.communicator_specs.values():
             dims = 1 if grid is None else 2
@@ -257,22 +259,23 @@ class Resolver:
         size: PieceSize | None,
         grid: tuple[int, int] | None,
     ) -> tuple[tuple[str, ...], Traffic | str | None]:
-        """A fitting communicator's instance checked (its factory, its declared ``delivery`` and
-        ``parallelism``: failures are reasons) and, given ``size``, its traffic (a failure there
-        is said, not a reason). Never raises for what a plugin does."""
+        """A fitting communicator checked (its spec's rules, its factory and a hybrid's parts:
+        failures are reasons) and, given ``size``, its traffic (a failure there is said,
+        not a reason). Never raises for what a plugin does."""
         try:
-            communicator = self._communicator(spec)
+            attrs.validate(spec)  # a spec built around its validators (its run would misread it)
+        except Exception as exc:  # a rule it breaks, or whatever a hostile field raises
+            return (describe_exception(exc),), None
+        try:
+            chosen = self._choice(spec, causal)
+        except ResolutionError as exc:  # a hybrid's part that does not resolve
+            return (describe_exception(exc),), None
         except Exception as exc:  # a plugin's factory may fail in any way
             return (f"factory failed: {type(exc).__name__}: {describe_exception(exc)}",), None
-        try:
-            delivery_of(communicator)
-            parallelism_of(communicator)
-        except ValueError as exc:
-            return (describe_exception(exc),), None
         if size is None:
             return (), None
         try:
-            return (), traffic(spec.name, communicator, plans, causal, size, grid)
+            return (), traffic(chosen, plans, causal, size, grid)
         except Exception as exc:  # a plugin's schedule may fail in any way
             return (), f"{type(exc).__name__}: {describe_exception(exc)}"
 
@@ -285,19 +288,38 @@ class Resolver:
         size: PieceSize | None = None,
         grid: tuple[int, int] | None = None,
     ) -> Communicator:
-        """The communicator for a group of ``world_size`` ranks: ``name`` forced, or for
-        ``"auto"`` the fitting one of least modelled time (given every rank's ``plans`` and the
-        ``size`` of a position; :mod:`ringdilated.core.select.cost`), priority breaking ties and
-        deciding alone without them; or a
-        :class:`~ringdilated.core.contract.communicator.Communicator` instance used as it is. A
-        forced one that does not fit raises with its reasons. ``plans`` also let a communicator
-        check that
-        it can move them."""
-        if _check_choice("communicator", name, self.communicator_specs):
-            assert isinstance(name, Communicator)
-            _check_instance_layout(name, world_size, grid)
-            return name
-        assert isinstance(name, str)
+        """The instance of :meth:`choose_communicator`'s choice."""
+        return self.choose_communicator(world_size, causal, name, plans, size, grid).instance
+
+    def choose_communicator(
+        self,
+        world_size: int,
+        causal: bool,
+        name: str | Communicator = "auto",
+        plans: Sequence[ShardPlan] = (),
+        size: PieceSize | None = None,
+        grid: tuple[int, int] | None = None,
+    ) -> CommunicatorChoice:
+        """The communicator for a group of ``world_size`` ranks, beside the spec describing it:
+        ``name`` forced, or for ``"auto"`` the fitting one of least modelled time (given every
+        rank's ``plans`` and the ``size`` of a position; :mod:`ringdilated.core.select.cost`),
+        priority breaking ties and deciding alone without them; or a ``Communicator`` instance
+        used as it is (:meth:`describe_communicator`). A forced one that does not fit raises
+        with its reasons; a hybrid's parts are resolved by name, as forced names are."""
+        if isinstance(name, Communicator) and not isinstance(name, str):
+            chosen = self.describe_communicator(name, causal)
+            _check_instance_layout(chosen, world_size, grid)
+            return chosen
+        if not isinstance(name, str):
+            raise TypeError(
+                "communicator must be 'auto', a communicator name (str) or a Communicator "
+                f"instance, got {name!r}"
+            )
+        if name != "auto" and name not in self.communicator_specs:
+            known = ", ".join(sorted(self.communicator_specs)) or "none"
+            raise ValueError(
+                f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
+            )
         # Traffic is modelled only to choose: a forced name needs none (explain shows it).
         modelled = size if name == "auto" else None
         judged = self._judge_communicators(world_size, causal, plans, modelled, grid)
@@ -308,7 +330,9 @@ class Resolver:
             if verdicts[spec.name]:
                 continue
             try:
-                return self._communicator(spec)
+                return self._choice(spec, causal)
+            except ResolutionError as exc:  # a hybrid's part that does not resolve
+                verdicts[spec.name] = (describe_exception(exc),)
             except Exception as exc:  # a plugin's factory may fail in any way
                 verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
         if name != "auto":
@@ -318,6 +342,64 @@ class Resolver:
             )
         detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s, _, _ in judged)
         raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
+
+    def describe_communicator(self, communicator: Communicator, causal: bool) -> CommunicatorChoice:
+        """A user's communicator instance, described by the registered spec whose factory builds
+        its class (or its nearest base), else for one release by its own attributes
+        (:func:`~ringdilated.core.select.communicator_spec.described_by_attributes`). Raises
+        :class:`ResolutionError` naming the instance for a description it cannot use."""
+        what = type(communicator).__name__
+        try:
+            spec = self._spec_of_class(type(communicator))
+            if spec is None:
+                return described_by_attributes(
+                    communicator, lambda part: self.describe_communicator(part, causal)
+                )
+            return CommunicatorChoice(spec, communicator, self._parts(spec, causal))
+        except ValueError as exc:
+            raise ResolutionError(f"communicator {what} instance: {exc}") from None
+
+    def _spec_of_class(self, cls: type) -> CommunicatorSpec | None:
+        """The registered spec whose factory builds ``cls`` or its nearest base (the first
+        registered, where several do); ``None`` for none."""
+        built: dict[type, CommunicatorSpec] = {}
+        for spec in self.communicator_specs.values():
+            try:
+                built.setdefault(type(self._communicator(spec)), spec)
+            except Exception:  # a plugin's factory may fail in any way: it builds nothing
+                continue
+        return next((built[base] for base in cls.__mro__ if base in built), None)
+
+    def _choice(self, spec: CommunicatorSpec, causal: bool) -> CommunicatorChoice:
+        """``spec``'s instance (built once) and, for a hybrid, its parts. Raises what the
+        factory raises, and :class:`ResolutionError` for a part that does not resolve."""
+        return CommunicatorChoice(spec, self._communicator(spec), self._parts(spec, causal))
+
+    def _parts(self, spec: CommunicatorSpec, causal: bool) -> tuple[CommunicatorChoice, ...]:
+        """A hybrid spec's ``(heads, sequence)`` parts, resolved by name as forced names are:
+        known, of the parallelism of their role, serving ``causal``, built. Raises
+        :class:`ResolutionError` naming the part and why; ``()`` for any other spec."""
+        if spec.parallelism != "hybrid" or spec.parts is None:
+            return ()
+        parts = []
+        for role, name in zip(ROLES, spec.parts, strict=True):
+            part = self.communicator_specs.get(name)
+            why = None
+            if part is None:
+                known = ", ".join(sorted(self.communicator_specs)) or "none"
+                why = f"is no known communicator (known: {known})"
+            elif part.parallelism != role:
+                why = f"has parallelism {part.parallelism!r}, not {role!r}"
+            elif causal and not part.causal:
+                why = "cannot restrict sends to later ranks under causal=True"
+            else:
+                try:
+                    parts.append(CommunicatorChoice(part, self._communicator(part)))
+                except Exception as exc:  # a plugin's factory may fail in any way
+                    why = f"is not built: {type(exc).__name__}: {describe_exception(exc)}"
+            if why is not None:
+                raise ResolutionError(f"its {role} part {name!r} {why}")
+        return tuple(parts)
 
     def _communicator(self, spec: CommunicatorSpec) -> Communicator:
         if spec.name not in self._communicators:
@@ -405,24 +487,19 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
 
 
 def _check_instance_layout(
-    communicator: Communicator, world_size: int, grid: tuple[int, int] | None
+    chosen: CommunicatorChoice, world_size: int, grid: tuple[int, int] | None
 ) -> None:
-    """Raise :class:`ResolutionError` when a communicator passed as an instance declares an
-    unknown ``delivery`` or ``parallelism``, lacks a hybrid's parts (:func:`hybrid_parts`) or
-    cannot run on the call's layout (:func:`layout_mismatch`): a named one is rejected with the
-    same reasons."""
-    what = type(communicator).__name__
-    try:
-        parallelism = parallelism_of(communicator)
-        delivery_of(communicator)
-        if parallelism == "hybrid":
-            hybrid_parts(communicator)
-    except (TypeError, ValueError) as exc:
-        raise ResolutionError(f"communicator {what} instance: {exc}") from None
-    mismatch = layout_mismatch(2 if parallelism == "hybrid" else 1, 1 if grid is None else 2)
-    if world_size > 1 and mismatch is not None:
+    """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
+    the call's layout (a hybrid one needs a 2-D layout, every other kind a process group): a
+    named one is rejected with the same reason."""
+    what = type(chosen.instance).__name__
+    parallelism = chosen.parallelism
+    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
+        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
+        has = "a process group" if grid is None else "a 2-D layout"
         raise ResolutionError(
-            f"communicator {what} instance (parallelism {parallelism!r}) {mismatch}"
+            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
+            f"call has {has}"
         )
 
 
