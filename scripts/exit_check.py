@@ -16,8 +16,9 @@ results. Not part of the test run (it takes minutes)::
     .venv/bin/python scripts/exit_check.py --runs 60 --cases ulysses --world 2 --bare \
         --src /tmp/old/src                                            # 10 of 60 aborted here
 
-``--bare``: each rank makes three sharded calls, forward and backward, with no model (the
-pattern that aborted most often); ``--src``: the ranks import ringdilated from that tree.
+``--bare``: each rank makes ``max(--steps, 3)`` sharded calls, forward and backward, with no
+model (the pattern that aborted most often); ``--src``: the ranks import ringdilated from that
+tree (each rank checks it did).
 
 Prints one line per run and a summary per case; exits 1 if any rank's status was not 0.
 """
@@ -50,6 +51,9 @@ def rank_main(
 
     import ringdilated
 
+    wanted = os.environ.get("EXIT_CHECK_SRC")
+    if wanted and not os.path.abspath(ringdilated.__file__).startswith(os.path.abspath(wanted)):
+        raise SystemExit(f"--src {wanted}: ringdilated was imported from {ringdilated.__file__}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,7 +124,10 @@ def run_job(case: str, world: int, args: argparse.Namespace) -> list[int]:
     argv += ["--one-cpu"] if args.one_cpu else []
     argv += ["--bare"] if args.bare else []
     if args.src:  # the ranks import ringdilated from this source tree (an older commit's)
+        if not os.path.isfile(os.path.join(args.src, "ringdilated", "__init__.py")):
+            raise SystemExit(f"--src {args.src}: no ringdilated/__init__.py there (pass its src/)")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.src, env.get("PYTHONPATH")]))
+        env["EXIT_CHECK_SRC"] = args.src  # each rank checks where it imported ringdilated from
     procs = [
         subprocess.Popen(
             argv,
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bare",
         action="store_true",
-        help="each rank makes three sharded calls, forward and backward, with no model or FSDP",
+        help="each rank makes max(--steps, 3) sharded calls, forward and backward, with no model "
+        "or FSDP",
     )
     parser.add_argument(
         "--src",

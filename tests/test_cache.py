@@ -22,10 +22,6 @@ from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
 from ringdilated.testing.hot_path import HotPathCounter
 from tests.strategies import Case, cases
 
-# tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is
-# then zeros, checked against the oracle): the PaddingMaskWarning such a mask gives is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:key_padding_mask .* is True at every position")
-
 
 def _bound(case: Case) -> int:
     """Positions a cache may hold: every run of heads keeps at most one segment's selected
@@ -901,6 +897,21 @@ def test_caches_deep_copied_with_their_model_belong_to_its_copies_and_swaps_are_
         for block, cache, block2, cache2 in zip(model, caches, model2, caches2, strict=True):
             h, h2 = block(h, cache=cache), block2(h2, cache=cache2)
     assert torch.equal(h2, h)
+
+
+def test_a_shallow_copy_shares_its_buffers_and_keeps_its_module() -> None:
+    """A re-review: ``copy.copy(cache)`` went through pickling's state, belonged to no module
+    and shared the buffers, so another layer adopted it and wrote into this layer's cache. It
+    keeps the owner: the other layer refuses it, the buffers untouched."""
+    import copy
+
+    model, caches, x = _decoded_blocks()
+    shallow = copy.copy(caches[0])
+    assert shallow.owner is model[0].attn and shallow._keys is caches[0]._keys
+    kept = _state(caches[0])
+    with torch.no_grad(), pytest.raises(ValueError, match="belongs to another module"):
+        model[1](x[:, 7:8], cache=shallow)
+    assert caches[0].lengths == kept[0] and all(map(torch.equal, _state(caches[0])[1:], kept[1:]))
 
 
 def test_a_cache_deep_copied_alone_keeps_its_module() -> None:

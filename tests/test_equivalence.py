@@ -11,10 +11,6 @@ import ringdilated
 from ringdilated.testing import assert_within_tolerance, dense_attention, oracle
 from tests.strategies import Case, cases, loss_of, upstream
 
-# tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is
-# then zeros, checked against the oracle): the PaddingMaskWarning such a mask gives is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:key_padding_mask .* is True at every position")
-
 KERNELS = ["sdpa", "reference"]
 
 

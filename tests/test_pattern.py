@@ -11,10 +11,6 @@ from hypothesis import strategies as st
 from ringdilated import DilationPattern
 from tests.strategies import patterns
 
-# tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is
-# then zeros, checked against the oracle): the PaddingMaskWarning such a mask gives is expected.
-pytestmark = pytest.mark.filterwarnings("ignore:key_padding_mask .* is True at every position")
-
 
 @given(pattern=patterns(), num_heads=st.integers(1, 40))
 def test_head_group_sizes(pattern: tuple, num_heads: int) -> None:

@@ -362,11 +362,18 @@ class DilatedKVCache:
 
     def __getstate__(self) -> dict[str, object]:
         """Pickling keeps everything but the owner (a weak reference): a saved and loaded cache
-        belongs to no module until one is passed it (:meth:`bind`). ``copy.deepcopy`` keeps
-        the owner (:meth:`__deepcopy__`)."""
+        belongs to no module until one is passed it (:meth:`bind`). ``copy.copy`` and
+        ``copy.deepcopy`` keep the owner (:meth:`__copy__`, :meth:`__deepcopy__`)."""
         state = dict(self.__dict__)
         state["_owner"], state["_owner_name"] = None, ""
         return state
+
+    def __copy__(self) -> DilatedKVCache:
+        """A shallow copy shares this cache's buffers, so it keeps its owner too: only the same
+        module may write into them (through either object)."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DilatedKVCache:
         """A copy of every buffer that belongs to the owner's copy when this ``deepcopy`` has

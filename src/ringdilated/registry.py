@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 from ringdilated.core.select.capabilities import PACKAGES_ENV_VAR, Environment
 from ringdilated.core.select.resolver import Resolver
+from ringdilated.core.support.caller import user_stacklevel
 from ringdilated.core.support.env import unknown_names
+from ringdilated.core.support.errors import PluginWarning
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 from ringdilated.plugins.manager import PluginRegistry, load_registry
 
@@ -43,9 +46,10 @@ def default_resolver() -> Resolver:
 def _check_packages(env: Environment, registry: PluginRegistry) -> None:
     """Raise ``ValueError`` naming ``RINGDILATED_PACKAGES`` for a package in ``env.packages``
     that no kernel lists in ``Capabilities.requires``: a loaded one, or a built-in one even when
-    blocked. A plugin that failed to load does not turn the check off (a misspelt name would
-    then pass whenever an unrelated plugin is broken); the message names the failed plugins,
-    whose kernels' packages are unknown, as possibly requiring the name."""
+    blocked. Where a plugin failed to load (only outside strict mode: strict mode raised
+    already), its kernels' packages are unknown and the name may be one of them: the same
+    message, naming the failed plugins, comes as a :class:`PluginWarning` instead, so a broken
+    plugin does not stop every other backend and a misspelt name is still reported."""
     if env.packages is None:
         return
     specs = [*registry.kernels.values(), *(k for p in BUILTIN_PLUGINS for k in p.kernels)]
@@ -61,6 +65,8 @@ def _check_packages(env: Environment, registry: PluginRegistry) -> None:
             f"{'it' if len(unknown) == 1 else 'them'}: {', '.join(failed)} (fix them, or drop "
             f"the name from {PACKAGES_ENV_VAR})"
         )
+        warnings.warn(message, PluginWarning, stacklevel=user_stacklevel())
+        return
     raise ValueError(message)
 
 

@@ -76,10 +76,11 @@ def warn_if_launched_alone(subject: str = "this call runs") -> None:
         f"of {ranks} ranks (a launcher such as torchrun set it), but torch.distributed is not "
         f"initialised, so {subject} as one process over this rank's tensors alone, as if "
         "they were the whole sequence (process_group=None; dist.group.WORLD is None until "
-        "torch.distributed.init_process_group() is called). Call "
-        "torch.distributed.init_process_group() before taking the process_group you pass, or "
-        f"unset {LAUNCHER_WORLD_SIZE_ENV} if every process should attend on its own. (Warned "
-        "once per process.)",
+        "torch.distributed.init_process_group() is called). To shard the sequence, call "
+        "torch.distributed.init_process_group() before taking the process_group you pass. If "
+        "every rank should attend over its own whole sequences (data parallelism: DDP, FSDP "
+        "over the batch), this is expected: silence it with warnings.filterwarnings('ignore', "
+        "category=ringdilated.DistributedNotInitializedWarning). (Warned once per process.)",
         DistributedNotInitializedWarning,
         stacklevel=user_stacklevel(),
     )
