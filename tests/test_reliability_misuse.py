@@ -4,6 +4,8 @@ documents or padding on the meta device, and an empty shard on one rank."""
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -262,3 +264,24 @@ def test_several_empty_shards_are_all_named() -> None:
     with pytest.raises(ValueError, match=r"shard lengths \(8, 0, 8, 0\) \(ranks 1, 3 hold none\)"):
         check_shard_lengths((8, 0, 8, 0))
     check_shard_lengths((8, 1))
+
+
+def test_a_warning_through_a_wrapper_library_names_the_user_s_line(
+    launched: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """A re-review: only transformers' frames were skipped, so a warning raised under an
+    accelerate hook (or a peft wrapper) named the wrapper's file. An imported package of that
+    name (here a stand-in ``accelerate`` whose hook calls into ringdilated) is skipped too."""
+    import importlib.util
+
+    package = tmp_path / "accelerate"
+    package.mkdir()
+    (package / "__init__.py").write_text("def call(function):\n    return function()\n")
+    spec = importlib.util.spec_from_file_location("accelerate", package / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    stand_in = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stand_in)
+    launched.setitem(sys.modules, "accelerate", stand_in)
+    with pytest.warns(DistributedNotInitializedWarning) as caught:
+        stand_in.call(grid.warn_if_launched_alone)
+    assert caught[0].filename == __file__, caught[0].filename

@@ -29,19 +29,24 @@ def _folder(module: object) -> str | None:
     return os.path.dirname(os.path.abspath(filename)) + os.sep
 
 
+_WRAPPERS = ("transformers", "accelerate", "peft")
+"""Packages whose frames stand between a user's line and ringdilated once imported: a Hugging
+Face model's layers call the adapter (its warnings would name ``modeling_llama.py``),
+accelerate's hooks and peft's wrappers call a model's ``forward``."""
+
+
 def _libraries() -> tuple[str, ...]:
     """The folders whose frames stand between a user's line and ringdilated: ringdilated's,
     torch's (``nn.Module.__call__``, ``torch._dynamo``'s wrappers, ``torch.utils.checkpoint``)
-    and, once imported, transformers' (a model's layers call the Hugging Face adapter, so its
-    warnings would name ``modeling_llama.py``). transformers is looked up in ``sys.modules``,
-    never imported: the frames can only be its when it is."""
-    transformers = _folder(sys.modules.get("transformers"))
-    return (_PACKAGE, _TORCH) if transformers is None else (_PACKAGE, _TORCH, transformers)
+    and those of :data:`_WRAPPERS` that are imported. They are looked up in ``sys.modules``,
+    never imported: the frames can only be theirs when they are."""
+    found = (_folder(sys.modules.get(name)) for name in _WRAPPERS)
+    return (_PACKAGE, _TORCH, *(f for f in found if f is not None))
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` that makes a warning issued by the caller of this function name the
-    first frame outside ringdilated, torch and transformers (see :func:`_libraries`): 2 would
+    first frame outside ringdilated, torch and the wrappers (see :func:`_libraries`): 2 would
     name the function that calls ``warnings.warn``; each library frame above it adds one."""
     inside = _libraries()
     frame = sys._getframe(1)  # the function that warns
