@@ -23,6 +23,7 @@ MOVED: dict[str, str] = {
     f"ringdilated.core.{old}": new
     for old, new in {
         "env": "ringdilated.core.support.env",
+        "caller": "ringdilated.core.support.caller",
         "opaque": "ringdilated.core.support.opaque",
         "pattern": "ringdilated.core.plan.pattern",
         "layout": "ringdilated.core.plan.documents",
