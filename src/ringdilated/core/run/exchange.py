@@ -4,7 +4,8 @@ their owners.
 
 Call flow on every rank (the same steps in the same order)::
 
-    exchange = PieceExchange(run, k, v, stats)
+    exchange = PieceExchange(plans, rank, communicator, group, causal, k, v, stats,
+                             broadcast=spec_says_broadcast)
     exchange.start()                              # step 1 in flight before any local work
     for step, received in exchange:               # step t+1 already in flight while t computes
         ... compute with received pieces ...
@@ -14,9 +15,9 @@ Call flow on every rank (the same steps in the same order)::
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
 rank stays O(L / P) with a pairwise communicator. A broadcast one (its spec's
 ``delivery="broadcast"``, see :mod:`ringdilated.core.contract.communicator`; the caller passes
-``broadcast=True``) receives every peer of a step at once: each
-rank's broadcast payload, padded to the group's largest, from which a receiver extracts its own. The
-bytes of every exchange are added to the call's ``TransferStats`` when it has one.
+``broadcast=True``) receives every peer of a step at once: each rank's broadcast payload, padded
+to the group's largest, from which a receiver extracts its own. The bytes of every exchange are
+added to the call's ``TransferStats`` when it has one.
 """
 
 from __future__ import annotations
