@@ -564,7 +564,7 @@ def _bf16_choice(ctx: Context, section: Section, row: Callable[[str, object], No
         dtype=torch.bfloat16,
         head_dim=128,
         compute_capability=ctx.capability(),
-        causal=True,
+        window=True,
         backward=True,
     )
     try:
@@ -910,7 +910,7 @@ def _oracle_row(
 ) -> dict[str, Any]:
     s = ctx.sizes.oracle
     row: dict[str, Any] = {"kernel": name, "dtype": dtype_name(dtype), "case": case.label()}
-    common = {"head_dim": s["head_dim"], "causal": case.causal, "gqa": truth["gqa"]}
+    common = {"head_dim": s["head_dim"], "window": case.causal, "gqa": truth["gqa"]}
     backward_reasons = reasons(ctx, name, dtype, backward=True, **common)
     forward_reasons = reasons(ctx, name, dtype, backward=False, **common)
     if forward_reasons:
@@ -1004,7 +1004,7 @@ def layer_cases(
 
     kw = {"segment_lengths": s["segments"], "dilation_rates": s["rates"], "causal": True}
     for name in kernel_names(ctx):
-        why = reasons(ctx, name, dtype, backward=backward, head_dim=D, causal=True, gqa=True)
+        why = reasons(ctx, name, dtype, backward=backward, head_dim=D, window=True, gqa=True)
         if missing_packages(ctx, name) or why:
             why = why or tuple(f"{p} not importable" for p in missing_packages(ctx, name))
             yield {
@@ -1282,7 +1282,7 @@ def section_throughput(ctx: Context, section: Section) -> None:
     )
     kernels = []
     for name in kernel_names(ctx, FAST_KERNELS):
-        why = reasons(ctx, name, dtype, backward=False, head_dim=D, causal=True)
+        why = reasons(ctx, name, dtype, backward=False, head_dim=D, window=True)
         missing = missing_packages(ctx, name)
         if missing or why:
             text = "; ".join(why) or f"{', '.join(missing)} not importable"
@@ -1310,7 +1310,7 @@ def section_throughput(ctx: Context, section: Section) -> None:
                     row["pass"] = "fwd+bwd" if backward else "fwd"
                     if name != "dense sdpa (flash)":
                         backward_why = reasons(
-                            ctx, name, dtype, backward=True, head_dim=D, causal=causal
+                            ctx, name, dtype, backward=True, head_dim=D, window=causal
                         )
                         if backward and backward_why:
                             row["status"] = "skipped: " + "; ".join(backward_why)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringdilated.core import FULL
 from ringdilated.pool import Workers
 from ringdilated.testing.communicators import case_inputs as full_inputs
 from ringdilated.testing.communicators import sharded_run as sharded_case
@@ -244,7 +245,7 @@ def stats_and_instances(payload: dict[str, Any]) -> dict[str, Any]:
     plan = shard_plan(DilationPattern([32], [2]), 32, 2, 2, rank, world)
     return {
         "sent": (first.bytes_sent, second.bytes_sent),
-        "minimum": plan.elements_sent(8, 1, causal=False) * 8,
+        "minimum": plan.elements_sent(8, 1, FULL) * 8,
         "errors": errors,
     }
 

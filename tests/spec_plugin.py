@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core import CommunicatorSpec, ShardPlan, every_peer_at_once, process_group
+from ringdilated.core import (
+    CommunicatorSpec,
+    KeyWindow,
+    ShardPlan,
+    every_peer_at_once,
+    process_group,
+)
 from ringdilated.functional import default_resolver
 
 PREPARED: list[tuple[str, int, int, bool]] = []
@@ -22,8 +28,15 @@ PREPARED: list[tuple[str, int, int, bool]] = []
 class _Recording:
     label = ""
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
-        PREPARED.append((self.label, dist.get_world_size(process_group(group)), len(plans), causal))
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
+        PREPARED.append(
+            (
+                self.label,
+                dist.get_world_size(process_group(group)),
+                len(plans),
+                window.hides_later_keys,
+            )
+        )
 
 
 class Broadcasting(_Recording):
@@ -95,7 +108,7 @@ class Container(_Recording):
         raise RuntimeError("a hybrid's run exchanges through its parts")
 
 
-def _one_head_per_rank(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
+def _one_head_per_rank(plans: Sequence[ShardPlan], window: KeyWindow) -> tuple[str, ...]:
     if plans and plans[0].num_heads < len(plans):
         return ("needs one query head per rank",)
     return ()

@@ -9,9 +9,10 @@ import torch
 
 from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
-from ringdilated.core import KernelSpec, Resolver
+from ringdilated.core import KernelSpec, KeyWindow, Resolver
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.window import CAUSAL
 from ringdilated.core.run.local import (
     BatchLimitedKernel,
     CallState,
@@ -64,7 +65,7 @@ def test_no_call_exceeds_the_declared_limit_and_results_stay_exact(
     spy = SpyKernel()
     q, k, v = _inputs()
     run = pattern_run(
-        spy, pattern, q, k, causal=True, scale=None, dropout_p=0.0,
+        spy, pattern, q, k, window=CAUSAL, scale=None, dropout_p=0.0,
         batch_limit=limit,
     )  # fmt: skip
     out, _ = DilatedAttentionFunction.apply(q, k, v, run, CallState())
@@ -103,7 +104,7 @@ def test_batch_limited_kernel_splits_what_the_driver_cannot() -> None:
     limited = BatchLimitedKernel(spy, BatchLimit(problems=2))
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(5, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    options = BlockOptions(scale=0.4, causal_offset=1)
+    options = BlockOptions(scale=0.4, window=KeyWindow(None, 1))
     out, lse = limited.forward(q, k, v, options)
     whole_out, whole_lse = ReferenceKernel().forward(q, k, v, options)
     assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse)

@@ -11,7 +11,7 @@ import torch
 from ringdilated.backends._memeff import finite_lse
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.backends.sdpa import CpuFlashAttention, _mask_args
-from ringdilated.core import KernelSpec, Target
+from ringdilated.core import KernelSpec, KeyWindow, Target
 from ringdilated.core.contract.kernel import (
     BlockOptions,
     mark_non_finite_problems,
@@ -42,7 +42,7 @@ class LseOffByConstant(ReferenceKernel):
 
 class CausalWrongSign(ReferenceKernel):
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
-        if options.causal_offset is None:
+        if options.window.right is None:
             return super().forward(q, k, v, options)
         # Sees the keys at or after the diagonal instead of at or before it.
         flipped = super().forward(q.flip(-2), k.flip(-2), v.flip(-2), options)
@@ -51,8 +51,8 @@ class CausalWrongSign(ReferenceKernel):
 
 class IgnoresOffset(ReferenceKernel):
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
-        if options.causal_offset is not None:
-            options = attrs.evolve(options, causal_offset=0)
+        if options.window.right is not None:
+            options = attrs.evolve(options, window=KeyWindow(None, 0))
         return super().forward(q, k, v, options)
 
 
@@ -331,7 +331,7 @@ def test_the_cpu_flash_repair_makes_non_finite_every_row_the_exact_math_does(
         "infinite query": lambda: q[0, 0, 1, 2].fill_(float("inf")),
     }
     corrupt[case]()
-    options = BlockOptions(scale=0.35, causal_offset=0 if causal else None)
+    options = BlockOptions(scale=0.35, window=KeyWindow(None, 0 if causal else None))
     out, lse = CpuFlashAttention().forward(q, k, v, options)
     expected, expected_lse = _dense64(q, k, v, 0.35, causal)
     must = ~torch.isfinite(expected).all(-1)
@@ -356,7 +356,7 @@ def test_the_cpu_flash_backward_spreads_a_merged_non_finite_lse_to_what_its_row_
     problem's gradients are exact."""
     g = torch.Generator().manual_seed(4)
     q, k, v, dout = (torch.randn(2, 1, 16, 8, generator=g).to(dtype) for _ in range(4))
-    options = BlockOptions(scale=0.35, causal_offset=0)
+    options = BlockOptions(scale=0.35, window=KeyWindow(None, 0))
     kernel = CpuFlashAttention()
     out, lse = kernel.forward(q, k, v, options)
     lse = lse.clone()

@@ -20,8 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.backends.sdpa import SDPA_SPEC, SdpaKernel
+from ringdilated.core import KeyWindow
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.window import FULL, as_window
 from ringdilated.core.run.local import CallState, DilatedAttentionFunction, pattern_run
 
 _aten = torch.ops.aten
@@ -132,7 +134,7 @@ def _record(
     q = torch.randn(2, 40, heads, 16, generator=g).to(dtype).requires_grad_()
     k = torch.randn(2, 40, kv_heads, 16, generator=g).to(dtype).requires_grad_()
     v = torch.randn(2, 40, kv_heads, 16, generator=g).to(dtype).requires_grad_()
-    run = pattern_run(recorder, pattern, q, k, causal=causal, scale=None, dropout_p=0.0)
+    run = pattern_run(recorder, pattern, q, k, window=as_window(causal), scale=None, dropout_p=0.0)
     out, lse = DilatedAttentionFunction.apply(q, k, v, run, CallState())
     loss = out.float().square().sum() + (lse.exp().sum() if lse_grad else 0)
     loss.backward()
@@ -182,7 +184,7 @@ def test_causal_offsets_other_than_0_hand_the_ops_an_aligned_padded_bias(
     kernel, contract = SdpaKernel(), EfficientAttentionContract()
     # Fake tensors hold no data: the kernel's non-finite repair runs on them because it never
     # reads a value on the host (a read would raise DataDependentOutputException here).
-    options = BlockOptions(scale=0.25, causal_offset=offset)
+    options = BlockOptions(scale=0.25, window=KeyWindow(None, offset))
     with FakeTensorMode(), contract:
         base = torch.empty(2, 45, 6, 16, dtype=dtype, device="cuda")
         q = base.as_strided((2, 2, 20, 16), (45 * 96, 16, 192, 1), 32)  # rate 2, heads 2-3
@@ -198,7 +200,7 @@ def test_driver_keeps_every_call_within_the_grid_at_a_quarter_million_tokens_of_
     recorder = Recorder()
     pattern = DilationPattern([4], [1])
     q = torch.zeros(1, 2**18, 1, 8)
-    run = pattern_run(recorder, pattern, q, q, causal=False, scale=None, dropout_p=0.0,
+    run = pattern_run(recorder, pattern, q, q, window=FULL, scale=None, dropout_p=0.0,
                       batch_limit=SDPA_SPEC.capabilities.batch_limit)  # fmt: skip
     with torch.no_grad():
         run.forward(q, q, q, CallState())

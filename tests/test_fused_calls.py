@@ -11,6 +11,7 @@ import torch
 import ringdilated
 from ringdilated.backends.reference import ReferenceKernel
 from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.window import FULL
 from ringdilated.core.run import local as driver
 from ringdilated.core.run.local import CallState, DilatedAttentionFunction, pattern_run
 from ringdilated.testing import oracle
@@ -130,7 +131,7 @@ def test_calls_with_dropout_are_never_fused() -> None:
     kernel = CountingKernel()
     q, k, v = (x.detach() for x in _inputs(1, 64, 3, 3))
     run = pattern_run(
-        kernel, DilationPattern(SEGMENTS, RATES), q, k, causal=False, scale=None, dropout_p=0.5
+        kernel, DilationPattern(SEGMENTS, RATES), q, k, window=FULL, scale=None, dropout_p=0.5
     )
     with torch.no_grad():
         DilatedAttentionFunction.apply(q, k, v, run, CallState(seed=3))

@@ -32,7 +32,7 @@ GPU_KERNELS = ["sdpa", "flash", "xformers", "flex"]
 
 def _skip_unless_fits(kernel: str, dtype: torch.dtype, gqa: bool = False) -> None:
     request = Request(
-        "cuda", dtype, 16, Environment().capability(torch.device("cuda")), causal=True, gqa=gqa
+        "cuda", dtype, 16, Environment().capability(torch.device("cuda")), window=True, gqa=gqa
     )
     reasons = default_resolver().specs[kernel].reasons(request, Environment())
     if reasons:

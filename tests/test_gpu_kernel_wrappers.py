@@ -23,7 +23,7 @@ from ringdilated.backends.flash import FLASH_SPEC, FlashKernel
 from ringdilated.backends.flex import FLEX_SPEC, FlexFallbackWarning, FlexKernel, compile_flex
 from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
 from ringdilated.backends.xformers import XFORMERS_SPEC, XformersKernel
-from ringdilated.core import Environment, KernelSpec, Request, Resolver, Target
+from ringdilated.core import Environment, KernelSpec, KeyWindow, Request, Resolver, Target
 from ringdilated.core.contract.causal import BottomRightKernel, bottom_right_pieces
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.testing import ConformanceError, assert_non_finite_rule, check_kernel
@@ -107,7 +107,7 @@ def test_infinity_behind_the_causal_mask_stays_in_its_problem(
     v[0, 1, 9, 3] = float("inf")
     native, _ = kernel.native_forward(q, k, v, True, 0.2)
     assert bool(native[0, 1, :9, 3].isnan().all()), "the stand-in reproduces the hazard"
-    out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.2, causal_offset=0))
+    out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.2, window=KeyWindow(None, 0)))
     expected, expected_lse = dense(q, k, v, 0.2, 0)
     baseline, baseline_lse = dense(q, k, v, 0.2, 0, torch.float16)
     problem = torch.tensor([False, True]).view(1, 2, 1)  # head 1 holds the infinity
@@ -379,7 +379,7 @@ def _run_flex(kernel: FlexKernel) -> None:
     for q_len, k_len, offset in SHAPES_AND_OFFSETS:
         q = torch.randn(2, 3, q_len, 16, generator=g)
         k = torch.randn(2, 3, k_len, 16, generator=g)
-        out, _ = kernel.forward(q, k, k, BlockOptions(scale=0.3, causal_offset=offset))
+        out, _ = kernel.forward(q, k, k, BlockOptions(scale=0.3, window=KeyWindow(None, offset)))
         expected, _ = math_flex_attention(
             q, k, k, block_mask=_dense_mask(q_len, k_len, offset), scale=0.3,
             return_aux=types.SimpleNamespace(lse=True),
@@ -498,7 +498,7 @@ def test_no_warning_leaks_from_the_wrappers() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         q = torch.randn(1, 3, 20, 16)
-        FlexKernel().forward(q, q, q, BlockOptions(scale=0.25, causal_offset=0))
+        FlexKernel().forward(q, q, q, BlockOptions(scale=0.25, window=KeyWindow(None, 0)))
 
 
 def test_xformers_older_than_the_version_read_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:

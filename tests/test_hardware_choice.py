@@ -37,7 +37,7 @@ BOTH = frozenset({"flash_attn", "xformers"})
 def cuda(
     cc: tuple[int, int], dtype: torch.dtype, head_dim: int = 64, causal: bool = False
 ) -> Request:
-    return Request("cuda", dtype, head_dim, compute_capability=cc, causal=causal)
+    return Request("cuda", dtype, head_dim, compute_capability=cc, window=causal)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from ringdilated.core.plan.heads import deal_heads, head_costs, share_blocks
 from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.window import as_window
 from ringdilated.core.run.local import CallState, pattern_run
 from ringdilated.registry import default_resolver
 from ringdilated.testing import max_error, oracle
@@ -107,7 +108,7 @@ def test_every_share_attends_exactly_its_heads(problem: dict) -> None:
             v[:, :, list(share.kv_heads)],
         )
         run = pattern_run(
-            kernel, pattern, qs, ks, causal=p["causal"], scale=None, dropout_p=0.0,
+            kernel, pattern, qs, ks, window=as_window(p["causal"]), scale=None, dropout_p=0.0,
             blocks=share_blocks(blocks, share, p["heads"], p["kv_heads"]),
         )  # fmt: skip
         out, _ = run.forward(qs, ks, vs, CallState())

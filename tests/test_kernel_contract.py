@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ringdilated.core import BlockOptions, merge_partials
+from ringdilated.core import BlockOptions, KeyWindow, merge_partials
 from ringdilated.core.contract.kernel import (
     all_finite,
     finite_along,
@@ -48,7 +48,7 @@ def blocks(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, f
 def test_forward_with_any_causal_offset(name: str, block: tuple) -> None:
     q, k, v, scale, offset = block
     kernel = default_resolver().kernel(name)
-    out, lse = kernel.forward(q, k, v, BlockOptions(scale=scale, causal_offset=offset))
+    out, lse = kernel.forward(q, k, v, BlockOptions(scale=scale, window=KeyWindow(None, offset)))
     expected_out, expected_lse = dense(q, k, v, scale, offset)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.equal(torch.isneginf(lse), torch.isneginf(expected_lse))
@@ -71,7 +71,9 @@ def test_split_keys_merge_exactly_forward_and_backward(
     parts = [(0, s), (s, lk)]
     partials = []
     for start, stop in parts:
-        opts = BlockOptions(scale=scale, causal_offset=None if offset is None else offset - start)
+        opts = BlockOptions(
+            scale=scale, window=KeyWindow(None, None if offset is None else offset - start)
+        )
         if stop > start:
             partials.append(kernel.forward(q, k[:, :, start:stop], v[:, :, start:stop], opts))
     out, lse = partials[0]
@@ -90,7 +92,9 @@ def test_split_keys_merge_exactly_forward_and_backward(
     for start, stop in parts:
         if stop == start:
             continue
-        opts = BlockOptions(scale=scale, causal_offset=None if offset is None else offset - start)
+        opts = BlockOptions(
+            scale=scale, window=KeyWindow(None, None if offset is None else offset - start)
+        )
         gq, gk, gv = kernel.backward(
             dout, q, k[:, :, start:stop], v[:, :, start:stop], out.to(q.dtype), lse, opts
         )
@@ -107,7 +111,9 @@ def test_split_keys_merge_exactly_forward_and_backward(
 def test_low_precision_lse_is_float32(name: str, dtype: torch.dtype) -> None:
     kernel = default_resolver().kernel(name)
     q = torch.randn(2, 4, 9, 8).to(dtype)
-    out, lse = kernel.forward(q, q[:, :2], q[:, :2], BlockOptions(scale=0.3, causal_offset=-3))
+    out, lse = kernel.forward(
+        q, q[:, :2], q[:, :2], BlockOptions(scale=0.3, window=KeyWindow(None, -3))
+    )
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert torch.isneginf(lse[..., :3]).all() and torch.isfinite(lse[..., 3:]).all()
     assert torch.all(out[..., :3, :] == 0)
@@ -164,7 +170,7 @@ def test_kernels_never_read_the_host_even_for_non_finite_inputs(
     (each read is a synchronisation on a GPU). The built-in kernels call no op that does."""
     kernel = default_resolver().kernel(name)
     q, k, v, dout = _with_non_finite(dtype)
-    options = BlockOptions(scale=0.3, causal_offset=offset)
+    options = BlockOptions(scale=0.3, window=KeyWindow(None, offset))
     with HostReads() as mode:
         out, lse = kernel.forward(q, k, v, options)
         kernel.backward(dout, q, k, v, out, lse, options)
@@ -180,7 +186,7 @@ def test_the_deprecated_finite_flag_changes_nothing(name: str) -> None:
     kernel = default_resolver().kernel(name)
     q, k, v, _ = _with_non_finite(torch.float32)
     results = [
-        kernel.forward(q, k, v, BlockOptions(scale=0.3, causal_offset=0, finite=flag))
+        kernel.forward(q, k, v, BlockOptions(scale=0.3, window=KeyWindow(None, 0), finite=flag))
         for flag in (None, True, False)
     ]
     for out, lse in results[1:]:
@@ -216,7 +222,7 @@ def test_the_repairs_poison_exactly_their_rows_and_problems() -> None:
     q[0, 3, 1, 0] = float("nan")
     v[1, 0, 4, 1] = float("-inf")
     out, lse = torch.zeros(2, 4, 3, 2), torch.zeros(2, 4, 3)
-    mark_non_finite_rows(out, lse, q, k, v, BlockOptions(scale=1.0, causal_offset=-1))
+    mark_non_finite_rows(out, lse, q, k, v, BlockOptions(scale=1.0, window=KeyWindow(None, -1)))
     bad_rows = torch.zeros(2, 4, 3, dtype=torch.bool)
     bad_rows[0, 3, 1] = True
     bad_rows[1, :2] = True

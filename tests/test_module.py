@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import ringdilated
+from ringdilated.core.plan.window import CAUSAL
 from ringdilated.core.run.local import CallState, DilatedAttentionFunction, RowBlocks, Run
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
@@ -83,7 +84,7 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
         (RowBlocks(None, blocks),),
         exclusive=mode == "head_groups",
         scale=0.5,
-        causal=True,
+        window=CAUSAL,
         dropout_p=0.4,
     )
 
@@ -124,7 +125,7 @@ def test_chunked_execution_equals_unchunked() -> None:
                     (RowBlocks(None, blocks),),
                     exclusive=mode == "head_groups",
                     scale=0.3,
-                    causal=True,
+                    window=CAUSAL,
                     chunk_elements=n,
                 ),
                 CallState(),

@@ -9,6 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from ringdilated import DilationPattern
+from ringdilated.core import CAUSAL, FULL
 from tests.strategies import patterns
 
 
@@ -147,8 +148,8 @@ def test_shard_plan_splits_inner_and_crossing_segments() -> None:
     crossing = plan0.crossings[0]
     # Group 1 (head 1) uses offset 1: positions 1, 3, 5, 7 on rank 0 and 9, 11 on rank 1.
     assert [piece.count for piece in crossing.pieces] == [4, 2]
-    assert payload(plan0, 0, 1, False).positions == ((1, 3, 5, 7),)
-    assert payload(plan1, 1, 0, False).positions == ((1, 3),)
-    assert not payload(plan1, 1, 0, True), "causal: nothing goes to an earlier rank"
+    assert payload(plan0, 0, 1, FULL).positions == ((1, 3, 5, 7),)
+    assert payload(plan1, 1, 0, FULL).positions == ((1, 3),)
+    assert not payload(plan1, 1, 0, CAUSAL), "causal: nothing goes to an earlier rank"
     with pytest.raises(ValueError, match="must be a multiple of the world size 3"):
         shard_plan(p, 16, 2, 2, 0, 3)

@@ -91,7 +91,7 @@ def _boom(request: object, env: object) -> list[str]:
     raise RuntimeError("boom")
 
 
-def _plan_boom(plans: object, causal: bool) -> tuple[str, ...]:
+def _plan_boom(plans: object, window: object) -> tuple[str, ...]:
     raise RuntimeError("plan boom")
 
 

@@ -144,9 +144,9 @@ def test_factory_returning_a_non_kernel_is_rejected() -> None:
 def test_request_from_tensors() -> None:
     q = torch.randn(1, 4, 4, 16, dtype=torch.bfloat16)
     k = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
-    r = Request.for_tensors(q, k, causal=True, dropout=False, backward=False)
+    r = Request.for_tensors(q, k, window=True, dropout=False, backward=False)
     assert r == Request(
-        device_type="cpu", dtype=torch.bfloat16, head_dim=16, causal=True, backward=False, gqa=True
+        device_type="cpu", dtype=torch.bfloat16, head_dim=16, window=True, backward=False, gqa=True
     )
 
 
@@ -515,7 +515,7 @@ class _Transport:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return tuple((p,) for p in range(world_size) if p != rank)
 
-    def prepare(self, group: object, plans: object, causal: bool) -> None:
+    def prepare(self, group: object, plans: object, window: object) -> None:
         return None
 
     def exchange(self, group: object, sends: object, recvs: object, uniform: bool = False) -> None:

@@ -93,7 +93,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the block; ``drop`` scales the probabilities (dropout, already divided
     by the keep probability), shaped like the scores."""
-    visible = visible_keys(q.shape[-2], k.shape[-2], options.causal_offset, q.device)
+    visible = visible_keys(q.shape[-2], k.shape[-2], options.window.right, q.device)
     dtype = accumulation_dtype(q.dtype)
     values = repeat_kv(v, q.shape[1]).to(dtype)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
@@ -121,7 +121,7 @@ def backward(
     drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the final ``out`` and ``lse`` (the kernel contract's rule)."""
-    visible = visible_keys(q.shape[-2], k.shape[-2], options.causal_offset, q.device)
+    visible = visible_keys(q.shape[-2], k.shape[-2], options.window.right, q.device)
     dtype = accumulation_dtype(q.dtype)
     heads = q.shape[1]
     keys, values = (repeat_kv(x, heads).to(dtype) for x in (k, v))

@@ -43,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core import CommunicatorSpec, Pending, ShardPlan, every_peer_at_once, process_group
+from ringdilated.core import (
+    CommunicatorSpec,
+    KeyWindow,
+    Pending,
+    ShardPlan,
+    every_peer_at_once,
+    process_group,
+)
 
 __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 
@@ -54,7 +61,7 @@ class AllGatherCommunicator:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         """Nothing to set up: the all_gather runs on the call's own group."""
         return None
 

@@ -86,9 +86,9 @@ def compile_flex(attention: Attention, backend: Any = "inductor") -> Attention:
 
 
 def offset_mask(offset: torch.Tensor) -> Callable[..., Any]:
-    """The ``mask_mod`` for ``causal_offset``: key ``j`` visible to query ``i`` iff
-    ``j <= i + offset``. Every mask shares this code and closes over a tensor, so a compiled
-    FlexAttention serves every offset with one graph."""
+    """The ``mask_mod`` for a key window bounded on the right by ``offset``: key ``j`` visible
+    to query ``i`` iff ``j <= i + offset``. Every mask shares this code and closes over a
+    tensor, so a compiled FlexAttention serves every offset with one graph."""
 
     def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx <= q_idx + offset
@@ -168,8 +168,8 @@ class FlexKernel:
         q_len, k_len = q.shape[-2], k.shape[-2]
         mask = None
         if options.needs_mask(q_len, k_len):
-            assert options.causal_offset is not None
-            mask = _block_mask(q_len, k_len, options.causal_offset, str(q.device))
+            assert options.window.right is not None
+            mask = _block_mask(q_len, k_len, options.window.right, str(q.device))
         out, aux = self._call(
             q.device,
             q,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ringdilated.backends.ringpass import RingPassCommunicator, point_to_point
-from ringdilated.core import CommunicatorSpec, Pending, ShardPlan
+from ringdilated.core import CommunicatorSpec, KeyWindow, Pending, ShardPlan
 
 __all__ = ["HYBRID_SPEC", "HybridCommunicator"]
 
@@ -33,7 +33,7 @@ class HybridCommunicator:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return RingPassCommunicator().schedule(rank, world_size)
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         return None
 
     def exchange(

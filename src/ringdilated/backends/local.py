@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ringdilated.core import CommunicatorSpec, ShardPlan
+from ringdilated.core import CommunicatorSpec, KeyWindow, ShardPlan
 
 __all__ = ["LOCAL_SPEC", "LocalCommunicator"]
 
@@ -22,7 +22,7 @@ class LocalCommunicator:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return ()
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         return None
 
     def exchange(

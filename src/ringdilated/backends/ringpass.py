@@ -15,7 +15,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ringdilated.core import CommunicatorSpec, ShardPlan, process_group
+from ringdilated.core import CommunicatorSpec, KeyWindow, ShardPlan, process_group
 
 __all__ = ["RINGPASS_SPEC", "RingPassCommunicator", "Works", "point_to_point"]
 
@@ -40,7 +40,7 @@ class RingPassCommunicator:
             steps.append(tuple(p for p in (rank + t, rank - t) if 0 <= p < world_size))
         return tuple(s for s in steps if s)
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         return None
 
     def exchange(

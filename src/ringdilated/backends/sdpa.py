@@ -87,10 +87,10 @@ def _mask_args(
     q_len, k_len = q.shape[-2], k.shape[-2]
     if not options.needs_mask(q_len, k_len):
         return False, None
-    if options.causal_offset == 0:
+    if options.window.right == 0:
         return True, None
-    assert options.causal_offset is not None
-    return False, _additive_mask(q_len, k_len, options.causal_offset, q.dtype, q.device)
+    assert options.window.right is not None
+    return False, _additive_mask(q_len, k_len, options.window.right, q.dtype, q.device)
 
 
 def _mark_rows_seeing_non_finite(

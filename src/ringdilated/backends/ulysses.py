@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core import CommunicatorSpec, Pending, ShardPlan, every_peer_at_once, process_group
+from ringdilated.core import (
+    CommunicatorSpec,
+    KeyWindow,
+    Pending,
+    ShardPlan,
+    every_peer_at_once,
+    process_group,
+)
 
 __all__ = ["ULYSSES_SPEC", "UlyssesCommunicator", "all_to_all"]
 
@@ -92,7 +99,7 @@ class UlyssesCommunicator:
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         return None
 
     def exchange(
@@ -107,7 +114,7 @@ class UlyssesCommunicator:
         return all_to_all(group, sends, recvs)
 
 
-def plan_reasons(plans: Sequence[ShardPlan], causal: bool) -> tuple[str, ...]:
+def plan_reasons(plans: Sequence[ShardPlan], window: KeyWindow) -> tuple[str, ...]:
     """Head parallelism deals query heads to ranks: it needs at least one per rank."""
     if plans and plans[0].num_heads < len(plans):
         return (

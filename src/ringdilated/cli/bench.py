@@ -216,7 +216,7 @@ def _check_kernel(args: argparse.Namespace) -> None:
         flags.to_dtype(args.dtype),
         args.head_dim,
         resolver.env.capability(device),
-        causal=args.causal,
+        window=args.causal,
         backward=args.backward,
     )
     try:

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "
         f"{config['segments']}, rates {config['rates']}, causal, float32\n"
     )
-    request = Request(head_dim=args.head_dim, causal=True, backward=True)
+    request = Request(head_dim=args.head_dim, window=True, backward=True)
     print(ringdilated.default_resolver().resolve(request).explain())
     print(ringdilated.default_resolver().explain_communicator(args.world_size, True, "ringpass"))
     _run_once(config, torch.float32)  # warm-up

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         dtype,
         args.head_dim,
         env.capability(device),
-        causal=args.causal,
+        window=args.causal,
         backward=True,
     )
     resolver = default_resolver()

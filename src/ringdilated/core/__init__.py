@@ -4,7 +4,8 @@
 layers, each importing only those below it (``tests/test_layers.py`` holds it to that)::
 
     support   environment variables, warning locations, opaque objects
-    plan      pattern, documents and padding, shard plans, head dealing    (host arithmetic)
+    plan      pattern, key window, documents and padding, shard plans,     (host arithmetic)
+              head dealing
     contract  Kernel, Communicator, the accumulator, bottom-right pieces, the kernel guard
     select    capabilities and specs, the resolver, the cost model, the dtype policy
     run       the single-process and sharded runs, head parallelism, the exchange, the wire
@@ -37,6 +38,7 @@ from ringdilated.core.contract.kernel import (
 )
 from ringdilated.core.plan.pattern import MODES, Block, DilationPattern, HeadRun, Mode, Selection
 from ringdilated.core.plan.shards import ShardPlan
+from ringdilated.core.plan.window import CAUSAL, FULL, KeyWindow
 from ringdilated.core.select.capabilities import (
     GRID_LIMIT,
     BatchLimit,
@@ -63,6 +65,8 @@ from ringdilated.core.support.errors import (
 _aliases.install()
 
 __all__ = [
+    "CAUSAL",
+    "FULL",
     "GRID_LIMIT",
     "KERNEL_ENV_VAR",
     "MODES",
@@ -83,6 +87,7 @@ __all__ = [
     "Kernel",
     "KernelContractError",
     "KernelSpec",
+    "KeyWindow",
     "Mode",
     "PeerRejectedError",
     "Pending",

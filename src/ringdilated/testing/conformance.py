@@ -49,6 +49,7 @@ from hypothesis import HealthCheck, given, settings
 
 from ringdilated.core.contract.accumulator import accumulation_dtype, merge_partials
 from ringdilated.core.contract.kernel import BlockOptions, Kernel
+from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.core.support.errors import ConformanceError
 from ringdilated.testing._tolerance import FLOORS, allowed_error, max_error, non_finite_violation
@@ -235,7 +236,7 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
 
     def opts(start: int) -> BlockOptions:
         offset = None if case.causal_offset is None else case.causal_offset - start
-        return BlockOptions(scale=case.scale, causal_offset=offset)
+        return BlockOptions(case.scale, KeyWindow(None, offset))
 
     out, lse = kernel.forward(q, k[:, :, :split], v[:, :, :split], opts(0))
     out, lse = merge_partials(

@@ -24,6 +24,7 @@ import torch
 from hypothesis import strategies as st
 
 from ringdilated.core.contract.kernel import BlockOptions
+from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.testing._oracle import masked_attention, scaled_scores
 
@@ -125,7 +126,7 @@ class KernelCase:
         return view.copy_(x)
 
     def options(self) -> BlockOptions:
-        return BlockOptions(scale=self.scale, causal_offset=self.causal_offset)
+        return BlockOptions(self.scale, KeyWindow(None, self.causal_offset))
 
 
 #: Lengths on either side of the 32-, 64- and 128-row tiles fused kernels use.
@@ -216,7 +217,7 @@ def kernel_cases(
             dtype=dtype,
             head_dim=head_dim,
             compute_capability=capability,
-            causal=offset is not None,
+            window=offset is not None,
             gqa=heads != kv_heads,
             backward=backward,
         )

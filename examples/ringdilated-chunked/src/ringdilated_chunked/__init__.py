@@ -51,10 +51,10 @@ class ChunkedKernel:
         group = q.shape[1] // k.shape[1]
         keys = k.to(q.dtype).repeat_interleave(group, 1)
         scores = q @ keys.transpose(-1, -2) * options.scale
-        if options.causal_offset is not None:
+        if options.window.right is not None:
             rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(1)
             cols = torch.arange(start, start + k.shape[-2], device=q.device)
-            scores = scores.masked_fill(cols > rows + options.causal_offset, float("-inf"))
+            scores = scores.masked_fill(cols > rows + options.window.right, float("-inf"))
         return scores
 
     def forward(

@@ -29,11 +29,12 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
-from ringdilated.core.contract.communicator import Communicator, TransferStats
+from ringdilated.core.contract.communicator import Communicator, TransferStats, mask_argument
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
 from ringdilated.core.plan.shards import ShardPlan, shard_plan
+from ringdilated.core.plan.window import KeyWindow, as_window
 from ringdilated.core.run.head_parallel import HeadParallelRun
 from ringdilated.core.run.local import (
     BackwardInputs,
@@ -104,7 +105,7 @@ class CallPlan:
 
     pattern: DilationPattern
     kernel: Plan
-    causal: bool
+    window: KeyWindow
     scale: float
     dropout_p: float
     layout: DocumentLayout
@@ -123,7 +124,7 @@ class CallPlan:
         ranks = max(1, len(self.shards))
         grid_shape = self.group.shape if isinstance(self.group, Grid) else None
         return resolver.explain_communicator(
-            ranks, self.causal, name, self.shards, self.size, grid_shape
+            ranks, self.window, name, self.shards, self.size, grid_shape
         )
 
     def row_parts(self) -> list[tuple[slice | None, CallPlan]]:
@@ -238,7 +239,7 @@ class CallPlan:
             inner=self._blocks_run(q, k, shard.inner, complete=False),
             plans=self.shards,
             rank=self.rank,
-            communicator=_prepared(chosen, self.group, self.shards, self.causal),
+            communicator=_prepared(chosen, self.group, self.shards, self.window),
             group=self.group,
             broadcast=chosen.broadcast,
         )
@@ -260,7 +261,7 @@ class CallPlan:
             self.pattern,
             q,
             k,
-            causal=self.causal,
+            window=self.window,
             scale=self.scale,
             dropout_p=self.dropout_p,
             complete=complete,
@@ -288,7 +289,7 @@ class CallPlan:
             shares=shares,
             starts=shard.starts,
             rank=self.rank,
-            communicator=_prepared(chosen, self.group, self.shards, self.causal),
+            communicator=_prepared(chosen, self.group, self.shards, self.window),
             group=self.group,
         )
 
@@ -317,7 +318,7 @@ class CallPlan:
             inner=self._blocks_run(q, k, plans[o].inner, complete=False),
             plans=plans,
             rank=o,
-            communicator=_prepared(sequence_part, self.group.outer, plans, self.causal),
+            communicator=_prepared(sequence_part, self.group.outer, plans, self.window),
             group=self.group.outer,
             broadcast=sequence_part.broadcast,
         )
@@ -328,20 +329,20 @@ class CallPlan:
             shares=shares,
             starts=tuple(s - first for s in starts[o * inner : (o + 1) * inner + 1]),
             rank=i,
-            communicator=_prepared(heads_part, self.group.inner, ranks, self.causal),
+            communicator=_prepared(heads_part, self.group.inner, ranks, self.window),
             group=self.group.inner,
         )
 
 
 @attrs.frozen
 class _Checked:
-    """What :func:`_check` found: the validated pattern, kernel plan, causal flag, the call's
+    """What :func:`_check` found: the validated pattern, kernel plan, key window, the call's
     documents and its sequence layout; on a process group every rank's shard plans, the
     communicator and, for padded rows, the plans of each group of rows."""
 
     pattern: DilationPattern
     plan: Plan
-    causal: bool
+    window: KeyWindow
     layout: DocumentLayout
     sequence: SequenceLayout
     shards: tuple[ShardPlan, ...] = ()
@@ -400,7 +401,7 @@ def _check(
     total = sequence.length if sequence.length is not None else k.shape[1] * ranks
     layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
-    causal = check_bool("causal", options.causal)
+    window = as_window(check_bool("causal", options.causal))  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
         raise TypeError(
@@ -410,7 +411,7 @@ def _check(
     request = Request.for_tensors(
         q,
         k,
-        causal=causal,
+        window=window,
         dropout=options.dropout_p > 0,  # type: ignore[operator]
         backward=wants_backward(),  # after check_inputs: q, k, v are tensors
         env=resolver.env,
@@ -419,7 +420,7 @@ def _check(
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return _Checked(pattern, plan, causal, layout, sequence)
+        return _Checked(pattern, plan, window, layout, sequence)
     heads = q.shape[2]
     if grid_shape is not None and heads < grid_shape[1]:
         raise ResolutionError(
@@ -441,7 +442,7 @@ def _check(
     def communicator(shards: tuple[ShardPlan, ...], batch: int) -> CommunicatorChoice:
         return resolver.choose_communicator(
             ranks,
-            causal,
+            window,
             options.communicator,  # type: ignore[arg-type]
             shards,
             size(batch),
@@ -458,7 +459,7 @@ def _check(
         return _Checked(
             pattern,
             plan,
-            causal,
+            window,
             layout,
             sequence,
             first[1],
@@ -468,7 +469,7 @@ def _check(
         )
     shards = plans(None if layout.is_whole else layout.rows[0].documents)
     chosen = communicator(shards, k.shape[0])
-    return _Checked(pattern, plan, causal, layout, sequence, shards, chosen, (), size(k.shape[0]))
+    return _Checked(pattern, plan, window, layout, sequence, shards, chosen, (), size(k.shape[0]))
 
 
 def prepare_call(
@@ -566,7 +567,7 @@ def prepare_call(
     plan = CallPlan(
         pattern=checked.pattern,
         kernel=checked.plan,
-        causal=checked.causal,
+        window=checked.window,
         scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
         layout=checked.layout,
@@ -773,10 +774,12 @@ def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallSt
 
 
 def _prepared(
-    chosen: CommunicatorChoice, group: object, plans: tuple[ShardPlan, ...], causal: bool
+    chosen: CommunicatorChoice, group: object, plans: tuple[ShardPlan, ...], window: KeyWindow
 ) -> Communicator:
-    """``chosen``'s instance, prepared for ``plans`` (its group's ranks') on ``group``."""
-    chosen.instance.prepare(group, plans, causal)
+    """``chosen``'s instance, prepared for ``plans`` (its group's ranks') and ``window`` on
+    ``group``."""
+    prepare = chosen.instance.prepare
+    prepare(group, plans, mask_argument(prepare, window))  # type: ignore[arg-type]
     return chosen.instance
 
 

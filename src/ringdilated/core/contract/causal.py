@@ -1,7 +1,8 @@
 """Causal offsets for kernels whose only causal mask is "bottom-right" aligned.
 
-The kernel contract (:mod:`ringdilated.core.contract.kernel`) asks for any ``causal_offset``: key
-``j`` is visible to query ``i`` iff ``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
+The kernel contract (:mod:`ringdilated.core.contract.kernel`) asks for any key window bounded on
+the right by ``offset`` (``BlockOptions.window.right``): key ``j`` is visible to query ``i`` iff
+``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
 xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j`` visible iff
 ``j <= i + (Lk - Lq)``. Any offset reduces to at most two such calls:
 
@@ -46,7 +47,7 @@ class BottomRightPiece:
 
 
 def bottom_right_pieces(q_len: int, k_len: int, offset: int | None) -> tuple[BottomRightPiece, ...]:
-    """The calls that reproduce ``causal_offset=offset`` with bottom-right masks only."""
+    """The calls that reproduce ``window.right=offset`` with bottom-right masks only."""
     if not (q_len and k_len):
         return ()
     if offset is None or offset >= k_len - 1:
@@ -85,7 +86,7 @@ def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool
 def forward_in_pieces(
     native: NativeForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for ``causal_offset=offset`` from bottom-right-only ``native`` calls."""
+    """``(out, lse)`` for ``window.right=offset`` from bottom-right-only ``native`` calls."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     pieces = bottom_right_pieces(q_len, k_len, offset)
     if _whole(pieces, q_len, k_len):
@@ -111,7 +112,7 @@ def backward_in_pieces(
     lse: torch.Tensor,
     offset: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` for ``causal_offset=offset`` from bottom-right-only ``native`` calls."""
+    """``(dq, dk, dv)`` for ``window.right=offset`` from bottom-right-only ``native`` calls."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     pieces = bottom_right_pieces(q_len, k_len, offset)
     if _whole(pieces, q_len, k_len):
@@ -165,7 +166,7 @@ class BottomRightKernel:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return self.native_forward(q, k, v, causal, options.scale)
 
-        return forward_in_pieces(native, q, k, v, options.causal_offset)
+        return forward_in_pieces(native, q, k, v, options.window.right)
 
     def backward(
         self,
@@ -185,5 +186,5 @@ class BottomRightKernel:
             v,
             out,
             lse,
-            options.causal_offset,
+            options.window.right,
         )

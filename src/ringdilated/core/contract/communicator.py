@@ -37,7 +37,9 @@ pieces across its outer groups, by the two communicators the spec names as its `
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
@@ -48,6 +50,7 @@ from ringdilated.core.support.opaque import OpaqueBase, register
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
+    from ringdilated.core.plan.window import KeyWindow
 
 __all__ = [
     "DELIVERIES",
@@ -57,6 +60,7 @@ __all__ = [
     "TransferStats",
     "every_peer_at_once",
     "layout_mismatch",
+    "mask_argument",
     "process_group",
 ]
 
@@ -105,11 +109,12 @@ class Communicator(Protocol):
         """The peers ``rank`` exchanges with at each step; every peer appears exactly once."""
         ...
 
-    def prepare(self, group: object, plans: Sequence[ShardPlan], causal: bool) -> None:
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
         """Called on every rank of ``group`` (the group it exchanges on), with each of its
-        ranks' plans, once per planned call (when a call signature is first planned on a layout,
-        or per call without a layout), before its first exchange; later calls of the plan
-        exchange without it. A hybrid's parts are prepared alike, each on its own group. It
+        ranks' plans and the call's key window, once per planned call (when a call signature
+        is first planned on a layout, or per call without a layout), before its first
+        exchange; later calls of the plan exchange without it. A hybrid's parts are prepared
+        alike, each on its own group. It
         must not create process groups: ``dist.new_group`` is a collective over the whole
         default group, which independent groups (those of a mesh) reach at different times."""
         ...
@@ -157,3 +162,23 @@ def process_group(group: object) -> dist.ProcessGroup | None:
         f"a communicator exchanges on a torch.distributed ProcessGroup (or None), got "
         f"{type(group).__name__}"
     )
+
+
+def mask_argument(function: Callable[..., object], window: KeyWindow) -> KeyWindow | bool:
+    """What to pass ``function`` (a communicator's ``prepare``, a spec's ``plan_reasons``) for
+    the call's mask: ``window``; or, for one release, ``window.hides_later_keys`` with a
+    ``DeprecationWarning`` to a 0.1 function whose parameter is still named ``causal``."""
+    try:
+        legacy = "causal" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read: pass the window
+        legacy = False
+    if not legacy:
+        return window
+    warnings.warn(
+        f"{getattr(function, '__qualname__', function)!s} takes `causal`: ringdilated now "
+        "passes the call's KeyWindow (name the parameter `window`); it gets "
+        "window.hides_later_keys for one release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return window.hides_later_keys

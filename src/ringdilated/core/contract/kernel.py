@@ -50,10 +50,13 @@ them, and the driver no longer fills ``BlockOptions.finite`` (deprecated, always
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
+
+from ringdilated.core.plan.window import FULL, KeyWindow
 
 __all__ = [
     "BlockOptions",
@@ -68,6 +71,7 @@ __all__ = [
 ]
 
 _INF = float("inf")
+_UNSET = object()
 
 
 def derive_seed(seed: int, *path: int | str) -> int:
@@ -86,15 +90,17 @@ def check_dropout(value: float, given: object = None) -> None:
         raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {shown!r}")
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class BlockOptions:
     """Everything about one block besides its tensors.
 
     - ``scale``: multiplies ``q . k`` before the softmax.
-    - ``causal_offset``: ``None`` for no causal mask; otherwise key ``j`` is visible to query
-      ``i`` (both counted from the block's start) iff ``j <= i + causal_offset``. ``0`` is the
-      usual diagonal block; a block wholly below the diagonal never needs a mask and is passed
-      with ``None``.
+    - ``window``: the keys each query sees, in the block's coordinates (both counted from the
+      block's start; :class:`~ringdilated.core.plan.window.KeyWindow`): key ``j`` is visible to
+      query ``i`` iff ``i - left <= j <= i + right``. :data:`~ringdilated.core.plan.window.FULL`
+      (no mask) by default; ``right = 0`` is the usual causal diagonal block, and a block
+      wholly below the diagonal never needs a mask and is passed with ``FULL``. Only ``right``
+      is ever bounded today (kernels declaring no sliding window get no ``left``).
     - ``dropout_p`` and ``dropout_seed``: attention probabilities are zeroed with probability
       ``dropout_p`` and the rest scaled by ``1 / (1 - dropout_p)``. The mask is a pure function of
       the seed and the block's shape and device, so backward regenerates the same mask.
@@ -102,17 +108,42 @@ class BlockOptions:
       longer checks a call's inputs on the host and always passes ``None`` (unknown); a kernel
       meets the non-finite rule on the device (module docstring). Earlier releases passed
       ``True`` when the call's inputs held no NaN or infinity.
+
+    ``causal_offset`` (0.1: ``window.right``, an int or ``None``) is accepted and read for one
+    release with a ``DeprecationWarning``.
     """
 
     scale: float
-    causal_offset: int | None = None
+    window: KeyWindow = FULL
     dropout_p: float = attrs.field(default=0.0, validator=lambda _, __, p: check_dropout(p))
     dropout_seed: int = 0
     finite: bool | None = None
 
+    def __init__(
+        self,
+        scale: float,
+        window: KeyWindow | int | None = FULL,
+        dropout_p: float = 0.0,
+        dropout_seed: int = 0,
+        finite: bool | None = None,
+        *,
+        causal_offset: object = _UNSET,
+    ) -> None:
+        if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
+            _deprecated_offset()
+            offset = window if causal_offset is _UNSET else causal_offset
+            window = KeyWindow(None, offset)  # type: ignore[arg-type]
+        self.__attrs_init__(scale, window, dropout_p, dropout_seed, finite)
+
+    @property
+    def causal_offset(self) -> int | None:
+        """Deprecated: ``window.right``."""
+        _deprecated_offset()
+        return self.window.right
+
     def visible_rows_start(self) -> int:
         """First query row that sees at least one key (rows before it are empty)."""
-        return 0 if self.causal_offset is None else max(0, -self.causal_offset)
+        return self.window.visible_rows_start()
 
     def mark_empty_rows(self, out: torch.Tensor | None, lse: torch.Tensor) -> None:
         """Give the rows that see no key (those before :meth:`visible_rows_start`) the
@@ -126,7 +157,16 @@ class BlockOptions:
 
     def needs_mask(self, q_len: int, k_len: int) -> bool:
         """Whether any key is hidden from any query of a ``q_len x k_len`` block."""
-        return self.causal_offset is not None and self.causal_offset < k_len - 1
+        return self.window.needs_mask(q_len, k_len)
+
+
+def _deprecated_offset() -> None:
+    warnings.warn(
+        "BlockOptions.causal_offset is deprecated: use window=KeyWindow(None, offset) and "
+        "window.right (ringdilated.core.KeyWindow)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:
@@ -250,8 +290,8 @@ def mark_non_finite_problems(
       ``forward_marked``) holds NaN or infinity: the problem's own input.
     - For a row whose ``lse`` is NaN or ``+inf`` (a merged lse: the non-finite value may be in
       another problem, another pattern's block or another rank's piece): its ``dq`` row, and the
-      ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``j <= i + offset``,
-      ``options.causal_offset``; every key without one). Fused backwards weight a row whose lse
+      ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``j <= i + right``,
+      ``options.window.right``; every key without one). Fused backwards weight a row whose lse
       is ``+inf`` by zero, turning its NaN into finite gradients.
 
     ``forward_marked=True`` when the lse comes from forwards that applied
@@ -277,7 +317,7 @@ def mark_non_finite_problems(
         rows = seen.sub_(seen)  # (N, H, Lq): 0, or NaN for a row whose lse is NaN or +inf
         q_poison = q_poison + rows.unsqueeze(-1)
         per_kv = rows.view(n, kv_heads, group, q_len).sum(2)  # (N, Hkv, Lq)
-        offset = None if options is None else options.causal_offset
+        offset = None if options is None else options.window.right
         if offset is None:  # every row sees every key
             keys = per_kv.sum(-1, keepdim=True)  # (N, Hkv, 1)
         else:  # key j: the rows i >= j - offset, a suffix of the rows (none past the last)

@@ -8,8 +8,9 @@ pattern, the segments a shard meets are of two kinds:
 - **inner**: wholly inside the shard. Computed locally, exactly as on one process; nothing moves.
 - **crossing**: spanning a shard boundary (at most two per shard and block). Each rank holding
   selected positions of such a segment is a *participant*; its selected keys and values (its
-  *piece*) go to every other participant whose queries see them: every other participant without
-  a causal mask, only later ones with it. Nothing else moves, so the bytes sent are the minimum.
+  *piece*) go to every other participant whose queries see them (by the call's key window,
+  :mod:`.window`): every other participant, or only later ones when no query sees a later key.
+  Nothing else moves, so the bytes sent are the minimum.
 
 Every rank computes the same :class:`ShardPlan` from the same arguments, so senders and receivers
 agree on sizes and order without asking each other.
@@ -24,6 +25,7 @@ import itertools
 import attrs
 
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
+from ringdilated.core.plan.window import KeyWindow
 
 __all__ = [
     "Crossing",
@@ -64,11 +66,12 @@ class Crossing:
                 return piece
         return None
 
-    def sends(self, src: int, dst: int, causal: bool) -> bool:
-        """Whether ``src``'s piece goes to ``dst``: both take part, and ``src < dst`` if causal."""
+    def sends(self, src: int, dst: int, window: KeyWindow) -> bool:
+        """Whether ``src``'s piece goes to ``dst``: both take part, and ``window``'s send rule
+        (:meth:`~ringdilated.core.plan.window.KeyWindow.sends`) lets it."""
         if src == dst or self.piece(src) is None or self.piece(dst) is None:
             return False
-        return src < dst or not causal
+        return window.sends(src, dst)
 
 
 @attrs.frozen(cache_hash=True)
@@ -92,14 +95,14 @@ class ShardPlan:
         """The length of this rank's shard."""
         return self.starts[self.rank + 1] - self.starts[self.rank]
 
-    def transfers(self, src: int, dst: int, causal: bool) -> tuple[Crossing, ...]:
+    def transfers(self, src: int, dst: int, window: KeyWindow) -> tuple[Crossing, ...]:
         """The crossings whose ``src`` piece goes to ``dst``, in the fixed order both agree on."""
-        return tuple(c for c in self.crossings if c.sends(src, dst, causal))
+        return tuple(c for c in self.crossings if c.sends(src, dst, window))
 
-    def elements_sent(self, head_dim: int, batch: int, causal: bool) -> int:
+    def elements_sent(self, head_dim: int, batch: int, window: KeyWindow) -> int:
         """Key plus value elements this rank sends in a forward pass: the analytic minimum."""
         return sum(
-            payload(self, self.rank, dst, causal).elements(batch, head_dim)
+            payload(self, self.rank, dst, window).elements(batch, head_dim)
             for dst in range(self.world_size)
         )
 
@@ -134,25 +137,25 @@ def _piece_positions(piece: Piece) -> range:
 
 
 @functools.lru_cache(maxsize=1024)
-def payload(plan: ShardPlan, src: int, dst: int, causal: bool) -> Payload:
+def payload(plan: ShardPlan, src: int, dst: int, window: KeyWindow) -> Payload:
     """The deduplicated payload from ``src`` to ``dst`` (one of them is ``plan.rank``)."""
-    return _payload(plan.transfers(src, dst, causal), src)
+    return _payload(plan.transfers(src, dst, window), src)
 
 
 @functools.lru_cache(maxsize=1024)
-def broadcast_payload(plan: ShardPlan, causal: bool) -> Payload:
+def broadcast_payload(plan: ShardPlan, window: KeyWindow) -> Payload:
     """What ``plan.rank`` sends when it sends one payload to every peer at once (a collective):
     the union of its payloads to each peer. A receiver finds its own payload inside it."""
     me = plan.rank
     wanted = tuple(
-        c for c in plan.crossings if any(c.sends(me, y, causal) for y in range(plan.world_size))
+        c for c in plan.crossings if any(c.sends(me, y, window) for y in range(plan.world_size))
     )
     return _payload(wanted, me)
 
 
-def payload_positions(plan: ShardPlan, causal: bool) -> dict[int, int]:
+def payload_positions(plan: ShardPlan, window: KeyWindow) -> dict[int, int]:
     """For each rank ``plan.rank`` sends anything, ``payload(plan, plan.rank, dst,
-    causal).positions_count``, without building (or caching) the payloads: the distinct
+    window).positions_count``, without building (or caching) the payloads: the distinct
     (key/value head, position) pairs it sends ``dst``. Work in the crossings' participants, not
     in the world size."""
     me = plan.rank
@@ -162,19 +165,19 @@ def payload_positions(plan: ShardPlan, causal: bool) -> dict[int, int]:
         assert piece is not None
         positions = _piece_positions(piece)
         for other in c.pieces:
-            if c.sends(me, other.rank, causal):
+            if c.sends(me, other.rank, window):
                 heads = union.setdefault(other.rank, {})
                 for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
                     heads.setdefault(h, set()).update(positions)
     return {dst: sum(len(p) for p in heads.values()) for dst, heads in union.items()}
 
 
-def broadcast_positions(plan: ShardPlan, causal: bool) -> int:
-    """``broadcast_payload(plan, causal).positions_count``, without building the payload."""
+def broadcast_positions(plan: ShardPlan, window: KeyWindow) -> int:
+    """``broadcast_payload(plan, window).positions_count``, without building the payload."""
     me = plan.rank
     union: dict[int, set[int]] = {}
     for c in plan.crossings:
-        if any(c.sends(me, other.rank, causal) for other in c.pieces):
+        if any(c.sends(me, other.rank, window) for other in c.pieces):
             piece = c.piece(me)
             assert piece is not None
             for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):

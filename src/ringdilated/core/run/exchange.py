@@ -4,7 +4,7 @@ their owners.
 
 Call flow on every rank (the same steps in the same order)::
 
-    exchange = PieceExchange(plans, rank, communicator, group, causal, k, v, stats,
+    exchange = PieceExchange(plans, rank, communicator, group, window, k, v, stats,
                              broadcast=spec_says_broadcast)
     exchange.start()                              # step 1 in flight before any local work
     for step, received in exchange:               # step t+1 already in flight while t computes
@@ -35,6 +35,7 @@ from ringdilated.core.run import wire as wire
 if TYPE_CHECKING:
     from ringdilated.core.contract.communicator import Communicator
     from ringdilated.core.plan.shards import ShardPlan
+    from ringdilated.core.plan.window import KeyWindow
 
 __all__ = ["PieceExchange", "Received"]
 
@@ -74,7 +75,7 @@ class PieceExchange:
         rank: int,
         communicator: Communicator,
         group: object,
-        causal: bool,
+        window: KeyWindow,
         k: torch.Tensor,
         v: torch.Tensor,
         stats: TransferStats | None,
@@ -82,21 +83,21 @@ class PieceExchange:
         broadcast: bool,
     ) -> None:
         """``plans``: every rank's shard plan; ``rank``: this rank's index in them; the pieces
-        move through ``communicator`` on ``group``; ``k``, ``v``: this rank's shard (kernel
-        layout); ``stats`` counts the bytes moved (``None``: not counted); ``broadcast``: its
-        delivery is broadcast (else pairwise)."""
+        move through ``communicator`` on ``group`` by ``window``'s send rule; ``k``, ``v``: this
+        rank's shard (kernel layout); ``stats`` counts the bytes moved (``None``: not counted);
+        ``broadcast``: its delivery is broadcast (else pairwise)."""
         self.plans, self.rank, self.communicator, self.group = plans, rank, communicator, group
         self.plan = plans[rank]
         self.k, self.v, self.stats = k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
         self.steps = communicator.schedule(rank, len(plans))
-        self.causal = causal
+        self.window = window
         self.broadcast = broadcast
         self._next: _Step | None = None
         self._returning: _Return | None = None
 
     def payload(self, src: int, dst: int) -> Payload:
-        return payload(self.plan, src, dst, self.causal)
+        return payload(self.plan, src, dst, self.window)
 
     def _exchange(
         self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], uniform: bool
@@ -106,7 +107,7 @@ class PieceExchange:
         return self.communicator.exchange(self.group, sends, recvs, uniform=uniform)
 
     def _broadcast(self, src: int) -> Payload:
-        return broadcast_payload(self.plans[src], self.causal)
+        return broadcast_payload(self.plans[src], self.window)
 
     def _start_broadcast(self, peers: tuple[int, ...]) -> _Step:
         """Send this rank's broadcast payload to every peer; receive theirs. All are padded to

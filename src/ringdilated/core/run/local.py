@@ -5,7 +5,7 @@ head-parallel runs and the call's plan), :class:`BackwardInputs`, :class:`CallSt
 
 Call flow::
 
-    run = pattern_run(kernel, pattern, q, k, layout=..., causal=..., scale=..., ...)
+    run = pattern_run(kernel, pattern, q, k, layout=..., window=..., scale=..., ...)
     out, lse = DilatedAttentionFunction.apply(q, k, v, executor, CallState(seed, stats, ...))
         forward:  for each kernel call: its steps' strided views of q, k, v (several small
                   steps of one shape gathered into one call) -> kernel.forward -> (out_c, lse_c)
@@ -46,6 +46,7 @@ from ringdilated.core.contract.guard import CheckedKernel
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.documents import DocumentLayout
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
+from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.select.capabilities import UNLIMITED, BatchLimit
 from ringdilated.core.select.dtypes import autocast_off
 
@@ -404,7 +405,8 @@ class Run:
     """One dilated-attention plan's fixed parts: the kernel, the blocks and the options.
 
     ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
-    so results are copied rather than merged. ``causal`` selects the diagonal mask in every block.
+    so results are copied rather than merged. ``window``: the call's key window, in the dilated
+    positions of every block (a causal call's is the diagonal mask in every block).
     ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     ``batch_limit``: how many problems one kernel call may hold (the kernel's declared grid
@@ -423,7 +425,7 @@ class Run:
     rows: tuple[RowBlocks, ...]
     exclusive: bool
     scale: float
-    causal: bool = False
+    window: KeyWindow = FULL
     dropout_p: float = 0.0
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
     complete: bool = True
@@ -466,11 +468,10 @@ class Run:
             batches = rows.batches or slice(0, B)
             for block in rows.blocks:
                 queries = block.query_selection
-                options = BlockOptions(
-                    scale=self.scale,
-                    causal_offset=block.selection.count - queries.count if self.causal else None,
-                    dropout_p=self.dropout_p,
-                )
+                # In selected keys; a query suffix ends where the block's keys end.
+                window = self.window.dilated(block.selection.rate)
+                window = window.shifted(block.selection.count - queries.count)
+                options = BlockOptions(self.scale, window, self.dropout_p)
                 # lse_buffer's layout merges exactly when q's does.
                 tiles = mergeable(queries, q_strides) and all(
                     mergeable(block.selection, s) for s in (k.stride(), v.stride(), kv_grad_strides)
@@ -877,7 +878,7 @@ def pattern_run(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
-    causal: bool,
+    window: KeyWindow,
     scale: float | None,
     dropout_p: float,
     complete: bool = True,
@@ -916,7 +917,7 @@ def pattern_run(
         covers_keys=covers and layout.query_start == 0,
         exclusive=pattern.mode == "head_groups",
         scale=effective_scale(scale, dim),
-        causal=causal,
+        window=window,
         dropout_p=float(dropout_p),
         complete=complete,
         batch_limit=batch_limit,

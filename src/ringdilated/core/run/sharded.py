@@ -35,6 +35,7 @@ from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtyp
 from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.shards import Crossing, ShardPlan
+from ringdilated.core.plan.window import FULL
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
 from ringdilated.core.run.local import (
@@ -180,8 +181,10 @@ class ShardedRun:
 
     def options(self, crossing: int, src: int, seed: int) -> BlockOptions:
         """The options of the partial of crossing number ``crossing`` against rank ``src``'s
-        piece: the diagonal for this rank's own piece under causal; no mask for another rank's
-        (only earlier ranks send under causal, and all their keys are visible). ``seed``: the
+        piece: the call's window over this rank's own piece (queries and keys at the same
+        positions); no mask for another rank's (today's windows, ``FULL`` and ``CAUSAL``,
+        see all of an earlier rank's keys, and only earlier ranks send under the causal one; a
+        window with bounds elsewhere would shift here by the pieces' offset). ``seed``: the
         shard's dropout seed (``0``: none; the options are then made once and kept)."""
         own = src == self.plan.rank
         seed_index = crossing * self.plan.world_size + src
@@ -194,19 +197,15 @@ class ShardedRun:
         return self._make_options(own, derive_seed(seed, "crossing", seed_index))
 
     def _make_options(self, own: bool, seed: int) -> BlockOptions:
-        return BlockOptions(
-            scale=self.inner.scale,
-            causal_offset=0 if (own and self.inner.causal) else None,
-            dropout_p=self.inner.dropout_p,
-            dropout_seed=seed,
-        )
+        window = self.inner.window if own else FULL
+        return BlockOptions(self.inner.scale, window, self.inner.dropout_p, seed)
 
     def _exchange(
         self, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
     ) -> PieceExchange:
         """The exchange of this rank's pieces of ``k``, ``v`` (its shard)."""
         return PieceExchange(
-            self.plans, self.rank, self.communicator, self.group, self.inner.causal, k, v, stats,
+            self.plans, self.rank, self.communicator, self.group, self.inner.window, k, v, stats,
             broadcast=self.broadcast,
         )  # fmt: skip
 

@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from ringdilated.core.contract import rules
+from ringdilated.core.plan.window import FULL, KeyWindow, as_window
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
@@ -55,17 +56,26 @@ class Request:
     ``device_type`` is ``"cpu"``, ``"cuda"`` (NVIDIA), ``"rocm"`` (a ``cuda`` device of a ROCm
     build of torch: its kernels differ, so targets tell them apart) or another torch device type.
     ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
-    CUDA devices, ``None`` otherwise.
+    CUDA devices, ``None`` otherwise. ``window``: the call's key window (a bool: causal or not),
+    needing the ``causal`` feature when bounded on the right, ``sliding_window`` on the left.
     """
 
     device_type: str = "cpu"
     dtype: torch.dtype = torch.float32
     head_dim: int | None = None
     compute_capability: tuple[int, int] | None = None
-    causal: bool = False
+    window: KeyWindow = attrs.field(default=FULL, converter=as_window)
     backward: bool = True
     dropout: bool = False
     gqa: bool = False
+
+    @property
+    def causal(self) -> bool:
+        return self.window.right is not None
+
+    @property
+    def sliding_window(self) -> bool:
+        return self.window.left is not None
 
     @classmethod
     def for_tensors(
@@ -73,7 +83,7 @@ class Request:
         q: torch.Tensor,
         k: torch.Tensor,
         *,
-        causal: bool,
+        window: KeyWindow | bool,
         dropout: bool,
         backward: bool,
         env: Environment | None = None,
@@ -85,7 +95,7 @@ class Request:
             dtype=q.dtype,
             head_dim=q.shape[-1],
             compute_capability=env.capability(q.device),
-            causal=causal,
+            window=window,
             backward=backward,
             dropout=dropout,
             gqa=q.shape[2] != k.shape[2],
@@ -95,9 +105,7 @@ class Request:
         where = self.device_type
         if self.compute_capability is not None:
             where += f" (compute capability {_cc(self.compute_capability)})"
-        features = [
-            name for name in ("causal", "backward", "dropout", "gqa") if getattr(self, name)
-        ]
+        features = [name for name in _FEATURE_TEXT if getattr(self, name)]
         head_dim = "unknown" if self.head_dim is None else str(self.head_dim)
         return (
             f"{where}, {dtype_name(self.dtype)}, head_dim {head_dim}, "
@@ -271,6 +279,7 @@ class Capabilities:
         validator=rules.tuple_of(Target, "Target", non_empty=True), metadata={"items": Target}
     )
     causal: bool = attrs.field(default=True, validator=rules.bools)
+    sliding_window: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
     backward: bool = attrs.field(default=True, validator=rules.bools)
     dropout: bool = attrs.field(default=False, validator=rules.bools)
     gqa: bool = attrs.field(default=True, validator=rules.bools)
@@ -307,7 +316,7 @@ class Capabilities:
             per_target = [t.reasons(request) for t in on_device]
             if all(per_target):
                 out.extend(_unique(r for reasons in per_target for r in reasons))
-        for feature in ("causal", "backward", "dropout", "gqa"):
+        for feature in _FEATURE_TEXT:
             if getattr(request, feature) and not getattr(self, feature):
                 out.append(f"does not support {_FEATURE_TEXT[feature]}")
         return tuple(out)
@@ -315,6 +324,7 @@ class Capabilities:
 
 _FEATURE_TEXT = {
     "causal": "causal masking",
+    "sliding_window": "a sliding window (a key window bounded on the left)",
     "backward": "backward (gradients)",
     "dropout": "dropout_p > 0",
     "gqa": "grouped-query attention (fewer key/value heads)",

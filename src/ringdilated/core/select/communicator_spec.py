@@ -16,13 +16,18 @@ from ringdilated.core.contract.communicator import (
     PARALLELISMS,
     Communicator,
     layout_mismatch,
+    mask_argument,
 )
 from ringdilated.core.support.caller import user_stacklevel
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
+    from ringdilated.core.plan.window import KeyWindow
 
 __all__ = ["CommunicatorChoice", "CommunicatorSpec", "described_by_attributes"]
+
+CAUSAL_REFUSED = "cannot restrict sends to later ranks under causal=True"
+"""Why a spec with ``causal=False`` cannot serve a window that hides later keys."""
 
 ROLES = ("heads", "sequence")
 """A hybrid's parts, in the order of ``CommunicatorSpec.parts``."""
@@ -64,14 +69,15 @@ class CommunicatorSpec:
     """A communicator as a plugin offers it: its one description (the instance moves bytes).
 
     ``distributed``: serves process groups of more than one rank (``False``: one process only).
-    ``causal``: honours the causal rule of sending only toward later ranks. ``delivery``:
+    ``causal``: honours the send rule of a key window that hides later keys (sending only toward
+    later ranks; :class:`~ringdilated.core.plan.window.KeyWindow`). ``delivery``:
     ``"pairwise"`` or ``"broadcast"``; ``parallelism``: ``"sequence"``, ``"heads"`` or
     ``"hybrid"`` (see :mod:`ringdilated.core.contract.communicator`); ``parts``: a hybrid's
     ``(heads, sequence)`` communicator names, resolved as forced names are (required for, and
     only for, ``"hybrid"``). ``dims``: its process layout, which follows from ``parallelism`` (2,
     a 2-D :class:`~ringdilated.core.call.grid.Grid`, for ``"hybrid"``; else 1, a process group):
     accepted for compatibility, a contradiction rejected.
-    ``plan_reasons``: given every rank's shard plan and the causal flag, the reasons this
+    ``plan_reasons``: given every rank's shard plan and the call's key window, the reasons this
     communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
     anything but str, :meth:`reasons` turns that into a reason against this communicator.
     ``name`` follows the kernel name rule (non-empty, no whitespace or commas, not ``"auto"``),
@@ -97,12 +103,12 @@ class CommunicatorSpec:
         validator=_dims,
     )
     description: str = attrs.field(default="", validator=rules.strs)
-    plan_reasons: Callable[[Sequence[ShardPlan], bool], tuple[str, ...]] | None = attrs.field(
+    plan_reasons: Callable[[Sequence[ShardPlan], KeyWindow], tuple[str, ...]] | None = attrs.field(
         default=None, validator=rules.optional(rules.callables)
     )
 
     def reasons(
-        self, world_size: int, causal: bool, plans: Sequence[ShardPlan] = (), dims: int = 1
+        self, world_size: int, window: KeyWindow, plans: Sequence[ShardPlan] = (), dims: int = 1
     ) -> tuple[str, ...]:
         """Every reason this communicator cannot serve the group (empty: it can); never raises
         for what ``plan_reasons`` does. ``dims``: the call's process layout (1: a group; 2: a
@@ -115,10 +121,11 @@ class CommunicatorSpec:
             out.append(f"serves one process only, the group has {world_size} ranks")
         if world_size == 1 and self.distributed:
             out.append("a group of one rank needs no communication (local serves it)")
-        if causal and not self.causal:
-            out.append("cannot restrict sends to later ranks under causal=True")
+        if window.hides_later_keys and not self.causal:
+            out.append(CAUSAL_REFUSED)
         if plans and self.plan_reasons is not None and not out:
-            out.extend(rules.contained_reasons("plan_reasons", self.plan_reasons, plans, causal))
+            mask = mask_argument(self.plan_reasons, window)
+            out.extend(rules.contained_reasons("plan_reasons", self.plan_reasons, plans, mask))
         return tuple(out)
 
 

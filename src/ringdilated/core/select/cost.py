@@ -41,6 +41,7 @@ from ringdilated.core.plan.shards import (
     payload_positions,
     shard_plan,
 )
+from ringdilated.core.plan.window import KeyWindow, as_window
 from ringdilated.core.select.communicator_spec import CommunicatorChoice
 
 __all__ = ["GLOO", "NCCL", "Link", "PieceSize", "Traffic", "link_for", "traffic"]
@@ -136,7 +137,7 @@ def _size(n: int) -> str:
 def traffic(
     chosen: CommunicatorChoice,
     plans: Sequence[ShardPlan],
-    causal: bool,
+    window: KeyWindow | bool,
     size: PieceSize,
     grid: tuple[int, int] | None = None,
 ) -> Traffic:
@@ -144,12 +145,13 @@ def traffic(
     over ``plans`` (every rank's, in flat rank order): its spec says the delivery and
     parallelism, its instance the schedule; ``grid``: ``(outer, inner)`` of a 2-D layout. Raises
     what the communicator's ``schedule`` raises, and ``ValueError`` for a hybrid communicator
-    without a grid. Cached per problem (the plans are cached values, and hash once)."""
+    without a grid. ``window``: the call's key window (a bool: causal or not). Cached per
+    problem (the plans are cached values, and hash once)."""
     ring = chosen.parts[1] if len(chosen.parts) == 2 else None
     # An instance (and a choice) hashes by identity: the resolver keeps one instance per name.
     return _traffic(
         chosen.name, chosen.instance, chosen.parallelism,  # type: ignore[arg-type]
-        chosen.broadcast, ring, tuple(plans), causal, size, grid,
+        chosen.broadcast, ring, tuple(plans), as_window(window), size, grid,
     )  # fmt: skip
 
 
@@ -161,7 +163,7 @@ def _traffic(
     broadcast: bool,
     ring: CommunicatorChoice | None,
     plans: tuple[ShardPlan, ...],
-    causal: bool,
+    window: KeyWindow,
     size: PieceSize,
     grid: tuple[int, int] | None,
 ) -> Traffic:
@@ -169,7 +171,7 @@ def _traffic(
     unit = size.position_bytes
     schedules = [communicator.schedule(r, world) for r in range(world)]
     # Not payload(): its cache is the exchange's.
-    counts = [payload_positions(plan, causal) for plan in plans]
+    counts = [payload_positions(plan, window) for plan in plans]
 
     def pairwise(src: int, dst: int) -> int:
         return unit * counts[src].get(dst, 0)
@@ -183,9 +185,9 @@ def _traffic(
             raise ValueError(f"{name!r} runs on a 2-D layout: its traffic needs the grid's shape")
         if ring is None:
             raise ValueError(f"{name!r} has no sequence part to move pieces across its groups")
-        return _hybrid_traffic(name, ring, plans, causal, size, grid, minimum)
+        return _hybrid_traffic(name, ring, plans, window, size, grid, minimum)
     if broadcast:
-        width = unit * max(broadcast_positions(p, causal) for p in plans)
+        width = unit * max(broadcast_positions(p, window) for p in plans)
         sent = tuple(width * sum(len(step) for step in schedules[r]) for r in range(world))
         steps = max(len(s) for s in schedules) if width else 0
         hops = max(sum(len(step) for step in s) for s in schedules) if width else 0
@@ -228,7 +230,7 @@ def _hybrid_traffic(
     name: str,
     ring: CommunicatorChoice,
     plans: Sequence[ShardPlan],
-    causal: bool,
+    window: KeyWindow,
     size: PieceSize,
     grid: tuple[int, int],
     minimum: tuple[int, ...],
@@ -260,7 +262,7 @@ def _hybrid_traffic(
             )
             for o in range(outer)
         ]  # fmt: skip
-        moved = traffic(ring, across, causal, size)
+        moved = traffic(ring, across, window, size)
         ring_steps = max(ring_steps, moved.steps)
         for o in range(outer):
             sent[o * inner + i] += moved.sent[o]

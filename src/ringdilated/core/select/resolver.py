@@ -33,6 +33,7 @@ import attrs
 from ringdilated.core.contract.communicator import Communicator
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
+from ringdilated.core.plan.window import KeyWindow, as_window
 from ringdilated.core.select.capabilities import (
     UNLIMITED,
     BatchLimit,
@@ -41,6 +42,7 @@ from ringdilated.core.select.capabilities import (
     Request,
 )
 from ringdilated.core.select.communicator_spec import (
+    CAUSAL_REFUSED,
     ROLES,
     CommunicatorChoice,
     CommunicatorSpec,
@@ -185,7 +187,7 @@ class Resolver:
     def explain_communicator(
         self,
         world_size: int,
-        causal: bool,
+        window: KeyWindow | bool,
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
@@ -197,8 +199,9 @@ class Resolver:
         (``None``: a process group)."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
-        chosen_name = self.choose_communicator(world_size, causal, name, plans, size, grid).name
-        judged = self._judge_communicators(world_size, causal, plans, size, grid)
+        window = as_window(window)
+        chosen_name = self.choose_communicator(world_size, window, name, plans, size, grid).name
+        judged = self._judge_communicators(world_size, window, plans, size, grid)
         if name != "auto":
             how = f"forced by communicator={name!r}"
         elif any(t is not None for _, _, t in judged):
@@ -223,7 +226,7 @@ class Resolver:
     def _judge_communicators(
         self,
         world_size: int,
-        causal: bool,
+        window: KeyWindow,
         plans: Sequence[ShardPlan],
         size: PieceSize | None,
         grid: tuple[int, int] | None = None,
@@ -236,10 +239,10 @@ class Resolver:
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
         for spec in self.communicator_specs.values():
             dims = 1 if grid is None else 2
-            reasons = _communicator_reasons(spec, world_size, causal, plans, dims)
+            reasons = _communicator_reasons(spec, world_size, window, plans, dims)
             moved: Traffic | str | None = None
             if not reasons and plans:
-                reasons, moved = self._model(spec, plans, causal, size, grid)
+                reasons, moved = self._model(spec, plans, window, size, grid)
             judged.append((spec, reasons, moved))
 
         def preference(
@@ -255,7 +258,7 @@ class Resolver:
         self,
         spec: CommunicatorSpec,
         plans: Sequence[ShardPlan],
-        causal: bool,
+        window: KeyWindow,
         size: PieceSize | None,
         grid: tuple[int, int] | None,
     ) -> tuple[tuple[str, ...], Traffic | str | None]:
@@ -267,7 +270,7 @@ class Resolver:
         except Exception as exc:  # a rule it breaks, or whatever a hostile field raises
             return (describe_exception(exc),), None
         try:
-            chosen = self._choice(spec, causal)
+            chosen = self._choice(spec, window)
         except ResolutionError as exc:  # a hybrid's part that does not resolve
             return (describe_exception(exc),), None
         except Exception as exc:  # a plugin's factory may fail in any way
@@ -275,26 +278,26 @@ class Resolver:
         if size is None:
             return (), None
         try:
-            return (), traffic(chosen, plans, causal, size, grid)
+            return (), traffic(chosen, plans, window, size, grid)
         except Exception as exc:  # a plugin's schedule may fail in any way
             return (), f"{type(exc).__name__}: {describe_exception(exc)}"
 
     def communicator_for(
         self,
         world_size: int,
-        causal: bool,
+        window: KeyWindow | bool,
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
         grid: tuple[int, int] | None = None,
     ) -> Communicator:
         """The instance of :meth:`choose_communicator`'s choice."""
-        return self.choose_communicator(world_size, causal, name, plans, size, grid).instance
+        return self.choose_communicator(world_size, window, name, plans, size, grid).instance
 
     def choose_communicator(
         self,
         world_size: int,
-        causal: bool,
+        window: KeyWindow | bool,
         name: str | Communicator = "auto",
         plans: Sequence[ShardPlan] = (),
         size: PieceSize | None = None,
@@ -305,9 +308,11 @@ class Resolver:
         rank's ``plans`` and the ``size`` of a position; :mod:`ringdilated.core.select.cost`),
         priority breaking ties and deciding alone without them; or a ``Communicator`` instance
         used as it is (:meth:`describe_communicator`). A forced one that does not fit raises
-        with its reasons; a hybrid's parts are resolved by name, as forced names are."""
+        with its reasons; a hybrid's parts are resolved by name, as forced names are. ``window``:
+        the call's :class:`~ringdilated.core.plan.window.KeyWindow` (a bool: causal or not)."""
+        window = as_window(window)
         if isinstance(name, Communicator) and not isinstance(name, str):
-            chosen = self.describe_communicator(name, causal)
+            chosen = self.describe_communicator(name, window)
             _check_instance_layout(chosen, world_size, grid)
             return chosen
         if not isinstance(name, str):
@@ -322,7 +327,7 @@ class Resolver:
             )
         # Traffic is modelled only to choose: a forced name needs none (explain shows it).
         modelled = size if name == "auto" else None
-        judged = self._judge_communicators(world_size, causal, plans, modelled, grid)
+        judged = self._judge_communicators(world_size, window, plans, modelled, grid)
         verdicts = {spec.name: reasons for spec, reasons, _ in judged}
         ranked = [spec for spec, _, _ in judged]
         candidates = [self.communicator_specs[name]] if name != "auto" else ranked
@@ -330,7 +335,7 @@ class Resolver:
             if verdicts[spec.name]:
                 continue
             try:
-                return self._choice(spec, causal)
+                return self._choice(spec, window)
             except ResolutionError as exc:  # a hybrid's part that does not resolve
                 verdicts[spec.name] = (describe_exception(exc),)
             except Exception as exc:  # a plugin's factory may fail in any way
@@ -343,19 +348,21 @@ class Resolver:
         detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s, _, _ in judged)
         raise ResolutionError(f"no communicator can serve {world_size} rank(s) ({detail})")
 
-    def describe_communicator(self, communicator: Communicator, causal: bool) -> CommunicatorChoice:
+    def describe_communicator(
+        self, communicator: Communicator, window: KeyWindow | bool
+    ) -> CommunicatorChoice:
         """A user's communicator instance, described by the registered spec whose factory builds
         its class (or its nearest base), else for one release by its own attributes
         (:func:`~ringdilated.core.select.communicator_spec.described_by_attributes`). Raises
         :class:`ResolutionError` naming the instance for a description it cannot use."""
-        what = type(communicator).__name__
+        what, window = type(communicator).__name__, as_window(window)
         try:
             spec = self._spec_of_class(type(communicator))
             if spec is None:
                 return described_by_attributes(
-                    communicator, lambda part: self.describe_communicator(part, causal)
+                    communicator, lambda part: self.describe_communicator(part, window)
                 )
-            return CommunicatorChoice(spec, communicator, self._parts(spec, causal))
+            return CommunicatorChoice(spec, communicator, self._parts(spec, window))
         except ValueError as exc:
             raise ResolutionError(f"communicator {what} instance: {exc}") from None
 
@@ -370,14 +377,14 @@ class Resolver:
                 continue
         return next((built[base] for base in cls.__mro__ if base in built), None)
 
-    def _choice(self, spec: CommunicatorSpec, causal: bool) -> CommunicatorChoice:
+    def _choice(self, spec: CommunicatorSpec, window: KeyWindow) -> CommunicatorChoice:
         """``spec``'s instance (built once) and, for a hybrid, its parts. Raises what the
         factory raises, and :class:`ResolutionError` for a part that does not resolve."""
-        return CommunicatorChoice(spec, self._communicator(spec), self._parts(spec, causal))
+        return CommunicatorChoice(spec, self._communicator(spec), self._parts(spec, window))
 
-    def _parts(self, spec: CommunicatorSpec, causal: bool) -> tuple[CommunicatorChoice, ...]:
+    def _parts(self, spec: CommunicatorSpec, window: KeyWindow) -> tuple[CommunicatorChoice, ...]:
         """A hybrid spec's ``(heads, sequence)`` parts, resolved by name as forced names are:
-        known, of the parallelism of their role, serving ``causal``, built. Raises
+        known, of the parallelism of their role, serving ``window``, built. Raises
         :class:`ResolutionError` naming the part and why; ``()`` for any other spec."""
         if spec.parallelism != "hybrid" or spec.parts is None:
             return ()
@@ -390,8 +397,8 @@ class Resolver:
                 why = f"is no known communicator (known: {known})"
             elif part.parallelism != role:
                 why = f"has parallelism {part.parallelism!r}, not {role!r}"
-            elif causal and not part.causal:
-                why = "cannot restrict sends to later ranks under causal=True"
+            elif window.hides_later_keys and not part.causal:
+                why = CAUSAL_REFUSED
             else:
                 try:
                     parts.append(CommunicatorChoice(part, self._communicator(part)))
@@ -506,14 +513,14 @@ def _check_instance_layout(
 def _communicator_reasons(
     spec: CommunicatorSpec,
     world_size: int,
-    causal: bool,
+    window: KeyWindow,
     plans: Sequence[ShardPlan],
     dims: int = 1,
 ) -> tuple[str, ...]:
     """``spec.reasons(...)``; what it raises or returns wrongly becomes a reason. Never raises."""
     if dims == 1:  # a spec subclass may predate ``dims``
-        return _contained("reasons", lambda: spec.reasons(world_size, causal, plans))
-    return _contained("reasons", lambda: spec.reasons(world_size, causal, plans, dims))
+        return _contained("reasons", lambda: spec.reasons(world_size, window, plans))
+    return _contained("reasons", lambda: spec.reasons(world_size, window, plans, dims))
 
 
 def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:
