@@ -223,23 +223,21 @@ class HotPathCounter:
         self._saved.clear()
 
 
+def _frame(accepts: Callable[[str], bool]) -> types.FrameType | None:
+    """The innermost frame on the stack whose module name ``accepts``."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and not accepts(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+    return frame
+
+
 def _caller() -> str:
     """``file:line`` of the innermost frame outside torch and this module: who asked."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not (module.startswith("torch") or module == __name__):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+    frame = _frame(lambda module: not (module.startswith("torch") or module == __name__))
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _collective_kind() -> str:
     """``"exchange"`` when called while moving a call's data, else ``"control"``."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(_EXCHANGE_MODULES):
-            return "exchange"
-        frame = frame.f_back
-    return "control"
+    exchanging = _frame(lambda module: module.startswith(_EXCHANGE_MODULES)) is not None
+    return "exchange" if exchanging else "control"
