@@ -723,13 +723,14 @@ def execute(
     lse_needed: bool = True,
     seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of one call of ``plan`` (:func:`plan_for`'s for these tensors): the one way
-    a face runs a planned call. The tensors as the executors read them (:func:`operands`), the
-    call's state (:func:`call_state`: ``stats`` counts its bytes, ``lse_needed`` as there), then
-    kernels and the data exchange only. Eager (``seed=None``): the dropout seed is drawn now and
-    the call is one autograd node (:meth:`CallPlan.apply`). Inside a custom op, ``seed`` is the
-    op's seed tensor (read on the host only with dropout): no autograd (the op's backward runs
-    :func:`execute_backward`), no autocast, and ``lse`` laid out by
+    """``(out, lse)`` of one call of ``plan`` (:func:`plan_for`'s, for these tensors): how every
+    face runs a planned call. ``q``, ``k``, ``v`` as the caller passed them (:func:`operands` makes
+    them what the executors read), the call's state added (:func:`call_state`: ``stats`` counts
+    its bytes; ``lse_needed=False``: the caller discards ``lse``), then kernels and the data
+    exchange only. Eager (``seed=None``): the dropout seed is drawn now and the call is one
+    autograd node (:meth:`CallPlan.apply`). Inside a custom op, ``seed`` is the op's seed tensor
+    (read on the host only with dropout): no autograd node (the op's backward runs
+    :func:`execute_backward`), autocast off, and ``lse`` always returned, laid out by
     :func:`~ringdilated.core.run.local.lse_buffer`."""
     q, k, v = operands(q, k, v)
     if seed is None:
