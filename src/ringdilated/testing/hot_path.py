@@ -181,10 +181,10 @@ class HotPathCounter:
                     counter._record("copy", f"{func} across devices")
                 return func(*args, **kwargs)
 
-        def reading(what: str) -> Callable[[Any], Any]:
+        def counted(what: str, kind: Callable[[], str] = lambda: "read") -> Callable[[Any], Any]:
             def make(original: Any) -> Any:
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    counter._record("read", what)
+                    counter._record(kind(), what)
                     return original(*args, **kwargs)
 
                 return wrapper
@@ -192,24 +192,13 @@ class HotPathCounter:
             return make
 
         for name in ("tolist", "numpy", "cpu"):
-            self._patch(torch.Tensor, name, reading(f"Tensor.{name}"))
-
-        def collective(name: str) -> Callable[[Any], Any]:
-            def make(original: Any) -> Any:
-                def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    counter._record(_collective_kind(), f"torch.distributed.{name}")
-                    return original(*args, **kwargs)
-
-                return wrapper
-
-            return make
-
+            self._patch(torch.Tensor, name, counted(f"Tensor.{name}"))
         if dist.is_available():
             for name in _COLLECTIVES:
                 if hasattr(dist, name):
-                    self._patch(dist, name, collective(name))
+                    self._patch(dist, name, counted(f"torch.distributed.{name}", _collective_kind))
         if torch.cuda.is_available():
-            self._patch(torch.cuda, "synchronize", reading("torch.cuda.synchronize"))
+            self._patch(torch.cuda, "synchronize", counted("torch.cuda.synchronize"))
         self._mode = _Mode()  # type: ignore[no-untyped-call]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
