@@ -32,23 +32,15 @@ import torch
 from ringdilated.core.call.grid import Grid
 from ringdilated.core.call.prepare import (
     WHOLE_SEQUENCES,
-    CallOptions,
-    operands,
+    CallPlan,
+    execute,
+    execute_backward,
     plan_for,
-    prepare_call,
 )
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.communicator import TransferStats
-from ringdilated.core.run.local import (
-    BackwardInputs,
-    CallState,
-    Run,
-    as_lse_layout,
-    first_order_only,
-    lse_buffer,
-)
-from ringdilated.core.select.dtypes import autocast_off
+from ringdilated.core.run.local import first_order_only, lse_buffer
 from ringdilated.core.support import opaque
 
 __all__ = [
@@ -99,7 +91,7 @@ def _planned(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: SequenceLayout,
+    layout: SequenceLayout | None,
     stats: TransferStats,
     groups: Sequence[str],
     segment_lengths: Sequence[int],
@@ -112,14 +104,17 @@ def _planned(
     communicator: str,
     return_lse: bool,
     backward: bool,
-) -> Any:
-    """The plan of an ``attention`` op's call (see :func:`~ringdilated.core.call.prepare.plan_for`):
-    on ``layout``, or, for the process-wide layout of whole sequences given process groups, a
-    call that plans (and agrees) by itself. Process groups named with another layout must be
-    its own (``ValueError`` otherwise, at once, on this rank)."""
+    documents: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> CallPlan:
+    """The plan of an op's call (see :func:`~ringdilated.core.call.prepare.plan_for`): on
+    ``layout``, or, for the process-wide layout of whole sequences given process groups, a call
+    that plans (and agrees) by itself; ``layout=None``: a one-process call given ``documents``
+    (``cu_seqlens``, ``key_padding_mask``), planned anew every call (re-validating costs
+    microseconds; the resolution is a cached lookup). Process groups named with another layout
+    must be its own (``ValueError`` otherwise, at once, on this rank)."""
     from ringdilated.registry import default_resolver
 
-    if layout is not WHOLE_SEQUENCES and any(groups):
+    if layout is not None and layout is not WHOLE_SEQUENCES and any(groups):
         own = group_names(layout.group)
         if tuple(groups) != own:
             raise ValueError(
@@ -133,9 +128,9 @@ def _planned(
         "return_lse": return_lse,
         "kernel": kernel,
         "communicator": communicator,
-        "transfer_stats": None if stats is NO_STATS else stats,
-        "cu_seqlens": None,
-        "key_padding_mask": None,
+        "transfer_stats": _counted(stats),
+        "cu_seqlens": documents[0],
+        "key_padding_mask": documents[1],
     }
     per_call = layout is WHOLE_SEQUENCES and any(groups)
     return plan_for(
@@ -151,27 +146,55 @@ def _planned(
     )
 
 
-def _gradients(
-    backward_op: Any,
-    ctx: Any,
-    dout: torch.Tensor | None,
-    dlse: torch.Tensor | None,
-    arguments: tuple[Any, ...],
-    others: int,
-) -> tuple[Any, ...]:
-    """An op's autograd backward: its backward op on the saved ``q, k, v, seed, out, lse`` and
-    ``arguments``, first-order only; ``None`` for the ``others`` non-tensor inputs."""
-    q, k, v, seed, out, lse = ctx.saved_tensors
-    grads = backward_op(
-        torch.zeros_like(out) if dout is None else dout, dlse, q, k, v, out, lse, seed, *arguments
-    )
-    return (*first_order_only(grads, (q, k, v)), *(None,) * others)
+def _counted(stats: TransferStats) -> TransferStats | None:
+    """Where an op's call counts its bytes (``None``: :data:`NO_STATS`, not counted)."""
+    return None if stats is NO_STATS else stats
 
 
-def _contiguous_like(x: torch.Tensor) -> torch.Tensor:
-    """What the ops' gradients are: contiguous, whatever the strides of the input (a fake must
-    give the real strides, or inductor's generated code asserts)."""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _fake_out(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *arguments: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, length, heads, _ = q.shape
+    out = q.new_empty(b, length, heads, v.shape[-1])
+    return out, lse_buffer(b, heads, length, accumulation_dtype(q.dtype), q.device)
+
+
+def _fake_grads(
+    dout: torch.Tensor, dlse: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any
+) -> tuple[torch.Tensor, ...]:
+    """The gradients are contiguous, whatever the strides of the inputs (a fake must give the
+    real strides, or inductor's generated code asserts)."""
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _define(
+    name: str, forward: Callable[..., Any], backward: Callable[..., Any], *tags: torch.Tag
+) -> tuple[Any, Any]:
+    """The op ``ringdilated::<name>`` running ``forward``, and its backward op
+    ``ringdilated::<name>_backward`` running ``backward`` (both kept in :data:`IMPLEMENTATIONS`),
+    with their fakes and the op's autograd: the backward op on the saved ``q, k, v, seed, out,
+    lse`` and the op's other arguments but its last (``backward``), first-order only."""
+    ops = []
+    for suffix, function, fake in (("", forward, _fake_out), ("_backward", backward, _fake_grads)):
+        qualified = f"ringdilated::{name}{suffix}"
+        IMPLEMENTATIONS[qualified] = function
+        ops.append(torch.library.custom_op(qualified, mutates_args=(), tags=tags)(function))
+        ops[-1].register_fake(fake)
+    op, backward_op = ops
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        q, k, v, seed, *arguments = inputs
+        ctx.save_for_backward(q, k, v, seed, *output)
+        ctx.arguments = arguments[:-1]  # all but ``backward``
+
+    def gradients(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
+        q, k, v, seed, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        grads = backward_op(dout, dlse, q, k, v, out, lse, seed, *ctx.arguments)
+        return (*first_order_only(grads, (q, k, v)), *(None,) * (len(ctx.arguments) + 2))
+
+    op.register_autograd(gradients, setup_context=setup)
+    return op, backward_op
 
 
 _last = threading.local()
@@ -183,119 +206,70 @@ def last_plan() -> Any:
     return getattr(_last, "plan", None)
 
 
-def _state(plan: Any, seed: torch.Tensor, stats: TransferStats) -> CallState:
-    drawn = int(seed.item()) if plan.dropout_p > 0.0 else 0
-    return CallState(drawn, None if stats is NO_STATS else stats, plan.lse_used, True)
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seed: torch.Tensor,
+    layout: SequenceLayout,
+    stats: TransferStats,
+    group: str,
+    inner_group: str,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    mode: str,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    kernel: str,
+    communicator: str,
+    return_lse: bool,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one call on ``layout`` (see the module
+    docstring); everything is checked as an eager call checks it, on every rank."""
+    _last.plan = plan = _planned(
+        q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+        causal, scale, dropout_p, kernel, communicator, return_lse, backward,
+    )  # fmt: skip
+    return execute(plan, q, k, v, _counted(stats), seed=seed)
 
 
-def _define_attention_ops() -> tuple[Any, Any]:
-    """``ringdilated::attention`` and its backward (torch with opaque types only)."""
-
-    def attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        seed: torch.Tensor,
-        layout: SequenceLayout,
-        stats: TransferStats,
-        group: str,
-        inner_group: str,
-        segment_lengths: list[int],
-        dilation_rates: list[int],
-        mode: str,
-        causal: bool,
-        scale: float | None,
-        dropout_p: float,
-        kernel: str,
-        communicator: str,
-        return_lse: bool,
-        backward: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one call on ``layout`` (see the module
-        docstring); everything is checked as an eager call checks it, on every rank."""
-        plan = _planned(
-            q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
-            causal, scale, dropout_p, kernel, communicator, return_lse, backward,
-        )  # fmt: skip
-        _last.plan = plan
-        q, k, v = operands(q, k, v)
-        with autocast_off(q.device.type):
-            out, lse = plan.forward(q, k, v, _state(plan, seed, stats))
-        return out, as_lse_layout(lse)
-
-    IMPLEMENTATIONS["ringdilated::attention"] = attention
-    attention = torch.library.custom_op("ringdilated::attention", mutates_args=())(attention)
-
-    @attention.register_fake
-    def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> Any:
-        b, length, heads, _ = q.shape
-        out = q.new_empty(b, length, heads, v.shape[-1])
-        return out, lse_buffer(b, heads, length, accumulation_dtype(q.dtype), q.device)
-
-    def attention_backward(
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        seed: torch.Tensor,
-        layout: SequenceLayout,
-        stats: TransferStats,
-        group: str,
-        inner_group: str,
-        segment_lengths: list[int],
-        dilation_rates: list[int],
-        mode: str,
-        causal: bool,
-        scale: float | None,
-        dropout_p: float,
-        kernel: str,
-        communicator: str,
-        return_lse: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` of :func:`attention` (the same plan, the same masks)."""
-        plan = _planned(
-            q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
-            causal, scale, dropout_p, kernel, communicator, return_lse, True,
-        )  # fmt: skip
-        q, k, v = operands(q, k, v)
-        with autocast_off(q.device.type):
-            dlse = None if dlse is None or not return_lse else as_lse_layout(dlse.to(lse.dtype))
-            inputs = BackwardInputs(
-                dout.contiguous(), dlse, q, k, v, out.contiguous(), as_lse_layout(lse)
-            )
-            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = plan.backward(
-                inputs, _state(plan, seed, stats)
-            )
-        return grads
-
-    IMPLEMENTATIONS["ringdilated::attention_backward"] = attention_backward
-    attention_backward = torch.library.custom_op(
-        "ringdilated::attention_backward", mutates_args=()
-    )(attention_backward)
-
-    @attention_backward.register_fake
-    def _(
-        dout: torch.Tensor, dlse: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any
-    ) -> Any:
-        return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
-
-    def setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        q, k, v, seed, layout, stats, group, inner_group, *params = inputs
-        ctx.save_for_backward(q, k, v, seed, *output)
-        ctx.objects = (layout, stats, group, inner_group)
-        ctx.params = params[:-1]  # all but ``backward``
-
-    def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
-        return _gradients(attention_backward, ctx, dout, dlse, (*ctx.objects, *ctx.params), 15)
-
-    attention.register_autograd(backward, setup_context=setup)
-    return attention, attention_backward
+def _attention_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    layout: SequenceLayout,
+    stats: TransferStats,
+    group: str,
+    inner_group: str,
+    segment_lengths: list[int],
+    dilation_rates: list[int],
+    mode: str,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    kernel: str,
+    communicator: str,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`_attention` (the same plan, the same masks)."""
+    plan = _planned(
+        q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+        causal, scale, dropout_p, kernel, communicator, return_lse, True,
+    )  # fmt: skip
+    dlse = dlse if return_lse else None
+    return execute_backward(plan, dout, dlse, q, k, v, out, lse, seed, _counted(stats))
 
 
-attention_op, attention_backward_op = _define_attention_ops() if OP_SUPPORTED else (None, None)
+attention_op, attention_backward_op = (
+    _define("attention", _attention, _attention_backward) if OP_SUPPORTED else (None, None)
+)
 
 
 def _shard_positions(
@@ -335,45 +309,6 @@ def shard_positions(
 # The one-process op of calls given cu_seqlens / key_padding_mask tensors under torch.compile.
 
 
-def _run(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    key_padding_mask: torch.Tensor | None,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    mode: str,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    kernel: str,
-    backward: bool,
-) -> Run:
-    """The op's :class:`Run`, from the same :func:`~ringdilated.core.call.prepare.prepare_call` as
-    the eager path (re-validating costs microseconds; the resolution is a cached lookup)."""
-    from ringdilated.registry import default_resolver
-
-    options = CallOptions(
-        causal=causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        kernel=kernel,
-        cu_seqlens=cu_seqlens,
-        key_padding_mask=key_padding_mask,
-    )
-    plan = prepare_call(
-        (segment_lengths, dilation_rates, mode),
-        q,
-        k,
-        v,
-        options,
-        default_resolver(),
-        backward=backward,
-    )
-    return plan.run(q, k)
-
-
 def _dilated_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -393,35 +328,11 @@ def _dilated_attention(
     """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one single-process call. The documents and
     padding, which need their values, are read and checked here (before any work), every call,
     as in an eager call without a layout."""
-    run = _run(
-        q, k, v, cu_seqlens, key_padding_mask, segment_lengths, dilation_rates, mode, causal,
-        scale, dropout_p, kernel, backward,
+    plan = _planned(
+        q, k, v, None, NO_STATS, ("", ""), segment_lengths, dilation_rates, mode, causal, scale,
+        dropout_p, kernel, "auto", False, backward, (cu_seqlens, key_padding_mask),
     )  # fmt: skip
-    with autocast_off(q.device.type):
-        seed_value = int(seed.item()) if dropout_p > 0.0 else 0
-        return run.forward(*operands(q, k, v), CallState(seed_value))
-
-
-IMPLEMENTATIONS["ringdilated::dilated_attention"] = _dilated_attention
-dilated_attention_op = torch.library.custom_op(
-    "ringdilated::dilated_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
-)(_dilated_attention)
-
-
-@dilated_attention_op.register_fake
-def _fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, *args: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    b, length, heads, _ = q.shape
-    out = q.new_empty(b, length, heads, v.shape[-1])
-    return out, lse_buffer(b, heads, length, accumulation_dtype(q.dtype), q.device)
-
-
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    q, k, v, seed, cu_seqlens, key_padding_mask, *params = inputs
-    ctx.save_for_backward(q, k, v, seed, *output)
-    ctx.layout = (cu_seqlens, key_padding_mask)
-    ctx.params = params
+    return execute(plan, q, k, v, seed=seed)
 
 
 def _dilated_attention_backward(
@@ -448,42 +359,14 @@ def _dilated_attention_backward(
     The op always returns the lse, so autograd hands this backward a ``dlse`` of zeros whenever
     the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
     only when ``dlse`` has a nonzero entry (read on the host: this op reads it anyway)."""
-    run = _run(
-        q, k, v, cu_seqlens, key_padding_mask, segment_lengths, dilation_rates, mode, causal,
-        scale, dropout_p, kernel, True,
+    plan = _planned(
+        q, k, v, None, NO_STATS, ("", ""), segment_lengths, dilation_rates, mode, causal, scale,
+        dropout_p, kernel, "auto", False, True, (cu_seqlens, key_padding_mask),
     )  # fmt: skip
-    if dlse is not None and not bool(dlse.any()):
-        dlse = None
-    q, k, v = operands(q, k, v)
-    with autocast_off(q.device.type):
-        dlse = None if dlse is None else as_lse_layout(dlse.to(lse.dtype))
-        inputs = BackwardInputs(dout.contiguous(), dlse, q, k, v, out, as_lse_layout(lse))
-        return run.backward(inputs, CallState(int(seed.item()) if dropout_p > 0.0 else 0))
+    dlse = dlse if dlse is not None and bool(dlse.any()) else None
+    return execute_backward(plan, dout, dlse, q, k, v, out, lse, seed)
 
 
-IMPLEMENTATIONS["ringdilated::dilated_attention_backward"] = _dilated_attention_backward
-dilated_attention_backward_op = torch.library.custom_op(
-    "ringdilated::dilated_attention_backward",
-    mutates_args=(),
-    tags=(torch.Tag.cudagraph_unsafe,),
-)(_dilated_attention_backward)
-
-
-@dilated_attention_backward_op.register_fake
-def _fake_backward(
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *args: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _contiguous_like(q), _contiguous_like(k), _contiguous_like(v)
-
-
-def _backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple[Any, ...]:
-    arguments = (*ctx.layout, *ctx.params[:-1])  # all params but ``backward``
-    return _gradients(dilated_attention_backward_op, ctx, dout, dlse, arguments, 11)
-
-
-dilated_attention_op.register_autograd(_backward, setup_context=_setup_context)
+dilated_attention_op, dilated_attention_backward_op = _define(
+    "dilated_attention", _dilated_attention, _dilated_attention_backward, torch.Tag.cudagraph_unsafe
+)

@@ -9,7 +9,7 @@ Call flow::
              prepare_call(...)                     validate (inside the ranks' agreement),
                                                    resolve the kernel, plan the shards, build
                                                    the executors, and keep the plan
-           plan.apply(q, k, v, CallState(...))     kernels and the data exchange only
+           execute(plan, q, k, v, ...)             kernels and the data exchange only
 
 Under ``torch.compile`` a one-process call with a named kernel becomes one custom op
 (:mod:`ringdilated.compiled`); a sharded call, or one with a kernel instance, runs eagerly behind
@@ -37,9 +37,8 @@ from ringdilated.core.call.prepare import (
     CallPlan,
     PatternArgs,
     as_process_group,
-    call_state,
+    execute,
     group_size,
-    operands,
     plan_for,
 )
 from ringdilated.core.call.sequence_layout import SequenceLayout
@@ -277,9 +276,7 @@ def _attend_planned(
     plan = plan_for(
         pattern, q, k, v, arguments, resolver or default_resolver, process_group, layout
     )
-    q, k, v = operands(q, k, v)
-    call = call_state(plan, arguments["transfer_stats"], lse_needed)
-    out, lse = plan.apply(q, k, v, call)
+    out, lse = execute(plan, q, k, v, arguments["transfer_stats"], lse_needed=lse_needed)
     return out, lse, plan
 
 

@@ -1,34 +1,12 @@
 """The pluggy layer: hook specifications, the plugin manager and the registry of backends."""
 
+from ringdilated.plugins import manager
 from ringdilated.plugins.hookspecs import hookimpl, hookspec
-from ringdilated.plugins.manager import (
-    ALLOW_ENV_VAR,
-    AUTOLOAD_ENV_VAR,
-    BLOCK_ENV_VAR,
-    STRICT_ENV_VAR,
-    PluginError,
-    PluginInfo,
-    PluginRegistry,
-    PluginWarning,
-    build_registry,
-    load_registry,
-)
+from ringdilated.plugins.manager import *  # noqa: F403  (the names of its __all__)
+from ringdilated.plugins.manager import load_registry
 
-__all__ = [
-    "ALLOW_ENV_VAR",
-    "AUTOLOAD_ENV_VAR",
-    "BLOCK_ENV_VAR",
-    "STRICT_ENV_VAR",
-    "PluginError",
-    "PluginInfo",
-    "PluginRegistry",
-    "PluginWarning",
-    "build_registry",
-    "describe",
-    "hookimpl",
-    "hookspec",
-    "load_registry",
-]
+__all__ = ["describe", "hookimpl", "hookspec"]
+__all__ += manager.__all__
 
 
 def describe() -> str:

@@ -181,10 +181,10 @@ class HotPathCounter:
                     counter._record("copy", f"{func} across devices")
                 return func(*args, **kwargs)
 
-        def reading(what: str) -> Callable[[Any], Any]:
+        def counted(what: str, kind: Callable[[], str] = lambda: "read") -> Callable[[Any], Any]:
             def make(original: Any) -> Any:
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    counter._record("read", what)
+                    counter._record(kind(), what)
                     return original(*args, **kwargs)
 
                 return wrapper
@@ -192,24 +192,13 @@ class HotPathCounter:
             return make
 
         for name in ("tolist", "numpy", "cpu"):
-            self._patch(torch.Tensor, name, reading(f"Tensor.{name}"))
-
-        def collective(name: str) -> Callable[[Any], Any]:
-            def make(original: Any) -> Any:
-                def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    counter._record(_collective_kind(), f"torch.distributed.{name}")
-                    return original(*args, **kwargs)
-
-                return wrapper
-
-            return make
-
+            self._patch(torch.Tensor, name, counted(f"Tensor.{name}"))
         if dist.is_available():
             for name in _COLLECTIVES:
                 if hasattr(dist, name):
-                    self._patch(dist, name, collective(name))
+                    self._patch(dist, name, counted(f"torch.distributed.{name}", _collective_kind))
         if torch.cuda.is_available():
-            self._patch(torch.cuda, "synchronize", reading("torch.cuda.synchronize"))
+            self._patch(torch.cuda, "synchronize", counted("torch.cuda.synchronize"))
         self._mode = _Mode()  # type: ignore[no-untyped-call]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
@@ -223,23 +212,21 @@ class HotPathCounter:
         self._saved.clear()
 
 
+def _frame(accepts: Callable[[str], bool]) -> types.FrameType | None:
+    """The innermost frame on the stack whose module name ``accepts``."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and not accepts(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+    return frame
+
+
 def _caller() -> str:
     """``file:line`` of the innermost frame outside torch and this module: who asked."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not (module.startswith("torch") or module == __name__):
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "?"
+    frame = _frame(lambda module: not (module.startswith("torch") or module == __name__))
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _collective_kind() -> str:
     """``"exchange"`` when called while moving a call's data, else ``"control"``."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith(_EXCHANGE_MODULES):
-            return "exchange"
-        frame = frame.f_back
-    return "control"
+    exchanging = _frame(lambda module: module.startswith(_EXCHANGE_MODULES)) is not None
+    return "exchange" if exchanging else "control"

@@ -1,7 +1,8 @@
-"""Layer 5, the call: one dilated-attention call from its arguments to its plan.
+"""Layer 5, the call: one dilated-attention call from its arguments to its plan, and its run.
 
 Process layouts (:mod:`.grid`), argument checks (:mod:`.validation`), the ranks' agreement
-(:mod:`.agreement`), the batch's :class:`~.sequence_layout.SequenceLayout`, and
-:func:`~.prepare.prepare_call`, which makes the call's plan. The face (``functional``, the
-modules, the Hugging Face adapter) sits on top. Imports only the layers below.
+(:mod:`.agreement`), the batch's :class:`~.sequence_layout.SequenceLayout`,
+:func:`~.prepare.prepare_call`, which makes the call's plan, and :func:`~.prepare.execute`, which
+runs it. The face (``functional``, the compiled ops, the modules, the Hugging Face adapter) sits
+on top. Imports only the layers below.
 """

@@ -11,7 +11,7 @@ The plan builds its executors once (:meth:`CallPlan.with_executors`: per group o
 over either, each communicator that runs prepared); every call of it then runs::
 
     plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
-    out, lse = plan.apply(*operands(q, k, v), call_state(plan, stats))   # kernels and exchanges
+    out, lse = execute(plan, q, k, v, stats)          # kernels and exchanges only
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ringdilated.core.run.local import (
     DilatedAttentionFunction,
     Executor,
     Run,
+    as_lse_layout,
     draw_seed,
     effective_scale,
     pattern_run,
@@ -61,6 +62,8 @@ __all__ = [
     "as_process_group",
     "call_layout",
     "call_state",
+    "execute",
+    "execute_backward",
     "group_size",
     "operands",
     "plan_for",
@@ -711,6 +714,56 @@ def operands(
     return q.contiguous(), _kv_operand(k, suffix), _kv_operand(v, suffix)
 
 
+def execute(
+    plan: CallPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stats: object = None,
+    *,
+    lse_needed: bool = True,
+    seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of one call of ``plan`` (:func:`plan_for`'s, for these tensors): how every
+    face runs a planned call. ``q``, ``k``, ``v`` as the caller passed them (:func:`operands` makes
+    them what the executors read), the call's state added (:func:`call_state`: ``stats`` counts
+    its bytes; ``lse_needed=False``: the caller discards ``lse``), then kernels and the data
+    exchange only. Eager (``seed=None``): the dropout seed is drawn now and the call is one
+    autograd node (:meth:`CallPlan.apply`). Inside a custom op, ``seed`` is the op's seed tensor
+    (read on the host only with dropout): no autograd node (the op's backward runs
+    :func:`execute_backward`), autocast off, and ``lse`` always returned, laid out by
+    :func:`~ringdilated.core.run.local.lse_buffer`."""
+    q, k, v = operands(q, k, v)
+    if seed is None:
+        return plan.apply(q, k, v, call_state(plan, stats, lse_needed))
+    with autocast_off(q.device.type):
+        out, lse = plan.forward(q, k, v, call_state(plan, stats, seed=seed))
+    return out, as_lse_layout(lse)
+
+
+def execute_backward(
+    plan: CallPlan,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    stats: object = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of the call :func:`execute` ran inside a custom op with ``seed`` (the same
+    plan, so the same dropout masks), from its inputs, ``out``, ``lse`` and their gradients
+    (``dlse=None``: none flows through ``lse``); no autograd, no autocast."""
+    q, k, v = operands(q, k, v)
+    with autocast_off(q.device.type):
+        dlse = None if dlse is None else as_lse_layout(dlse.to(lse.dtype))
+        lse = as_lse_layout(lse)
+        inputs = BackwardInputs(dout.contiguous(), dlse, q, k, v, out.contiguous(), lse)
+        return plan.backward(inputs, call_state(plan, stats, seed=seed))
+
+
 def plan_for(
     pattern: DilationPattern | PatternArgs,
     q: torch.Tensor,
@@ -764,13 +817,17 @@ _NO_DROPOUT = {
 """The calls without dropout or byte counting differ in nothing else: one state each."""
 
 
-def call_state(plan: CallPlan, stats: object, lse_needed: bool = True) -> CallState:
-    """What one call of ``plan`` adds to it: a dropout seed drawn now, where its bytes are
-    counted, and whether its lse is read (``lse_needed``, or a gradient flows through it)."""
+def call_state(
+    plan: CallPlan, stats: object, lse_needed: bool = True, seed: torch.Tensor | None = None
+) -> CallState:
+    """What one call of ``plan`` adds to it: a dropout seed drawn now (or read from ``seed``, an
+    op's seed tensor), where its bytes are counted, and whether its lse is read (``lse_needed``,
+    or a gradient flows through it)."""
     needed = lse_needed or plan.lse_used
     if plan.dropout_p == 0.0 and stats is None:
         return _NO_DROPOUT[plan.lse_used, needed]
-    return CallState(draw_seed(plan.dropout_p), stats, plan.lse_used, needed)  # type: ignore[arg-type]
+    drawn = draw_seed(plan.dropout_p) if seed is None or not plan.dropout_p else int(seed.item())
+    return CallState(drawn, stats, plan.lse_used, needed)  # type: ignore[arg-type]
 
 
 def _prepared(

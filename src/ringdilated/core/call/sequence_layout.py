@@ -172,7 +172,19 @@ class SequenceLayout(OpaqueBase):
         if ranks == 1 and read.shard_length is not None:
             lengths = (read.shard_length,)
         # Every value below was agreed: each rank reaches the same verdict, no collective needed.
-        length, lengths = _place(read, lengths, ranks)
+        self._settle(group, ranks, read, lengths, read.agree_every_call)
+
+    def _settle(
+        self,
+        group: object,
+        ranks: int,
+        read: _Read,
+        lengths: tuple[int, ...] | None,
+        agree_every_call: bool,
+    ) -> None:
+        """Initialise this layout from what was read, placed on shards of ``lengths``
+        (:func:`_place`)."""
+        length, placed = _place(read, lengths, ranks)
         self.__attrs_init__(
             group,
             0 if group is None else grid.rank(group),  # type: ignore[arg-type]
@@ -180,9 +192,9 @@ class SequenceLayout(OpaqueBase):
             read.documents,
             read.padding,
             read.batch,
-            read.agree_every_call,
+            agree_every_call,
             _length=length,
-            _state=_State(lengths=lengths),
+            _state=_State(lengths=placed),
         )
 
     @classmethod
@@ -203,20 +215,8 @@ class SequenceLayout(OpaqueBase):
                 f"key_padding_mask must be (batch, seq_len) = ({batch}, {sum(lengths)}), got "
                 f"({read.batch}, {read.width})"
             )
-        ranks = len(lengths)
-        length, placed = _place(read, lengths, ranks)
         layout = cls.__new__(cls)
-        layout.__attrs_init__(
-            group,
-            0 if group is None else grid.rank(group),  # type: ignore[arg-type]
-            ranks,
-            read.documents,
-            read.padding,
-            read.batch,
-            True,
-            _length=length,
-            _state=_State(lengths=placed),
-        )
+        layout._settle(group, len(lengths), read, lengths, True)
         return layout
 
     @property
