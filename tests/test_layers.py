@@ -135,6 +135,24 @@ def test_a_flat_path_of_0_1_imports_with_a_deprecation_warning(old: str, new: st
         module.no_such_name  # noqa: B018
 
 
+def test_a_name_set_through_a_flat_path_is_set_on_the_new_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``monkeypatch.setattr`` through a 0.1 path reaches the code that reads the name; its
+    undo (a set back, or a delete of a name it added) too; the alias keeps its own dunders."""
+    sys.modules.pop("ringdilated.core.driver", None)
+    with pytest.warns(DeprecationWarning, match="ringdilated.core.driver moved"):
+        old = importlib.import_module("ringdilated.core.driver")
+    new = importlib.import_module("ringdilated.core.run.local")
+    original, marker = new.effective_scale, object()
+    monkeypatch.setattr("ringdilated.core.driver.effective_scale", marker)
+    monkeypatch.setattr(old, "no_such_name", marker, raising=False)
+    assert new.effective_scale is marker and new.no_such_name is marker
+    monkeypatch.undo()
+    assert new.effective_scale is original and not hasattr(new, "no_such_name")
+    assert old.__name__ == "ringdilated.core.driver" and vars(old) is vars(new)
+
+
 def test_a_plugin_importing_a_flat_path_works() -> None:
     """In a fresh interpreter, as a plugin written against the 0.1 docs would import."""
     code = (

@@ -16,6 +16,7 @@ import sys
 import types
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["MOVED", "install"]
 
@@ -56,13 +57,29 @@ MOVED: dict[str, str] = {
 
 
 class _Forwarding(types.ModuleType):
-    """An old path's module: every attribute read from the module it moved to."""
+    """An old path's module: its namespace is the module it moved to's, so every attribute is
+    read, set and deleted there (``monkeypatch.setattr("ringdilated.core.driver.Run", ...)``,
+    which reads ``__dict__`` to undo), but its own ``__dunder__`` ones."""
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        return vars(self._home())
 
     def __getattr__(self, name: str) -> object:
-        return getattr(importlib.import_module(MOVED[self.__name__]), name)
+        return getattr(self._home(), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        types.ModuleType.__setattr__(self._home(name), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        types.ModuleType.__delattr__(self._home(name), name)
 
     def __dir__(self) -> list[str]:
-        return dir(importlib.import_module(MOVED[self.__name__]))
+        return dir(self._home())
+
+    def _home(self, name: str = "") -> types.ModuleType:
+        """Where ``name`` lives: the new module, but for the alias's own ``__dunder__``."""
+        return self if name.startswith("__") else importlib.import_module(MOVED[self.__name__])
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
