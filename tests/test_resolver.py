@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -139,6 +140,27 @@ def test_factory_returning_a_non_kernel_is_rejected() -> None:
         ResolutionError, match="factory failed: TypeError: kernel 'liar': factory returned"
     ):
         Resolver([spec]).resolve(Request())
+
+
+def test_kernels_and_communicators_are_built_by_one_helper() -> None:
+    """One builder for both kinds: a factory's instance of the wrong kind is a ``TypeError``
+    naming the spec and the methods it lacks; a name shared by a kernel and a communicator
+    builds each."""
+    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
+
+    assert Resolver._kernel is Resolver._communicator
+    kernel = KernelSpec(name="liar", factory=object, capabilities=REFERENCE_SPEC.capabilities)
+    liar, ring = CommunicatorSpec("liar", object), CommunicatorSpec("ref", RingPassCommunicator)
+    reference = attrs.evolve(REFERENCE_SPEC, name="ref")
+    resolver = Resolver([kernel, reference], communicators=[liar, ring])
+    with pytest.raises(TypeError, match=r"communicator 'liar': factory returned .*lacks schedule"):
+        resolver._communicator(liar)
+    with pytest.raises(TypeError, match=r"kernel 'liar': factory returned .*lacks forward"):
+        resolver.kernel("liar")
+    assert isinstance(resolver.kernel("ref"), ReferenceKernel)
+    assert isinstance(resolver._communicator(ring), RingPassCommunicator)
+    assert resolver.kernel("ref") is resolver.kernel("ref")
 
 
 def test_request_from_tensors() -> None:
