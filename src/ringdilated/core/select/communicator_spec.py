@@ -18,6 +18,7 @@ from ringdilated.core.contract.communicator import (
     layout_mismatch,
 )
 from ringdilated.core.support.caller import user_stacklevel
+from ringdilated.core.support.errors import SpecError
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
@@ -29,9 +30,14 @@ ROLES = ("heads", "sequence")
 
 
 def _dims(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    """``dims`` follows from ``parallelism``: 2 for ``"hybrid"``, else 1."""
+    """``dims`` follows from ``parallelism``: 2 for ``"hybrid"``, else 1. 0.1's ``dims=2`` alone
+    is a :class:`SpecError` saying what declares a 2-D communicator now."""
     parallelism = instance.parallelism
     wanted = 2 if parallelism == "hybrid" else 1
+    if wanted == 1 and rules.ints.check(value) and value == 2:
+        rule = f"{type(instance).__name__}.dims must be 1 for parallelism {parallelism!r}, got 2"
+        hint = "for 0.1's 2-D communicator write parallelism='hybrid', parts=(heads, sequence)"
+        raise SpecError("dims", f"{rule}: {hint} (dims follows)")
     rules.Rule(
         f"{wanted} for parallelism {rules.describe(parallelism)} (it follows from parallelism: "
         "2 for 'hybrid', else 1)",
