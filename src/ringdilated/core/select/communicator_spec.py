@@ -138,6 +138,18 @@ class CommunicatorChoice:
     instance: Communicator
     parts: tuple[CommunicatorChoice, ...] = ()
 
+    def __attrs_post_init__(self) -> None:
+        """What the instance declares or holds against its spec (0.1 read its ``delivery`` and
+        ``parallelism``, and a hybrid's ``heads`` and ``sequence``) is refused, not ignored."""
+        read: dict[str, object] = {r: p.instance for r, p in zip(ROLES, self.parts, strict=False)}
+        read |= {"delivery": self.spec.delivery, "parallelism": self.spec.parallelism}
+        for name, value in read.items():
+            held = getattr(self.instance, name, value)
+            if held != value:
+                field = name if name in ("delivery", "parallelism") else "parts"
+                what = f"{type(self.instance).__name__}.{name} is {held!r}, which is not read"
+                raise SpecError(field, f"{what}: say it as {field}= of its spec {self.name!r}")
+
     @property
     def name(self) -> str:
         return self.spec.name
