@@ -74,9 +74,6 @@ class _Forwarding(types.ModuleType):
     def __delattr__(self, name: str) -> None:
         types.ModuleType.__delattr__(self._home(name), name)
 
-    def __dir__(self) -> list[str]:
-        return dir(self._home())
-
     def _home(self, name: str = "") -> types.ModuleType:
         """Where ``name`` lives: the new module, but for the alias's own ``__dunder__``."""
         return self if name.startswith("__") else importlib.import_module(MOVED[self.__name__])

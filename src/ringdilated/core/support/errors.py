@@ -165,26 +165,20 @@ def _builtin(cls: type[BaseException]) -> Any:
 
 
 def _rebuilt(
-    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, Any], agreed: bool = False
 ) -> BaseException:
     """An instance of ``cls`` from :func:`_state`, its ``__init__`` not run (it may take other
-    arguments than its ``args``), only its built-in base's (``UnicodeError.start``)."""
+    arguments than its ``args``), only its built-in base's (``UnicodeError.start``); ``agreed``:
+    its agreed copy (an agreed copy unpickled: its class exists in one process)."""
     made = cls.__new__(cls, *args)
     _builtin(cls).__init__(made, *args)
     made.__setstate__(state)
-    return made
-
-
-def _unpickled(
-    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
-) -> BaseException:
-    """An agreed copy of ``cls`` again, in the process that unpickles it."""
-    return raised_on_every_rank(_rebuilt(cls, args, state))
+    return raised_on_every_rank(made) if agreed else made
 
 
 def _reduce(self: BaseException) -> tuple[object, ...]:
-    """Pickle an agreed copy by the class it copies (the copy's class exists in one process)."""
-    return (_unpickled, (type(self).__mro__[1], *_state(self)))
+    """Pickle an agreed copy by the class it copies."""
+    return (_rebuilt, (type(self).__mro__[1], *_state(self), True))
 
 
 class RingDilatedWarning(UserWarning):
