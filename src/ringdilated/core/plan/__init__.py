@@ -4,3 +4,8 @@ Which positions each head group selects (:mod:`.pattern`), the batch's documents
 (:mod:`.documents`), which pieces each rank holds and needs (:mod:`.shards`), and how heads are
 dealt to ranks (:mod:`.heads`). Imports only :mod:`ringdilated.core.support`.
 """
+
+from ringdilated.core.plan.documents import check_readable as check_readable
+from ringdilated.core.plan.documents import read_layout as read_layout
+from ringdilated.core.plan.documents import read_padding as read_padding
+from ringdilated.core.plan.pattern import split_by_kv as split_by_kv
