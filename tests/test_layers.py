@@ -184,14 +184,17 @@ def _face_violations(path: pathlib.Path) -> list[str]:
 
 
 def _exports(package: str) -> set[str]:
-    """What ``package`` (``ringdilated.core`` or a layer) exports: its ``__all__``, and what its
-    ``__init__`` re-exports as ``X as X`` (PEP 484)."""
+    """What ``package`` (``ringdilated.core`` or a layer) exports: its ``__all__``, what its
+    ``__init__`` re-exports as ``X as X`` (PEP 484), and the ``__all__`` of each module it
+    re-exports with ``*`` (a module's public names)."""
     init = PACKAGE.parent / package.replace(".", "/") / "__init__.py"
-    tree = ast.parse(init.read_text())
     exported = set(getattr(importlib.import_module(package), "__all__", ()))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            exported |= {a.name for a in node.names if a.asname == a.name}
+    for node in ast.walk(ast.parse(init.read_text())):
+        for a in node.names if isinstance(node, ast.ImportFrom) else ():
+            if a.name == "*":
+                exported |= set(importlib.import_module(str(node.module)).__all__)
+            elif a.asname == a.name:
+                exported.add(a.name)
     return exported
 
 
@@ -221,7 +224,7 @@ def test_a_name_set_through_a_flat_path_is_set_on_the_new_module(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``monkeypatch.setattr`` through a 0.1 path reaches the code that reads the name; its
-    undo (a set back, or a delete of a name it added) too; the alias keeps its own dunders."""
+    undo (a set back, or a delete of a name it added) too: the old path is the new module."""
     sys.modules.pop("ringdilated.core.driver", None)
     with pytest.warns(DeprecationWarning, match="ringdilated.core.driver moved"):
         old = importlib.import_module("ringdilated.core.driver")
@@ -232,7 +235,7 @@ def test_a_name_set_through_a_flat_path_is_set_on_the_new_module(
     assert new.effective_scale is marker and new.no_such_name is marker
     monkeypatch.undo()
     assert new.effective_scale is original and not hasattr(new, "no_such_name")
-    assert old.__name__ == "ringdilated.core.driver" and vars(old) is vars(new)
+    assert old is new and new.__spec__.name == "ringdilated.core.run.local"
 
 
 def test_a_plugin_importing_a_flat_path_works() -> None:
