@@ -5,7 +5,5 @@ Which positions each head group selects (:mod:`.pattern`), the batch's documents
 dealt to ranks (:mod:`.heads`). Imports only :mod:`ringdilated.core.support`.
 """
 
-from ringdilated.core.plan.documents import check_readable as check_readable
-from ringdilated.core.plan.documents import read_layout as read_layout
-from ringdilated.core.plan.documents import read_padding as read_padding
-from ringdilated.core.plan.pattern import split_by_kv as split_by_kv
+from ringdilated.core.plan.documents import *  # noqa: F403
+from ringdilated.core.plan.pattern import *  # noqa: F403

@@ -6,10 +6,5 @@ wire format (:mod:`.wire`). No validation and no agreement happen here: a run re
 that was checked and agreed. Imports only the layers below.
 """
 
-from ringdilated.core.run.local import BackwardInputs as BackwardInputs
-from ringdilated.core.run.local import CallState as CallState
-from ringdilated.core.run.local import Run as Run
-from ringdilated.core.run.local import as_lse_layout as as_lse_layout
-from ringdilated.core.run.local import effective_scale as effective_scale
+from ringdilated.core.run.local import *  # noqa: F403
 from ringdilated.core.run.local import first_order_only as first_order_only
-from ringdilated.core.run.local import lse_buffer as lse_buffer

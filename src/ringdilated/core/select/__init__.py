@@ -6,8 +6,5 @@ model it ranks communicators by (:mod:`.cost`) and the dtype policy (:mod:`.dtyp
 the host, once per call signature. Imports only the layers below.
 """
 
-from ringdilated.core.select.capabilities import PACKAGES_ENV_VAR as PACKAGES_ENV_VAR
-from ringdilated.core.select.dtypes import autocast_enabled as autocast_enabled
-from ringdilated.core.select.dtypes import autocast_inputs as autocast_inputs
-from ringdilated.core.select.dtypes import autocast_off as autocast_off
-from ringdilated.core.select.dtypes import recommended_dtype as recommended_dtype
+from ringdilated.core.select.capabilities import *  # noqa: F403
+from ringdilated.core.select.dtypes import *  # noqa: F403

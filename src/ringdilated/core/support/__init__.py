@@ -6,10 +6,6 @@ passes into a graph untraced (:mod:`.opaque`). Imports nothing else of ``ringdil
 """
 
 from ringdilated.core.support import opaque as opaque
-from ringdilated.core.support.caller import user_stacklevel as user_stacklevel
-from ringdilated.core.support.env import unknown_names as unknown_names
-from ringdilated.core.support.errors import (
-    DistributedNotInitializedWarning as DistributedNotInitializedWarning,
-)
-from ringdilated.core.support.errors import PaddingMaskWarning as PaddingMaskWarning
-from ringdilated.core.support.errors import SlowDtypeWarning as SlowDtypeWarning
+from ringdilated.core.support.caller import *  # noqa: F403
+from ringdilated.core.support.env import *  # noqa: F403
+from ringdilated.core.support.errors import *  # noqa: F403
