@@ -237,8 +237,9 @@ CASES = {
     "communicator-dims-contradicts-parallelism": Case(
         communicators=lambda: [_communicator(dims=2)],
         fragments=(
-            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence', got 2: for "
-            "0.1's 2-D communicator write parallelism='hybrid', parts=(heads, sequence)",
+            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows "
+            "from parallelism: 2 for 'hybrid', else 1), got 2; for 0.1's 2-D communicator write "
+            "parallelism='hybrid', parts=(heads, sequence)",
         ),
         registered=(),
         absent=("hostile-comm",),
@@ -519,13 +520,15 @@ def test_a_0_1_dims_2_spec_is_a_spec_error_saying_what_to_write() -> None:
         (
             lambda: CommunicatorSpec("c", object, dims=2),
             SpecError,  # a ValueError
-            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence', got 2: for "
-            "0.1's 2-D communicator write parallelism='hybrid', parts=(heads, sequence)",
+            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows "
+            "from parallelism: 2 for 'hybrid', else 1), got 2; for 0.1's 2-D communicator write "
+            "parallelism='hybrid', parts=(heads, sequence)",
         ),
         (
             lambda: CommunicatorSpec("c", object, parallelism="heads", dims=2),
             SpecError,
-            "dims must be 1 for parallelism 'heads', got 2: for 0.1's 2-D communicator write",
+            "dims must be 1 for parallelism 'heads' (it follows from parallelism: 2 for 'hybrid', "
+            "else 1), got 2; for 0.1's 2-D communicator write",
         ),
         (
             lambda: CommunicatorSpec("c", object, parallelism="hybrid", parts=("a", "b"), dims=1),

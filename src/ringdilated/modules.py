@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringdilated.core import Communicator, DilationPattern, EveryRankError, Kernel, Mode, Plan
+from ringdilated.core import Communicator, DilationPattern, Kernel, Mode, Plan
 from ringdilated.core.call import (
     CallPlan,
     Grid,
     SequenceLayout,
     agree,
+    agreed,
     as_process_group,
     check_options,
     group_size,
@@ -133,7 +134,7 @@ class DilatedAttention(nn.Module):
         that on a process group every rank raises: the peers, which passed their checks, are
         waiting in the call's agreement (:func:`~ringdilated.core.call.agreement.agree`) and raise a
         ``ValueError`` naming this rank's error. An error that came out of an agreement already
-        (an :class:`~ringdilated.core.EveryRankError`) is raised as it is. On a ``layout`` that
+        (:func:`~ringdilated.core.call.agreement.agreed`) is raised as it is. On a ``layout`` that
         has planned any call (not checked every call) the error is raised at once, on this rank
         only:
         its peers may be in a planned call's data exchange, which an agreement here would pair
@@ -145,7 +146,7 @@ class DilatedAttention(nn.Module):
             and not layout.agree_every_call
             and len(layout.plans) > 0
         )
-        if self.process_group is not None and not isinstance(error, EveryRankError) and not steady:
+        if self.process_group is not None and not agreed(error) and not steady:
             assert isinstance(self.process_group, (dist.ProcessGroup, Grid))  # checked in __init__
             agree(self.process_group, error, None)
         raise error

@@ -2,9 +2,8 @@
 
 Process layouts (:mod:`.grid`), argument checks (:mod:`.validation`), the ranks' agreement
 (:mod:`.agreement`), the batch's :class:`~.sequence_layout.SequenceLayout`, and
-:func:`~.prepare.prepare_call`, which makes the call's plan. Imports only the layers below.
-The face (``functional``, the modules, the Hugging Face adapter) sits on top, importing from
-``ringdilated.core`` and from each layer what its ``__init__`` re-exports (modules' ``__all__``).
+:func:`~.prepare.prepare_call`, which makes the call's plan. Imports only the layers below; the
+face sits on top, importing what each layer's ``__init__`` re-exports (modules' ``__all__``).
 """
 
 from ringdilated.core.call import grid as grid
