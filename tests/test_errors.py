@@ -139,18 +139,26 @@ def test_an_error_that_is_no_exception_is_not_copied(error: BaseException) -> No
     assert errors.raised_on_every_rank(error) is error
 
 
+@pytest.mark.parametrize("chain", ["none", "cause", "context"])
 def test_a_rank_s_own_error_raised_in_its_handler_prints_once(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, chain: str
 ) -> None:
     """A module's ``reject`` agrees on the error it is handling: the copy the agreement raises
-    is not chained to it, so the traceback shows the error once, not twice ("During handling of
-    the above exception")."""
+    shows the error's own chain (a cause, or the error it was raised handling), not the error
+    again ("During handling of the above exception", the same traceback twice)."""
     monkeypatch.setattr(agreement, "control_layout", lambda group: group)
     monkeypatch.setattr(agreement.grid, "gather_objects", lambda _, mine: [(None, None), mine])
 
     def reject() -> None:  # as a module's reject() does
         try:
-            raise TypeError("bad x")
+            if chain == "none":
+                raise TypeError("bad x")
+            try:
+                raise KeyError("root")
+            except KeyError as root:
+                if chain == "cause":
+                    raise TypeError("bad x") from root
+                raise TypeError("bad x")  # noqa: B904 (its context: root)
         except TypeError as error:
             agreement.compare_reports(None, error, None)  # type: ignore[arg-type]
 
@@ -158,7 +166,8 @@ def test_a_rank_s_own_error_raised_in_its_handler_prints_once(
         reject()
     printed = "".join(traceback.format_exception(caught.value))
     assert printed.count("TypeError: bad x") == 1 and "During handling" not in printed, printed
-    assert isinstance(caught.value, EveryRankError) and caught.value.__context__ is None
+    assert printed.count("KeyError: 'root'") == (chain != "none"), printed
+    assert isinstance(caught.value, EveryRankError) and caught.value.__suppress_context__
 
 
 def test_an_agreement_raises_types_naming_the_culprit(workers2: Workers) -> None:

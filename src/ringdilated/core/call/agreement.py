@@ -324,12 +324,8 @@ def compare_reports(group: Layout, error: Exception | None, signature: _Fields |
     reports = cast(list[tuple[str | None, _Fields]], gathered)
     failures = [(rank, message) for rank, (message, _) in enumerate(reports) if message]
     if failures:
-        if error is not None:  # raised where a caller may handle error: not chained to it
-            copy = raised_on_every_rank(error)
-            try:
-                raise copy
-            finally:
-                copy.__context__ = error.__context__
+        if error is not None:
+            raise raised_on_every_rank(error)
         rank, message = failures[0]
         raise PeerRejectedError(rank, message)
     reference = reports[0][1]

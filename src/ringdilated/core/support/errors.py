@@ -131,9 +131,8 @@ _on_every_rank: dict[type[BaseException], type[BaseException]] = {}
 
 def raised_on_every_rank(error: BaseException) -> BaseException:
     """``error`` as an agreement raises it: an instance of a subclass of its own class and of
-    :class:`EveryRankError`, of the same name, arguments, attributes (slots and a built-in's
-    too) and traceback, so ``except TypeError`` still catches it and its message is unchanged.
-    ``error`` itself when it is one already, no ``Exception``, or cannot be copied so."""
+    :class:`EveryRankError`, of the same name, arguments, state and traceback (``except TypeError``
+    catches it). ``error`` itself if it is one already, no ``Exception``, or cannot be copied."""
     cls = type(error)
     if isinstance(error, EveryRankError) or not isinstance(error, Exception):
         return error
@@ -146,8 +145,9 @@ def raised_on_every_rank(error: BaseException) -> BaseException:
         copy = _rebuilt(agreed, *_state(error))
     except Exception:  # a class that forbids subclasses, or whose copy fails (its own __new__)
         return error
-    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
-    copy.__suppress_context__ = error.__suppress_context__
+    chained = error.__suppress_context__ or error.__cause__ is not None
+    copy.__cause__ = error.__cause__ if chained else error.__context__  # error's chain, shown
+    copy.__suppress_context__ = True  # once where a caller handling error raises it, not twice
     return copy.with_traceback(error.__traceback__)
 
 
