@@ -9,11 +9,13 @@ import importlib
 import inspect
 import pickle
 import pkgutil
+import traceback
 
 import pytest
 
 import ringdilated
 from ringdilated.core import EveryRankError
+from ringdilated.core.call import agreement
 from ringdilated.core.support import errors
 from ringdilated.pool import Workers
 
@@ -96,6 +98,76 @@ def test_a_rank_s_own_error_comes_out_of_an_agreement_as_its_own_class(
     again = pickle.loads(pickle.dumps(agreed))
     assert isinstance(again, type(error)) and isinstance(again, EveryRankError)
     assert str(again) == str(error)
+
+
+class _SlottedError(ValueError):
+    __slots__ = ("culprit",)
+
+
+def _slotted() -> _SlottedError:
+    error = _SlottedError("bad")
+    error.culprit = 3
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "fields"),
+    [
+        (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte"), ("encoding", "object", "start")),
+        (FileNotFoundError(2, "No such file", "x.txt"), ("errno", "strerror", "filename")),
+        (ImportError("no m", name="m", path="p"), ("name", "path")),
+        (_slotted(), ("culprit",)),
+    ],
+)  # fmt: skip
+def test_an_agreed_copy_keeps_the_state_kept_outside_its_dict(
+    error: Exception, fields: tuple[str, ...]
+) -> None:
+    """A built-in's fields (set by its ``__init__``, or its ``__reduce__``'s arguments) and
+    slots: on the copy, and on the copy pickled."""
+    agreed = errors.raised_on_every_rank(error)
+    for copy in (agreed, pickle.loads(pickle.dumps(agreed))):
+        assert isinstance(copy, type(error)) and isinstance(copy, EveryRankError)
+        assert str(copy) == str(error) and copy.args == error.args
+        for name in fields:
+            assert getattr(copy, name) == getattr(error, name), name
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), SystemExit(3), GeneratorExit()])
+def test_an_error_that_is_no_exception_is_not_copied(error: BaseException) -> None:
+    """A copy would be an ``Exception`` (``EveryRankError`` is one): ``except Exception``
+    would catch a ``KeyboardInterrupt``."""
+    assert errors.raised_on_every_rank(error) is error
+
+
+@pytest.mark.parametrize("chain", ["none", "cause", "context"])
+def test_a_rank_s_own_error_raised_in_its_handler_prints_once(
+    monkeypatch: pytest.MonkeyPatch, chain: str
+) -> None:
+    """A module's ``reject`` agrees on the error it is handling: the copy the agreement raises
+    shows the error's own chain (a cause, or the error it was raised handling), not the error
+    again ("During handling of the above exception", the same traceback twice)."""
+    monkeypatch.setattr(agreement, "control_layout", lambda group: group)
+    monkeypatch.setattr(agreement.grid, "gather_objects", lambda _, mine: [(None, None), mine])
+
+    def reject() -> None:  # as a module's reject() does
+        try:
+            if chain == "none":
+                raise TypeError("bad x")
+            try:
+                raise KeyError("root")
+            except KeyError as root:
+                if chain == "cause":
+                    raise TypeError("bad x") from root
+                raise TypeError("bad x")  # noqa: B904 (its context: root)
+        except TypeError as error:
+            agreement.compare_reports(None, error, None)  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError) as caught:
+        reject()
+    printed = "".join(traceback.format_exception(caught.value))
+    assert printed.count("TypeError: bad x") == 1 and "During handling" not in printed, printed
+    assert printed.count("KeyError: 'root'") == (chain != "none"), printed
+    assert isinstance(caught.value, EveryRankError) and caught.value.__suppress_context__
 
 
 def test_an_agreement_raises_types_naming_the_culprit(workers2: Workers) -> None:

@@ -30,25 +30,52 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """Every ``ringdilated`` module ``path`` imports (``from a import b`` counts ``a.b`` when
-    ``a.b`` is a module, else ``a``)."""
-    found: set[str] = set()
+def _imported(path: pathlib.Path, module: str | None = None) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for every ``ringdilated`` import in ``path`` (``name``: what a ``from``
+    import takes, else ``None``): relative imports resolved against the package of ``module``
+    (``path``'s own by default), and string imports (``importlib.import_module`` or
+    ``__import__`` of a literal; an f-string by its literal head)."""
+    found: list[tuple[str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("ringdilated")}
-        elif (
-            isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.module.startswith("ringdilated")
-        ):
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                is_module = (PACKAGE.parent / sub.replace(".", "/")).with_suffix(
-                    ".py"
-                ).exists() or (PACKAGE.parent / sub.replace(".", "/") / "__init__.py").exists()
-                found.add(sub if is_module else node.module)
-    return found
+            found += [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                own = module or _module(path)
+                package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+                package = package.rsplit(".", node.level - 1)[0]
+                base = f"{package}.{base}" if base else package
+            found += [(base, a.name) for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and _callee(node) in _STRING_IMPORTS:
+            arg = node.args[0]
+            if isinstance(arg, ast.JoinedStr) and arg.values:
+                arg = arg.values[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append((arg.value.rstrip("."), None))
+    return [(m, n) for m, n in found if m.split(".")[0] == "ringdilated"]
+
+
+_STRING_IMPORTS = ("import_module", "__import__")
+
+
+def _callee(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _is_module(name: str) -> bool:
+    where = PACKAGE.parent / name.replace(".", "/")
+    return where.with_suffix(".py").exists() or (where / "__init__.py").exists()
+
+
+def _imports(path: pathlib.Path, module: str | None = None) -> set[str]:
+    """Every ``ringdilated`` module ``path`` imports (:func:`_imported`; ``from a import b``
+    counts ``a.b`` when ``a.b`` is a module, else ``a``)."""
+    return {
+        f"{m}.{n}" if n is not None and _is_module(f"{m}.{n}") else m
+        for m, n in _imported(path, module)
+    }
 
 
 def _layer(module: str) -> int | None:
@@ -114,10 +141,68 @@ def test_a_backend_imports_the_core_surface_and_its_contracts_only(path: pathlib
 
 
 def test_the_layers_fail_on_an_upward_import(tmp_path: pathlib.Path) -> None:
-    """The check itself can fail: a plan module importing the run layer is caught."""
+    """The check itself can fail: a plan module importing the run layer is caught, however it
+    imports it (relative, or by a string)."""
     bad = tmp_path / "bad.py"
     bad.write_text("from ringdilated.core.run.local import Run\n")
     assert _layer(next(iter(_imports(bad)))) == LAYERS.index("run")
+    bad.write_text(
+        "import importlib\nfrom . import shards\nfrom ..run import sharded\nfrom ..select.cost "
+        "import traffic\nimportlib.import_module('ringdilated.core.run.wire')\n"
+        "__import__(f'ringdilated.core.call.{name}')\n"
+    )
+    assert _imports(bad, "ringdilated.core.plan.bad") == {
+        "ringdilated.core.plan.shards",
+        "ringdilated.core.run.sharded",
+        "ringdilated.core.select.cost",
+        "ringdilated.core.run.wire",
+        "ringdilated.core.call",
+    }
+    bad.write_text("from ringdilated.core.run.local import effective_scale\n")
+    assert _face_violations(bad) == [
+        "imports ringdilated.core.run.local: a face imports core from ringdilated.core or a "
+        "layer package (its __init__), no deeper"
+    ]
+
+
+def _face_violations(path: pathlib.Path) -> list[str]:
+    """What a face module takes from ``core`` other than a layer package's (or
+    ``ringdilated.core``'s) explicit exports: ``X as X`` in its ``__init__``, or its
+    ``__all__``."""
+    found = []
+    for module, name in _imported(path):
+        if not module.startswith("ringdilated.core"):
+            continue
+        if module != "ringdilated.core" and (_layer(module) is None or module.count(".") > 2):
+            found.append(
+                f"imports {module}: a face imports core from ringdilated.core or a layer package "
+                "(its __init__), no deeper"
+            )
+        elif name is not None and name not in _exports(module):
+            found.append(f"imports {name} from {module}, which does not export it")
+    return found
+
+
+def _exports(package: str) -> set[str]:
+    """What ``package`` (``ringdilated.core`` or a layer) exports: its ``__all__``, what its
+    ``__init__`` re-exports as ``X as X`` (PEP 484), and the ``__all__`` of each module it
+    re-exports with ``*`` (a module's public names)."""
+    init = PACKAGE.parent / package.replace(".", "/") / "__init__.py"
+    exported = set(getattr(importlib.import_module(package), "__all__", ()))
+    for node in ast.walk(ast.parse(init.read_text())):
+        for a in node.names if isinstance(node, ast.ImportFrom) else ():
+            if a.name == "*":
+                exported |= set(importlib.import_module(str(node.module)).__all__)
+            elif a.asname == a.name:
+                exported.add(a.name)
+    return exported
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.glob("*.py")), ids=lambda p: p.name)
+def test_a_face_module_imports_core_through_the_layers_exports(path: pathlib.Path) -> None:
+    """The face (``functional``, ``compiled``, the modules, ``hf``, ``cache``, ...) depends on
+    ``ringdilated.core`` and the layer packages' exports, not on a layer's modules."""
+    assert _face_violations(path) == []
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(_aliases.MOVED.items()))
@@ -133,6 +218,24 @@ def test_a_flat_path_of_0_1_imports_with_a_deprecation_warning(old: str, new: st
         assert getattr(module, name) is getattr(target, name), (old, name)
     with pytest.raises(AttributeError):
         module.no_such_name  # noqa: B018
+
+
+def test_a_name_set_through_a_flat_path_is_set_on_the_new_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``monkeypatch.setattr`` through a 0.1 path reaches the code that reads the name; its
+    undo (a set back, or a delete of a name it added) too: the old path is the new module."""
+    sys.modules.pop("ringdilated.core.driver", None)
+    with pytest.warns(DeprecationWarning, match="ringdilated.core.driver moved"):
+        old = importlib.import_module("ringdilated.core.driver")
+    new = importlib.import_module("ringdilated.core.run.local")
+    original, marker = new.effective_scale, object()
+    monkeypatch.setattr("ringdilated.core.driver.effective_scale", marker)
+    monkeypatch.setattr(old, "no_such_name", marker, raising=False)
+    assert new.effective_scale is marker and new.no_such_name is marker
+    monkeypatch.undo()
+    assert new.effective_scale is original and not hasattr(new, "no_such_name")
+    assert old is new and new.__spec__.name == "ringdilated.core.run.local"
 
 
 def test_a_plugin_importing_a_flat_path_works() -> None:

@@ -34,8 +34,10 @@ from ringdilated.core.plan.pattern import DilationPattern
 from ringdilated.core.plan.shards import shard_plan
 from ringdilated.core.select.capabilities import BatchLimit
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
+from ringdilated.core.support.errors import SpecError
 from ringdilated.functional import default_resolver
 from ringdilated.plugins import PluginError, PluginWarning, hookimpl, load_registry, manager
+from ringdilated.plugins.spec_validation import validate_spec
 from ringdilated.testing import max_error, oracle
 
 HOSTILE = "hostile"  # the entry point's name
@@ -234,7 +236,11 @@ CASES = {
     ),
     "communicator-dims-contradicts-parallelism": Case(
         communicators=lambda: [_communicator(dims=2)],
-        fragments=("field dims", "must be 1 for parallelism 'sequence'", "got 2"),
+        fragments=(
+            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows "
+            "from parallelism: 2 for 'hybrid', else 1), got 2; for 0.1's 2-D communicator write "
+            "parallelism='hybrid', parts=(heads, sequence)",
+        ),
         registered=(),
         absent=("hostile-comm",),
     ),
@@ -448,6 +454,16 @@ def _valid_target(**kw: object) -> Target:
     return Target("cpu", frozenset({torch.float32}), **kw)  # type: ignore[arg-type]
 
 
+def test_a_0_1_dims_2_spec_is_a_spec_error_saying_what_to_write() -> None:
+    """0.1's 2-D communicator (``dims=2`` alone) is a ``SpecError`` (a ``ValueError``) saying
+    what declares one now, naming its field once when the plugin manager checks it again."""
+    with pytest.raises(
+        SpecError, match=r"write parallelism='hybrid', parts=\(heads, sequence\)"
+    ) as info:
+        validate_spec(_communicator(dims=2), CommunicatorSpec)
+    assert info.value.field == "dims" and str(info.value).count("field dims") == 1
+
+
 @pytest.mark.parametrize(
     ("build", "error", "fragments"),
     [
@@ -503,8 +519,16 @@ def _valid_target(**kw: object) -> Target:
         ),
         (
             lambda: CommunicatorSpec("c", object, dims=2),
-            ValueError,
-            "CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows from",
+            SpecError,  # a ValueError
+            "field dims: CommunicatorSpec.dims must be 1 for parallelism 'sequence' (it follows "
+            "from parallelism: 2 for 'hybrid', else 1), got 2; for 0.1's 2-D communicator write "
+            "parallelism='hybrid', parts=(heads, sequence)",
+        ),
+        (
+            lambda: CommunicatorSpec("c", object, parallelism="heads", dims=2),
+            SpecError,
+            "dims must be 1 for parallelism 'heads' (it follows from parallelism: 2 for 'hybrid', "
+            "else 1), got 2; for 0.1's 2-D communicator write",
         ),
         (
             lambda: CommunicatorSpec("c", object, parallelism="hybrid", parts=("a", "b"), dims=1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -139,6 +140,27 @@ def test_factory_returning_a_non_kernel_is_rejected() -> None:
         ResolutionError, match="factory failed: TypeError: kernel 'liar': factory returned"
     ):
         Resolver([spec]).resolve(Request())
+
+
+def test_kernels_and_communicators_are_built_by_one_helper() -> None:
+    """One builder for both kinds: a factory's instance of the wrong kind is a ``TypeError``
+    naming the spec and the methods it lacks; a name shared by a kernel and a communicator
+    builds each."""
+    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
+
+    assert Resolver._kernel is Resolver._communicator
+    kernel = KernelSpec(name="liar", factory=object, capabilities=REFERENCE_SPEC.capabilities)
+    liar, ring = CommunicatorSpec("liar", object), CommunicatorSpec("ref", RingPassCommunicator)
+    reference = attrs.evolve(REFERENCE_SPEC, name="ref")
+    resolver = Resolver([kernel, reference], communicators=[liar, ring])
+    with pytest.raises(TypeError, match=r"communicator 'liar': factory returned .*lacks schedule"):
+        resolver._communicator(liar)
+    with pytest.raises(TypeError, match=r"kernel 'liar': factory returned .*lacks forward"):
+        resolver.kernel("liar")
+    assert isinstance(resolver.kernel("ref"), ReferenceKernel)
+    assert isinstance(resolver._communicator(ring), RingPassCommunicator)
+    assert resolver.kernel("ref") is resolver.kernel("ref")
 
 
 def test_request_from_tensors() -> None:
@@ -492,7 +514,7 @@ def test_an_instance_of_a_registered_class_is_described_by_that_spec() -> None:
     from ringdilated.backends.ulysses import UlyssesCommunicator
 
     class Quieter(UlyssesCommunicator):
-        parallelism = "sequence"  # ignored: the spec of the registered base describes it
+        parallelism = "heads"  # what the spec of its registered base says: nothing warns
 
     resolver = _every_builtin_communicator()
     for instance, name in (
@@ -507,6 +529,51 @@ def test_an_instance_of_a_registered_class_is_described_by_that_spec() -> None:
     assert chosen.instance is hybrid and [p.name for p in chosen.parts] == ["ulysses", "ringpass"]
     with pytest.raises(ResolutionError, match=r"HybridCommunicator instance .* runs on a 2-D"):
         resolver.choose_communicator(4, False, hybrid)
+
+
+def test_a_class_attribute_against_its_registered_spec_is_refused() -> None:
+    """0.1 read a communicator's ``delivery`` and ``parallelism`` attributes; its spec alone is
+    read now, so an attribute that contradicts it is refused, naming the attribute and the spec
+    field to set (a registered 0.1 broadcast communicator ran pairwise, silently): forced, a
+    ``ResolutionError``; under ``"auto"`` a reason against it; an instance passed, refused."""
+    from ringdilated.backends.ringpass import RingPassCommunicator
+    from ringdilated.core.select.communicator_spec import CommunicatorSpec
+
+    class Broadcast(RingPassCommunicator):  # a 0.1 plugin's class
+        delivery = "broadcast"
+
+    old = CommunicatorSpec("old", Broadcast, priority=10**6)  # its 0.1 spec
+    resolver = Resolver(
+        [], communicators=[*_every_builtin_communicator().communicator_specs.values(), old]
+    )
+    said = r"Broadcast.delivery is 'broadcast', which is not read: say it as delivery= of its spec"
+    with pytest.raises(ResolutionError, match=f"communicator 'old' cannot serve 4 .*{said} 'old'"):
+        resolver.communicator_for(4, False, "old")
+    assert resolver.choose_communicator(4, False).name == "ringpass"  # old: a reason against
+    with pytest.raises(
+        ResolutionError, match=f"communicator Broadcast instance: field delivery: {said}"
+    ):
+        resolver.choose_communicator(4, False, Broadcast())
+
+
+def test_a_hybrid_instance_holding_other_parts_than_its_spec_s_is_refused() -> None:
+    """0.1's ``HybridCommunicator`` held its ``heads`` and ``sequence`` parts; parts set on one
+    now are refused unless they are the spec's (they were replaced by the spec's, silently)."""
+    from ringdilated.backends.allgather import AllGatherCommunicator
+    from ringdilated.backends.hybrid import HybridCommunicator
+
+    resolver = _every_builtin_communicator()
+    hybrid = HybridCommunicator()
+    hybrid.sequence = AllGatherCommunicator()  # type: ignore[attr-defined]
+    with pytest.raises(
+        ResolutionError,
+        match=r"HybridCommunicator.sequence is <.*AllGatherCommunicator.*, which is not read: "
+        "say it as parts= of its spec 'hybrid'",
+    ):
+        resolver.choose_communicator(4, False, hybrid, grid=(2, 2))
+    hybrid.sequence = resolver.communicator_for(4, False, "ringpass")  # type: ignore[attr-defined]
+    chosen = resolver.choose_communicator(4, False, hybrid, grid=(2, 2))
+    assert chosen.parts[1].instance is hybrid.sequence  # type: ignore[attr-defined]
 
 
 class _Transport:

@@ -19,26 +19,26 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ringdilated.cache import DilatedKVCache
 from ringdilated.core import (
+    AgreementError,
+    CallMismatchError,
     DilationPattern,
     Environment,
+    KernelContractError,
     KernelSpec,
+    PeerRejectedError,
     Plan,
     Request,
     ResolutionError,
     Resolver,
-)
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.contract.communicator import TransferStats
-from ringdilated.core.select.dtypes import recommended_dtype
-from ringdilated.core.support.errors import (
-    AgreementError,
-    CallMismatchError,
-    DistributedNotInitializedWarning,
-    KernelContractError,
-    PaddingMaskWarning,
-    PeerRejectedError,
     RingDilatedError,
     RingDilatedWarning,
+    TransferStats,
+)
+from ringdilated.core.call import SequenceLayout
+from ringdilated.core.select import recommended_dtype
+from ringdilated.core.support import (
+    DistributedNotInitializedWarning,
+    PaddingMaskWarning,
     SlowDtypeWarning,
 )
 from ringdilated.functional import dilated_attention

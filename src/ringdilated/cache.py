@@ -81,11 +81,10 @@ from typing import Any
 import attrs
 import torch
 
-from ringdilated.core.call.validation import check_bool, check_options
-from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.documents import check_readable, read_padding
-from ringdilated.core.plan.pattern import DilationPattern, HeadRun, Mode, split_by_kv
-from ringdilated.core.run.local import effective_scale
+from ringdilated.core import DilationPattern, HeadRun, Kernel, Mode
+from ringdilated.core.call import check_bool, check_options
+from ringdilated.core.plan import check_readable, read_padding, split_by_kv
+from ringdilated.core.run import effective_scale
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 

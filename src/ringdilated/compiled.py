@@ -29,18 +29,17 @@ from typing import Any
 
 import torch
 
-from ringdilated.core.call.grid import Grid
-from ringdilated.core.call.prepare import (
+from ringdilated.core import TransferStats, accumulation_dtype
+from ringdilated.core.call import (
     WHOLE_SEQUENCES,
     CallPlan,
+    Grid,
+    SequenceLayout,
     execute,
     execute_backward,
     plan_for,
 )
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.contract.accumulator import accumulation_dtype
-from ringdilated.core.contract.communicator import TransferStats
-from ringdilated.core.run.local import first_order_only, lse_buffer
+from ringdilated.core.run import first_order_only, lse_buffer
 from ringdilated.core.support import opaque
 
 __all__ = [

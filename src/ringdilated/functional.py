@@ -31,23 +31,20 @@ from ringdilated.compiled import (
     group_names,
     last_plan,
 )
-from ringdilated.core.call.grid import Grid
-from ringdilated.core.call.prepare import (
+from ringdilated.core import Communicator, DilationPattern, Kernel, Mode, Resolver, TransferStats
+from ringdilated.core.call import (
     WHOLE_SEQUENCES,
     CallPlan,
+    Grid,
     PatternArgs,
+    SequenceLayout,
     as_process_group,
     execute,
     group_size,
     plan_for,
 )
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.contract.communicator import Communicator, TransferStats
-from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.pattern import DilationPattern, Mode
-from ringdilated.core.run.local import effective_scale
-from ringdilated.core.select.dtypes import autocast_inputs
-from ringdilated.core.select.resolver import Resolver
+from ringdilated.core.run import effective_scale
+from ringdilated.core.select import autocast_inputs
 from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]

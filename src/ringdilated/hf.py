@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ringdilated.core.call.sequence_layout import SequenceLayout
+from ringdilated.core.call import SequenceLayout
 from ringdilated.functional import dilated_attention
 
 __all__ = ["NAME", "KeyMask", "attention_forward", "padding_mask", "register"]

@@ -9,15 +9,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringdilated.core.call.agreement import agree, agreed
-from ringdilated.core.call.grid import Grid, warn_if_launched_alone
-from ringdilated.core.call.prepare import CallPlan, as_process_group, group_size
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.call.validation import check_options
-from ringdilated.core.contract.communicator import Communicator
-from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.pattern import DilationPattern, Mode
-from ringdilated.core.select.resolver import Plan
+from ringdilated.core import Communicator, DilationPattern, Kernel, Mode, Plan
+from ringdilated.core.call import (
+    CallPlan,
+    Grid,
+    SequenceLayout,
+    agree,
+    agreed,
+    as_process_group,
+    check_options,
+    group_size,
+    warn_if_launched_alone,
+)
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 

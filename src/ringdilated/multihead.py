@@ -20,17 +20,10 @@ from torch import nn
 
 from ringdilated.cache import DilatedKVCache
 from ringdilated.compiled import shard_positions
-from ringdilated.core.call import grid
-from ringdilated.core.call.agreement import shard_lengths
-from ringdilated.core.call.grid import Grid
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.call.validation import check_bool
-from ringdilated.core.contract.communicator import Communicator
-from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.documents import read_layout
-from ringdilated.core.plan.pattern import Mode
-from ringdilated.core.select.dtypes import autocast_enabled, recommended_dtype
-from ringdilated.core.select.resolver import Plan
+from ringdilated.core import Communicator, Kernel, Mode, Plan
+from ringdilated.core.call import Grid, SequenceLayout, check_bool, grid, shard_lengths
+from ringdilated.core.plan import read_layout
+from ringdilated.core.select import autocast_enabled, recommended_dtype
 from ringdilated.modules import DilatedAttention
 from ringdilated.rotary import Rotary
 

@@ -13,13 +13,11 @@ import functools
 import re
 import warnings
 
-from ringdilated.core.select.capabilities import PACKAGES_ENV_VAR, Environment
-from ringdilated.core.select.resolver import Resolver
-from ringdilated.core.support.caller import user_stacklevel
-from ringdilated.core.support.env import unknown_names
-from ringdilated.core.support.errors import PluginWarning
+from ringdilated.core import Environment, Resolver
+from ringdilated.core.select import PACKAGES_ENV_VAR
+from ringdilated.core.support import unknown_names, user_stacklevel
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
-from ringdilated.plugins.manager import PluginRegistry, load_registry
+from ringdilated.plugins.manager import PluginRegistry, PluginWarning, load_registry
 
 __all__ = ["default_resolver"]
 

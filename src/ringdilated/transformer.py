@@ -16,10 +16,8 @@ import torch
 from torch import nn
 
 from ringdilated.cache import DilatedKVCache
-from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.contract.communicator import Communicator
-from ringdilated.core.contract.kernel import Kernel
-from ringdilated.core.plan.pattern import Mode
+from ringdilated.core import Communicator, Kernel, Mode
+from ringdilated.core.call import SequenceLayout
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
     positive_float,

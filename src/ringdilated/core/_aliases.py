@@ -2,9 +2,10 @@
 
 ``core/`` now lives in layer folders (``ringdilated.core.contract.kernel`` was
 ``ringdilated.core.kernel``). A plugin written against the old paths keeps working: importing
-``ringdilated.core.kernel`` gives a module that forwards every attribute to the new one, after a
-``DeprecationWarning`` naming the new path. Prefer the names :mod:`ringdilated.core` exports.
-``ringdilated.core.call``, a module then, is now the call layer's package: no alias.
+``ringdilated.core.kernel`` gives the new module itself (what is set through one path is set for
+both), after a ``DeprecationWarning`` naming the new path. Prefer the names
+:mod:`ringdilated.core` exports. ``ringdilated.core.call``, a module then, is now the call
+layer's package: no alias.
 """
 
 from __future__ import annotations
@@ -55,18 +56,8 @@ MOVED: dict[str, str] = {
 """Old module path -> the module that holds its contents now."""
 
 
-class _Forwarding(types.ModuleType):
-    """An old path's module: every attribute read from the module it moved to."""
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(importlib.import_module(MOVED[self.__name__]), name)
-
-    def __dir__(self) -> list[str]:
-        return dir(importlib.import_module(MOVED[self.__name__]))
-
-
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds the old paths in :data:`MOVED` and loads each as a :class:`_Forwarding` module."""
+    """Finds the old paths in :data:`MOVED` and loads each as the module it moved to."""
 
     def find_spec(
         self,
@@ -79,18 +70,20 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _Forwarding(spec.name)
+        module = importlib.import_module(MOVED[spec.name])  # a missing one fails here
+        spec.loader_state = module.__spec__  # importlib sets the old path's spec on it next
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        new = MOVED[module.__name__]
+        old, new = module.__spec__.name, module.__name__  # type: ignore[union-attr]
+        module.__spec__ = module.__spec__.loader_state  # type: ignore[union-attr]
         warnings.warn(
-            f"{module.__name__} moved to {new} (core/ is in layer folders now); the old path is "
+            f"{old} moved to {new} (core/ is in layer folders now); the old path is "
             "a deprecated alias, kept for one release: import the new path, or the name from "
             "ringdilated.core",
             DeprecationWarning,
             stacklevel=_importer_level(),
         )
-        importlib.import_module(new)  # a missing module fails here, at the import
 
 
 def _importer_level() -> int:

@@ -45,7 +45,7 @@ def _check(value: object, cls: type[Any], path: str) -> None:
             if field.validator is not None:
                 field.validator(value, field, item)
         except Exception as exc:  # a rule's error, or whatever a hostile attribute raises
-            message = describe_exception(exc)
+            message = describe_exception(exc).removeprefix(f"field {field.name}: ")  # a SpecError
             if not isinstance(exc, (TypeError, ValueError)):
                 message = f"reading it raised {type(exc).__name__}: {message}"
             raise SpecError(where, message) from exc

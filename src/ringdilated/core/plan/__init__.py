@@ -4,3 +4,6 @@ Which positions each head group selects (:mod:`.pattern`), the batch's documents
 (:mod:`.documents`), which pieces each rank holds and needs (:mod:`.shards`), and how heads are
 dealt to ranks (:mod:`.heads`). Imports only :mod:`ringdilated.core.support`.
 """
+
+from ringdilated.core.plan.documents import *  # noqa: F403
+from ringdilated.core.plan.pattern import *  # noqa: F403

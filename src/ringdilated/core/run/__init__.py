@@ -5,3 +5,6 @@ head parallelism (:mod:`.head_parallel`), the exchange of pieces (:mod:`.exchang
 wire format (:mod:`.wire`). No validation and no agreement happen here: a run receives a plan
 that was checked and agreed. Imports only the layers below.
 """
+
+from ringdilated.core.run.local import *  # noqa: F403
+from ringdilated.core.run.local import first_order_only as first_order_only

@@ -5,3 +5,6 @@ picks a kernel and a communicator and explains every rejection (:mod:`.resolver`
 model it ranks communicators by (:mod:`.cost`) and the dtype policy (:mod:`.dtypes`). Runs on
 the host, once per call signature. Imports only the layers below.
 """
+
+from ringdilated.core.select.capabilities import *  # noqa: F403
+from ringdilated.core.select.dtypes import *  # noqa: F403

@@ -19,6 +19,7 @@ from ringdilated.core.contract.communicator import (
     mask_argument,
 )
 from ringdilated.core.support.caller import user_stacklevel
+from ringdilated.core.support.errors import SpecError
 
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
@@ -34,15 +35,15 @@ ROLES = ("heads", "sequence")
 
 
 def _dims(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    """``dims`` follows from ``parallelism``: 2 for ``"hybrid"``, else 1."""
-    parallelism = instance.parallelism
-    wanted = 2 if parallelism == "hybrid" else 1
-    rules.Rule(
-        f"{wanted} for parallelism {rules.describe(parallelism)} (it follows from parallelism: "
-        "2 for 'hybrid', else 1)",
-        lambda v: rules.ints.check(v) and v == wanted,
-        rules.ints.check,
-    )(instance, attribute, value)
+    """``dims`` follows from ``parallelism``: 2 for ``"hybrid"``, else 1; a contradiction is a
+    :class:`SpecError`, which for 0.1's ``dims=2`` alone says what to write instead."""
+    rules.ints(instance, attribute, value)
+    wanted = 2 if instance.parallelism == "hybrid" else 1
+    if value != wanted:
+        rule = f"must be {wanted} for parallelism {rules.describe(instance.parallelism)} (it"
+        rule += f" follows from parallelism: 2 for 'hybrid', else 1), got {value}"
+        hint = "; for 0.1's 2-D communicator write parallelism='hybrid', parts=(heads, sequence)"
+        raise SpecError("dims", f"{type(instance).__name__}.dims {rule}{hint * (value == 2)}")
 
 
 def _parts(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -138,6 +139,17 @@ class CommunicatorChoice:
     spec: CommunicatorSpec
     instance: Communicator
     parts: tuple[CommunicatorChoice, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        """What the instance declares or holds against its spec (0.1 read its ``delivery`` and
+        ``parallelism``, and a hybrid's ``heads`` and ``sequence``) is refused, not ignored."""
+        read: dict[str, object] = {r: p.instance for r, p in zip(ROLES, self.parts, strict=False)}
+        read |= {"delivery": self.spec.delivery, "parallelism": self.spec.parallelism}
+        for name, value in read.items():
+            if (held := getattr(self.instance, name, value)) != value:
+                field = "parts" if name in ROLES else name
+                what = f"{type(self.instance).__name__}.{name} is {held!r}, which is not read"
+                raise SpecError(field, f"{what}: say it as {field}= of its spec {self.name!r}")
 
     @property
     def name(self) -> str:

@@ -28,6 +28,7 @@ from ringdilated.core.support.errors import SlowDtypeWarning
 __all__ = [
     "DTYPE_POLICY",
     "SlowDtypeWarning",
+    "autocast_enabled",
     "autocast_inputs",
     "autocast_off",
     "recommended_dtype",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
@@ -408,40 +408,35 @@ class Resolver:
                 raise ResolutionError(f"its {role} part {name!r} {why}")
         return tuple(parts)
 
-    def _communicator(self, spec: CommunicatorSpec) -> Communicator:
-        if spec.name not in self._communicators:
-            instance = spec.factory()
-            if not isinstance(instance, Communicator):
-                raise TypeError(
-                    f"communicator {spec.name!r}: factory returned {instance!r}, which lacks "
-                    "schedule(), prepare() and exchange()"
-                )
-            self._communicators[spec.name] = instance
-        return self._communicators[spec.name]
-
     def kernel(self, name: str) -> Kernel:
         """The kernel instance of backend ``name``, built once; no capability check."""
         _check_choice("kernel", name, self.specs, names_only=True)
-        return self._kernel(self.specs[name])
+        return cast(Kernel, self._kernel(self.specs[name]))
 
-    def _kernel(self, spec: KernelSpec) -> Kernel:
-        if spec.name not in self._kernels:
-            kernel = spec.factory()
-            if not isinstance(kernel, Kernel):
+    def _built(self, spec: KernelSpec | CommunicatorSpec) -> Any:
+        """``spec``'s instance, built once by its factory. Raises what the factory raises, and
+        :class:`TypeError` naming the spec for an instance of the wrong kind."""
+        kind = "kernel" if isinstance(spec, KernelSpec) else "communicator"
+        built: dict[str, Any] = self._kernels if kind == "kernel" else self._communicators
+        if spec.name not in built:
+            protocol, _, methods = _CHOICES[kind]
+            instance = spec.factory()
+            if not isinstance(instance, protocol):
                 raise TypeError(
-                    f"kernel {spec.name!r}: factory returned {kernel!r}, which lacks "
-                    "forward(q, k, v, options) and backward(...)"
+                    f"{kind} {spec.name!r}: factory returned {instance!r}, which lacks {methods}"
                 )
-            self._kernels[spec.name] = kernel
-        return self._kernels[spec.name]
+            built[spec.name] = instance
+        return built[spec.name]
+
+    _kernel = _communicator = _built
 
 
-_CHOICES: dict[str, tuple[type, str]] = {
-    "kernel": (Kernel, "backend"),
-    "communicator": (Communicator, "communicator"),
+_CHOICES: dict[str, tuple[type, str, str]] = {
+    "kernel": (Kernel, "backend", "forward(q, k, v, options) and backward(...)"),
+    "communicator": (Communicator, "communicator", "schedule(), prepare() and exchange()"),
 }
-"""What a ``kernel=`` or ``communicator=`` argument may be an instance of, and what its name
-names."""
+"""What a ``kernel=`` or ``communicator=`` argument (or a spec's factory) may be an instance of,
+what its name names, and the methods that make one."""
 
 
 def _check_choice(
@@ -457,7 +452,7 @@ def _check_choice(
     and ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``:
     not checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no
     ``"auto"``)."""
-    protocol, noun = _CHOICES[kind]
+    protocol, noun, _ = _CHOICES[kind]
     if not names_only:
         if isinstance(choice, protocol) and not isinstance(choice, str):
             return True

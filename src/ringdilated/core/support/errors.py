@@ -27,6 +27,9 @@ them to the peers again.
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any
+
 __all__ = [
     "AgreementError",
     "CallMismatchError",
@@ -52,7 +55,7 @@ class RingDilatedError(Exception):
     rank's error crosses processes), whatever its ``__init__`` takes."""
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuilt, (type(self), self.args, dict(vars(self))))
+        return (_rebuilt, (type(self), *_state(self)))
 
 
 class KernelContractError(RingDilatedError, RuntimeError):
@@ -126,51 +129,56 @@ class CallMismatchError(AgreementError):
 _on_every_rank: dict[type[BaseException], type[BaseException]] = {}
 
 
-def raised_on_every_rank(error: Exception) -> Exception:
+def raised_on_every_rank(error: BaseException) -> BaseException:
     """``error`` as an agreement raises it: an instance of a subclass of its own class and of
-    :class:`EveryRankError`, of the same name, arguments, attributes and traceback, so
-    ``except TypeError`` still catches it and its message is unchanged. ``error`` itself when it
-    is one already, or when its class cannot be subclassed."""
-    if isinstance(error, EveryRankError):
-        return error
+    :class:`EveryRankError`, of the same name, arguments, state and traceback (``except TypeError``
+    catches it). ``error`` itself if it is one already, no ``Exception``, or cannot be copied."""
     cls = type(error)
+    if isinstance(error, EveryRankError) or not isinstance(error, Exception):
+        return error
     agreed = _on_every_rank.get(cls)
-    if agreed is None:
-        body = {"__module__": cls.__module__, "__reduce__": _reduce}
-        try:
-            agreed = type(cls.__name__, (cls, EveryRankError), body)
-        except TypeError:  # a class that forbids subclasses
-            return error
-        agreed.__qualname__ = cls.__qualname__
-        _on_every_rank[cls] = agreed
-    copy = _rebuilt(agreed, error.args, vars(error))
-    copy.__cause__, copy.__context__ = error.__cause__, error.__context__
-    copy.__suppress_context__ = error.__suppress_context__
+    try:
+        if agreed is None:
+            body = {"__module__": cls.__module__, "__reduce__": _reduce}
+            agreed = _on_every_rank[cls] = type(cls.__name__, (cls, EveryRankError), body)
+            agreed.__qualname__ = cls.__qualname__
+        copy = _rebuilt(agreed, *_state(error))
+    except Exception:  # a class that forbids subclasses, or whose copy fails (its own __new__)
+        return error
+    chained = error.__suppress_context__ or error.__cause__ is not None
+    copy.__cause__ = error.__cause__ if chained else error.__context__  # error's chain, shown
+    copy.__suppress_context__ = True  # once where a caller handling error raises it, not twice
     return copy.with_traceback(error.__traceback__)
 
 
+def _state(error: BaseException) -> tuple[tuple[object, ...], dict[str, object]]:
+    """What rebuilds ``error``: its built-in base's ``__reduce__``, and its slots."""
+    _, args, *rest = _builtin(type(error)).__reduce__(error)
+    slots = copyreg._slotnames(type(error))  # type: ignore[attr-defined]
+    state = {n: getattr(error, n) for n in slots if hasattr(error, n)}
+    return args, {**(rest[0] or {} if rest else {}), **state}
+
+
+def _builtin(cls: type[BaseException]) -> Any:
+    """``cls``'s nearest base written in C (a static type: no ``__module__`` of its own)."""
+    return next(c for c in cls.__mro__ if "__module__" not in vars(c))
+
+
 def _rebuilt(
-    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
-) -> Exception:
-    """An instance of ``cls`` with ``args`` and attributes ``state``, its ``__init__`` not run
-    (an exception's ``__init__`` may take other arguments than its ``args``)."""
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, Any], agreed: bool = False
+) -> BaseException:
+    """An instance of ``cls`` from :func:`_state`, its ``__init__`` not run (it may take other
+    arguments than its ``args``), only its built-in base's (``UnicodeError.start``); ``agreed``:
+    its agreed copy (an agreed copy unpickled: its class exists in one process)."""
     made = cls.__new__(cls, *args)
-    made.__dict__.update(state)
-    made.args = args
-    assert isinstance(made, Exception)
-    return made
-
-
-def _unpickled(
-    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
-) -> Exception:
-    """An agreed copy of ``cls`` again, in the process that unpickles it."""
-    return raised_on_every_rank(_rebuilt(cls, args, state))
+    _builtin(cls).__init__(made, *args)
+    made.__setstate__(state)
+    return raised_on_every_rank(made) if agreed else made
 
 
 def _reduce(self: BaseException) -> tuple[object, ...]:
-    """Pickle an agreed copy by the class it copies (the copy's class exists in one process)."""
-    return (_unpickled, (type(self).__mro__[1], self.args, dict(vars(self))))
+    """Pickle an agreed copy by the class it copies."""
+    return (_rebuilt, (type(self).__mro__[1], *_state(self), True))
 
 
 class RingDilatedWarning(UserWarning):
