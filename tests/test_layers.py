@@ -144,7 +144,7 @@ def test_the_layers_fail_on_an_upward_import(tmp_path: pathlib.Path) -> None:
     """The check itself can fail: a plan module importing the run layer is caught, however it
     imports it (relative, or by a string)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from ringdilated.core.run.local import Run\n")
+    bad.write_text("from ringdilated.core.run.local import LocalRun\n")
     assert _layer(next(iter(_imports(bad)))) == LAYERS.index("run")
     bad.write_text(
         "import importlib\nfrom . import shards\nfrom ..run import sharded\nfrom ..select.cost "

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import ringdilated
 from ringdilated.core.plan.window import CAUSAL
-from ringdilated.core.run.local import CallState, DilatedAttentionFunction, RowBlocks, Run
+from ringdilated.core.run.local import CallState, DilatedAttentionFunction, LocalRun, RowBlocks
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
@@ -79,7 +79,7 @@ def test_dropout_gradients_are_exact(mode: str) -> None:
     q, k, v = (torch.randn(1, 10, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     kernel = default_resolver().kernel("reference")
     blocks = ringdilated.DilationPattern([4, 8], [1, 2], mode).blocks(10, 2, 2)
-    run = Run(
+    run = LocalRun(
         kernel,
         (RowBlocks(None, blocks),),
         exclusive=mode == "head_groups",
@@ -120,7 +120,7 @@ def test_chunked_execution_equals_unchunked() -> None:
                 q,
                 k,
                 v,
-                Run(
+                LocalRun(
                     kernel,
                     (RowBlocks(None, blocks),),
                     exclusive=mode == "head_groups",

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringdilated.core import Communicator, DilationPattern, Kernel, Mode, Plan
+from ringdilated.core import Communicator, DilationPattern, Kernel, KernelChoice, Mode
 from ringdilated.core.call import (
     CallPlan,
     Grid,
@@ -91,7 +91,7 @@ class DilatedAttention(nn.Module):
         self.kernel = kernel
         self.process_group = process_group
         self.communicator = communicator
-        self.plan: Plan | None = None
+        self.plan: KernelChoice | None = None
         self.call: CallPlan | None = None
 
     def forward(

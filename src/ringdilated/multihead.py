@@ -20,7 +20,7 @@ from torch import nn
 
 from ringdilated.cache import DilatedKVCache
 from ringdilated.compiled import shard_positions
-from ringdilated.core import Communicator, Kernel, Mode, Plan
+from ringdilated.core import Communicator, Kernel, KernelChoice, Mode
 from ringdilated.core.call import Grid, SequenceLayout, check_bool, grid, shard_lengths
 from ringdilated.core.plan import read_layout
 from ringdilated.core.select import autocast_enabled, recommended_dtype
@@ -146,7 +146,7 @@ class MultiheadDilatedAttention(nn.Module):
         return self.q_proj.weight.dtype
 
     @property
-    def plan(self) -> Plan | None:
+    def plan(self) -> KernelChoice | None:
         """The kernel plan of the last call (``None`` before the first; see :meth:`explain`)."""
         return self.attention.plan
 

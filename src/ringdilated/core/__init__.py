@@ -50,7 +50,7 @@ from ringdilated.core.select.capabilities import (
     Target,
 )
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
-from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, Resolver
+from ringdilated.core.select.resolver import KERNEL_ENV_VAR, KernelChoice, Plan, Resolver
 from ringdilated.core.support.errors import (
     AgreementError,
     CallMismatchError,
@@ -85,6 +85,7 @@ __all__ = [
     "EveryRankError",
     "HeadRun",
     "Kernel",
+    "KernelChoice",
     "KernelContractError",
     "KernelSpec",
     "KeyWindow",

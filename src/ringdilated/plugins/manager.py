@@ -16,7 +16,7 @@ field (:func:`~ringdilated.plugins.spec_validation.validate_spec`, nested values
 malformed spec, or one whose backend name another plugin already took, is skipped on its own
 with a warning naming the plugin, the spec and the field (for a duplicate name, both plugins and
 their distributions); the plugin's other specs still register. Every failure is kept for
-``Plan.explain()`` and ``describe()``. In strict mode the same failure raises
+``KernelChoice.explain()`` and ``describe()``. In strict mode the same failure raises
 :class:`PluginError`.
 Controls, as arguments of :func:`build_registry` or as environment variables:
 

@@ -7,7 +7,7 @@ pattern included), resolves the kernel for the tensors actually passed, and, on 
 plans every rank's shard and resolves the communicator (one process: only its name is checked);
 then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
 The plan builds its executors once (:meth:`CallPlan.with_executors`: per group of batch rows, a
-:class:`~ringdilated.core.run.local.Run`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
+:class:`~ringdilated.core.run.local.LocalRun`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
 over either, each communicator that runs prepared); every call of it then runs::
 
     plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
@@ -41,7 +41,7 @@ from ringdilated.core.run.local import (
     CallState,
     DilatedAttentionFunction,
     Executor,
-    Run,
+    LocalRun,
     as_lse_layout,
     draw_seed,
     effective_scale,
@@ -52,7 +52,7 @@ from ringdilated.core.select.capabilities import Request
 from ringdilated.core.select.communicator_spec import CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
 from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
-from ringdilated.core.select.resolver import KERNEL_ENV_VAR, Plan, ResolutionError, Resolver
+from ringdilated.core.select.resolver import KERNEL_ENV_VAR, KernelChoice, ResolutionError, Resolver
 
 __all__ = [
     "WHOLE_SEQUENCES",
@@ -107,7 +107,7 @@ class CallPlan:
     :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
 
     pattern: DilationPattern
-    kernel: Plan
+    kernel: KernelChoice
     window: KeyWindow
     scale: float
     dropout_p: float
@@ -222,17 +222,17 @@ class CallPlan:
         """This rank's shard plan (``None`` on one process)."""
         return self.shards[self.rank] if self.shards else None
 
-    def run(self, q: torch.Tensor, k: torch.Tensor) -> Run:
-        """The :class:`Run` of a one-process call: the whole pattern."""
+    def local_run(self, q: torch.Tensor, k: torch.Tensor) -> LocalRun:
+        """The :class:`LocalRun` of a one-process call: the whole pattern."""
         return self._blocks_run(q, k, None, complete=True)
 
     def executor(self, q: torch.Tensor, k: torch.Tensor) -> Executor:
-        """What runs the call, by its communicator's spec: the :class:`Run`, a
+        """What runs the call, by its communicator's spec: the :class:`LocalRun`, a
         :class:`ShardedRun` over it, or a :class:`HeadParallelRun`; every communicator it runs
         is prepared here, on the group it exchanges on (call it once per plan)."""
         shard, chosen = self.shard, self.communicator
         if shard is None:
-            return self.run(q, k)
+            return self.local_run(q, k)
         assert chosen is not None
         if chosen.parallelism == "heads":
             return self._head_parallel(q, k, shard, chosen)
@@ -257,8 +257,8 @@ class CallPlan:
         blocks: tuple[Block, ...] | None,
         *,
         complete: bool,
-    ) -> Run:
-        """A :class:`Run` of ``blocks`` (``None``: the layout's), with this call's options."""
+    ) -> LocalRun:
+        """A :class:`LocalRun` of ``blocks`` (``None``: the layout's), with this call's options."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -344,7 +344,7 @@ class _Checked:
     communicator and, for padded rows, the plans of each group of rows."""
 
     pattern: DilationPattern
-    plan: Plan
+    kernel: KernelChoice
     window: KeyWindow
     layout: DocumentLayout
     sequence: SequenceLayout
@@ -419,11 +419,11 @@ def _check(
         backward=wants_backward(),  # after check_inputs: q, k, v are tensors
         env=resolver.env,
     )
-    plan = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
+    kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return _Checked(pattern, plan, window, layout, sequence)
+        return _Checked(pattern, kernel, window, layout, sequence)
     heads = q.shape[2]
     if grid_shape is not None and heads < grid_shape[1]:
         raise ResolutionError(
@@ -461,7 +461,7 @@ def _check(
         rows = layout.rows[0]
         return _Checked(
             pattern,
-            plan,
+            kernel,
             window,
             layout,
             sequence,
@@ -472,7 +472,7 @@ def _check(
         )
     shards = plans(None if layout.is_whole else layout.rows[0].documents)
     chosen = communicator(shards, k.shape[0])
-    return _Checked(pattern, plan, window, layout, sequence, shards, chosen, (), size(k.shape[0]))
+    return _Checked(pattern, kernel, window, layout, sequence, shards, chosen, (), size(k.shape[0]))
 
 
 def prepare_call(
@@ -569,7 +569,7 @@ def prepare_call(
             layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
     plan = CallPlan(
         pattern=checked.pattern,
-        kernel=checked.plan,
+        kernel=checked.kernel,
         window=checked.window,
         scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
         dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
@@ -901,7 +901,7 @@ def _signature(
         q_shape=_shape_text(q),
         k_shape=_shape_text(k),
         backward=backward,
-        kernel=None if checked is None else checked.plan.kernel_name,
+        kernel=None if checked is None else checked.kernel.kernel_name,
         communicator=None if checked is None else _communicator_names(checked),
         lse_used=options.return_lse is True,
     )

@@ -4,7 +4,7 @@ Rank ``r`` holds a sequence shard ``[S_r, S_r + n_r)`` of every head, as in ever
 One exchange with every peer turns the shards into heads: each rank receives every position of
 its share of the query heads, and of the key/value heads they read
 (:func:`~ringdilated.core.plan.heads.deal_heads`), attends them over the whole sequence exactly as
-one process would (the single-process :class:`~ringdilated.core.run.local.Run` on the share's
+one process would (the single-process :class:`~ringdilated.core.run.local.LocalRun` on the share's
 blocks,
 with no crossing segments at all), and a second exchange returns each rank's positions of
 ``out`` and ``lse``. Backward exchanges ``q``, ``k``, ``v``, ``out``, ``lse``, ``dout`` and ``dlse``
@@ -36,7 +36,7 @@ __all__ = ["HeadParallelRun"]
 class HeadParallelRun:
     """A head-parallel call's fixed parts: ``inner``, an
     :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over
-    the whole sequence (a :class:`~ringdilated.core.run.local.Run`), or over the chunk of the
+    the whole sequence (a :class:`~ringdilated.core.run.local.LocalRun`), or over the chunk of the
     group's shards, with pieces from other chunks (a
     :class:`~ringdilated.core.run.sharded.ShardedRun` across a grid's outer group: ``hybrid``);
     ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or

@@ -1,5 +1,5 @@
 """Runs a dilation pattern on a kernel, forward and backward, on one process; and what every
-executor shares: the :class:`Executor` protocol (:class:`Run` here; the sharded and
+executor shares: the :class:`Executor` protocol (:class:`LocalRun` here; the sharded and
 head-parallel runs and the call's plan), :class:`BackwardInputs`, :class:`CallState` and
 :class:`DilatedAttentionFunction`, which runs any executor under one autograd node.
 
@@ -15,18 +15,18 @@ Call flow::
                   merged out and lse; a gradient with one contribution per element is written
                   in the input dtype, others are added in float32 or float64
 
-A :class:`Run` is built once per planned call and reused by every call of that plan: its
+A :class:`LocalRun` is built once per planned call and reused by every call of that plan: its
 *steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
 and its :class:`~ringdilated.core.contract.kernel.BlockOptions`) and its *kernel calls* (one step,
 or small steps of one shape fused: :class:`_KernelCall`) are computed once per input geometry and
 cached in it, so a call issues kernels and copies only, with no host read and no Python work
 proportional to anything but the number of kernel calls.
 
-Steps are chunks of whole segments so that no kernel call's scratch exceeds ``Run.chunk_elements``
-elements: peak memory beyond the inputs and outputs stays bounded whatever the sequence length
-(a fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``, ``k`` and ``v``, far less).
-Nothing here checks capabilities or catches exceptions: the resolver and the input validation
-ran before.
+Steps are chunks of whole segments so that no kernel call's scratch exceeds
+``LocalRun.chunk_elements`` elements: peak memory beyond the inputs and outputs stays bounded
+whatever the sequence length (a fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``,
+``k`` and ``v``, far less). Nothing here checks capabilities or catches exceptions: the resolver and
+the input validation ran before.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ __all__ = [
     "CallState",
     "DilatedAttentionFunction",
     "Executor",
+    "LocalRun",
     "RowBlocks",
-    "Run",
     "StridedView",
     "as_lse_layout",
     "draw_seed",
@@ -401,7 +401,7 @@ _Geometry = tuple[object, ...]
 
 
 @attrs.frozen
-class Run:
+class LocalRun:
     """One dilated-attention plan's fixed parts: the kernel, the blocks and the options.
 
     ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
@@ -755,7 +755,7 @@ class BatchLimitedKernel:
 
 
 class Executor(Protocol):
-    """Runs one planned attention call's forward and backward: :class:`Run` on one process,
+    """Runs one planned attention call's forward and backward: :class:`LocalRun` on one process,
     :class:`~ringdilated.core.run.sharded.ShardedRun` on a shard,
     :class:`~ringdilated.core.run.head_parallel.HeadParallelRun` by heads (over either of them),
     :class:`~ringdilated.core.call.prepare.CallPlan` over one per group of batch rows. Built
@@ -886,8 +886,8 @@ def pattern_run(
     batch_limit: BatchLimit = UNLIMITED,
     kernel_name: str | None = None,
     layout: DocumentLayout | None = None,
-) -> Run:
-    """The :class:`Run` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
+) -> LocalRun:
+    """The :class:`LocalRun` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
     problems than ``batch_limit`` allows, and every call's results and inputs checked
@@ -909,7 +909,7 @@ def pattern_run(
             for r in layout.rows
         )
     covers = layout.covers_all
-    return Run(
+    return LocalRun(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
         rows=rows,
         query_start=layout.query_start,

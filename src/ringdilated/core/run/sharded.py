@@ -9,7 +9,7 @@ Call flow on rank ``r`` (every rank runs the same steps)::
     forward:
         exchange step 1 starts                  pieces of crossing segments, straight to the
                                                 ranks whose queries see them (shard plan)
-        inner blocks -> out, lse                local, exactly the single-process Run
+        inner blocks -> out, lse                local, exactly the single-process LocalRun
         own piece of each crossing -> partial   merged by the Accumulator (float32)
         for each step: start step + 1; wait step; each received piece -> partial -> merge
         crossing results written into out / merged into the longnet state
@@ -42,7 +42,7 @@ from ringdilated.core.run.local import (
     BackwardInputs,
     BatchLimitedKernel,
     CallState,
-    Run,
+    LocalRun,
     lse_gradient,
 )
 
@@ -57,7 +57,7 @@ class ShardedRun:
     A call's dropout seed is its part ``("shard", rank)``: every rank's inner blocks count
     from 0."""
 
-    inner: Run
+    inner: LocalRun
     plans: tuple[ShardPlan, ...]
     rank: int
     communicator: Communicator = attrs.field(eq=False)

@@ -54,14 +54,15 @@ from ringdilated.core.support.errors import ResolutionError
 if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
 
-__all__ = ["KERNEL_ENV_VAR", "Plan", "ResolutionError", "Resolver"]
+__all__ = ["KERNEL_ENV_VAR", "KernelChoice", "Plan", "ResolutionError", "Resolver"]
 
 KERNEL_ENV_VAR = "RINGDILATED_KERNEL"
 
 
 @attrs.frozen
-class Plan:
-    """The resolver's decision for one request: the chosen kernel and every rejection.
+class KernelChoice:
+    """The resolver's decision for one request: the chosen kernel and every rejection (as
+    :class:`~ringdilated.core.select.communicator_spec.CommunicatorChoice` is for communicators).
 
     ``batch_limit`` is the chosen kernel's declared limit on problems per call (its launch
     grid), which the driver honours when it splits the work; ``target_note`` is the note of the
@@ -96,6 +97,10 @@ class Plan:
         return "\n".join(lines)
 
 
+Plan = KernelChoice
+"""0.1's name for :class:`KernelChoice` (kept for one release)."""
+
+
 class Resolver:
     """Chooses among kernel specs for requests; each decision is made once and cached."""
 
@@ -127,7 +132,7 @@ class Resolver:
         Communicator instance (no group yet): :func:`_check_choice`."""
         _check_choice("communicator", communicator, self.communicator_specs)
 
-    def resolve(self, request: Request, kernel: str | Kernel = "auto") -> Plan:
+    def resolve(self, request: Request, kernel: str | Kernel = "auto") -> KernelChoice:
         """The plan for ``request``: ``kernel`` is ``"auto"``, a backend name to force, or a
         :class:`~ringdilated.core.Kernel` instance to use as it is (httpx's ``transport=``
         style: it declares nothing, so nothing is checked against the request; the driver still
@@ -135,7 +140,7 @@ class Resolver:
         if _check_choice("kernel", kernel, None):
             assert isinstance(kernel, Kernel)
             name = f"{type(kernel).__name__} instance"
-            return Plan(request, name, kernel, forced_by="kernel=<instance>")
+            return KernelChoice(request, name, kernel, forced_by="kernel=<instance>")
         assert isinstance(kernel, str)
         forced_by = None
         forced = os.environ.get(KERNEL_ENV_VAR, "").strip()  # spaces stripped, as everywhere
@@ -147,7 +152,9 @@ class Resolver:
         _check_choice("kernel", kernel, self.specs, forced_by=forced_by)
         return self._resolve(request, kernel, forced_by)
 
-    def _resolve_uncached(self, request: Request, kernel: str, forced_by: str | None) -> Plan:
+    def _resolve_uncached(
+        self, request: Request, kernel: str, forced_by: str | None
+    ) -> KernelChoice:
         judged = {name: _judge(spec, request, self.env) for name, spec in self.specs.items()}
         ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
         verdicts = {name: reasons for name, (_, reasons) in judged.items()}
@@ -172,7 +179,7 @@ class Resolver:
                 f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
             )
         spec, instance = chosen
-        return Plan(
+        return KernelChoice(
             request=request,
             kernel_name=spec.name,
             kernel=instance,
