@@ -337,23 +337,6 @@ class CallPlan:
         )
 
 
-@attrs.frozen
-class _Checked:
-    """What :func:`_check` found: the validated pattern, kernel plan, key window, the call's
-    documents and its sequence layout; on a process group every rank's shard plans, the
-    communicator and, for padded rows, the plans of each group of rows."""
-
-    pattern: DilationPattern
-    kernel: KernelChoice
-    window: KeyWindow
-    layout: DocumentLayout
-    sequence: SequenceLayout
-    shards: tuple[ShardPlan, ...] = ()
-    communicator: CommunicatorChoice | None = None
-    row_plans: tuple[RowPlan, ...] = ()
-    size: PieceSize | None = None
-
-
 def _check(
     pattern_args: DilationPattern | PatternArgs,
     q: object,
@@ -363,11 +346,13 @@ def _check(
     resolver: Resolver,
     sequence: SequenceLayout | None,
     group: object,
-    ranks: int,
     wants_backward: Callable[[], bool],
     lengths: tuple[int, ...] | None = None,
-    grid_shape: tuple[int, int] | None = None,
-) -> _Checked:
+) -> tuple[CallPlan, SequenceLayout]:
+    """The call's plan (its executors not built yet) and its sequence layout, checked on this
+    rank (:func:`prepare_call`'s contract); on a process group, every rank's shard plans and
+    the communicator, per group of batch rows when rows differ in padding."""
+    ranks = group_size(group)
     pattern = (
         pattern_args
         if isinstance(pattern_args, DilationPattern)
@@ -421,10 +406,21 @@ def _check(
     )
     kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
+    plan = CallPlan(
+        pattern,
+        kernel,
+        window,
+        effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
+        float(options.dropout_p),  # type: ignore[arg-type]
+        layout,
+        rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
+        group=group,
+        lse_used=bool(options.return_lse),
+    )
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return _Checked(pattern, kernel, window, layout, sequence)
-    heads = q.shape[2]
+        return plan, sequence
+    heads, grid_shape = q.shape[2], group.shape if isinstance(group, Grid) else None
     if grid_shape is not None and heads < grid_shape[1]:
         raise ResolutionError(
             f"no communicator can serve this 2-D layout: it deals query heads within its inner "
@@ -433,46 +429,36 @@ def _check(
         )
     shard_lengths = sequence.shard_lengths or lengths
 
-    def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
-        return tuple(
+    def size(rows: Rows) -> PieceSize:
+        batch = rows.stop - rows.start
+        return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
+
+    def row_plan(rows: Rows, documents: tuple[tuple[int, int], ...] | None) -> RowPlan:
+        shards = tuple(
             shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths)
             for rank in range(ranks)
         )
-
-    def size(batch: int) -> PieceSize:
-        return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
-
-    def communicator(shards: tuple[ShardPlan, ...], batch: int) -> CommunicatorChoice:
-        return resolver.choose_communicator(
+        chosen = resolver.choose_communicator(
             ranks,
             window,
             options.communicator,  # type: ignore[arg-type]
             shards,
-            size(batch),
+            size(rows),
             grid_shape,
         )
+        return rows, shards, chosen
 
-    if sequence.padding is not None:
-        row_plans = []
-        for rows in layout.rows:
-            shards = plans(rows.documents)
-            row_plans.append((rows, shards, communicator(shards, rows.stop - rows.start)))
-        first = row_plans[0]
-        rows = layout.rows[0]
-        return _Checked(
-            pattern,
-            kernel,
-            window,
-            layout,
-            sequence,
-            first[1],
-            first[2],
-            tuple(row_plans),
-            size(rows.stop - rows.start),
-        )
-    shards = plans(None if layout.is_whole else layout.rows[0].documents)
-    chosen = communicator(shards, k.shape[0])
-    return _Checked(pattern, kernel, window, layout, sequence, shards, chosen, (), size(k.shape[0]))
+    if sequence.padding is None:  # one group of rows
+        whole = layout.rows[0]
+        row_plans: tuple[RowPlan, ...] = ()
+        rows, shards, chosen = row_plan(whole, None if layout.is_whole else whole.documents)
+    else:
+        row_plans = tuple(row_plan(rows, rows.documents) for rows in layout.rows)
+        rows, shards, chosen = row_plans[0]
+    plan = attrs.evolve(
+        plan, shards=shards, communicator=chosen, row_plans=row_plans, size=size(rows)
+    )
+    return plan, sequence
 
 
 def prepare_call(
@@ -508,7 +494,6 @@ def prepare_call(
     if layout is not None:
         group = layout.group
     ranks = group_size(group)
-    grid_shape = group.shape if isinstance(group, Grid) else None
 
     def wants_backward() -> bool:
         if backward is not None:
@@ -516,27 +501,16 @@ def prepare_call(
         wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
         return torch.is_grad_enabled() and wants_grad
 
-    def check(lengths: tuple[int, ...] | None = None) -> _Checked:
+    def check(lengths: tuple[int, ...] | None = None) -> tuple[CallPlan, SequenceLayout]:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
         return _check(
-            pattern_args,
-            q,
-            k,
-            v,
-            options,
-            chosen,
-            layout,
-            group,
-            ranks,
-            wants_backward,
-            lengths,
-            grid_shape,
+            pattern_args, q, k, v, options, chosen, layout, group, wants_backward, lengths
         )
 
     if ranks == 1:
-        checked = check()
+        plan, _ = check()
         if group is None:  # one process: say so if a launcher started several (once)
             grid.warn_if_launched_alone()
     else:
@@ -546,15 +520,15 @@ def prepare_call(
         lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
         known = layout is not None and layout.shard_lengths is not None
         while True:
-            maybe: _Checked | None = None
+            checked: tuple[CallPlan, SequenceLayout] | None = None
             error: Exception | None = None
             signature: CallSignature | None = None
             try:
-                maybe = check(lengths)
+                checked = check(lengths)
             except Exception as exc:  # any failure here must reach every rank, not strand them
                 error = exc
             try:
-                signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
+                signature = _signature(pattern_args, q, k, options, checked, wants_backward())
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
             own = -1 if lengths is not None or known else _shard_length(k)
@@ -562,26 +536,10 @@ def prepare_call(
             if lengths is None:  # agreed (agree() raised otherwise)
                 break
             # Shards of different lengths: check again knowing them (a second agreement).
-        assert maybe is not None
-        checked = maybe
-        if layout is not None and checked.shards:
-            starts = checked.shards[0].starts
-            layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
-    plan = CallPlan(
-        pattern=checked.pattern,
-        kernel=checked.kernel,
-        window=checked.window,
-        scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
-        dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
-        layout=checked.layout,
-        rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
-        shards=checked.shards,
-        communicator=checked.communicator,
-        group=group,
-        row_plans=checked.row_plans,
-        size=checked.size,
-        lse_used=bool(options.return_lse),
-    )
+        assert checked is not None
+        plan = checked[0]
+        if layout is not None and plan.shards:
+            layout.bind(tuple(b - a for a, b in itertools.pairwise(plan.shards[0].starts)))
     return plan.with_executors(q, k)
 
 
@@ -840,12 +798,10 @@ def _prepared(
     return chosen.instance
 
 
-def _communicator_names(checked: _Checked) -> str:
+def _communicator_names(plan: CallPlan) -> str:
     """The communicator of every group of rows (one, without padding), by type."""
-    chosen: list[CommunicatorChoice | None] = [c for _, _, c in checked.row_plans]
-    return ",".join(
-        type(c.instance if c else None).__name__ for c in chosen or [checked.communicator]
-    )
+    chosen: list[CommunicatorChoice | None] = [c for _, _, c in plan.row_plans]
+    return ",".join(type(c.instance if c else None).__name__ for c in chosen or [plan.communicator])
 
 
 def _shard_length(k: object) -> int:
@@ -864,11 +820,11 @@ def _shape_text(x: object) -> str:
     return safe_repr(shape)
 
 
-def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
+def _documents_text(options: CallOptions, sequence: SequenceLayout | None) -> str:
     """The documents and padding every rank must pass identically: a digest of the checked
     layout (it may be long), or a description of what was passed where validation failed."""
-    if checked is not None:
-        return checked.sequence.description
+    if sequence is not None:
+        return sequence.description
     if options.cu_seqlens is None and options.key_padding_mask is None:
         return "none"
     kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
@@ -880,28 +836,27 @@ def _signature(
     q: object,
     k: object,
     options: CallOptions,
-    checked: _Checked | None,
+    checked: tuple[CallPlan, SequenceLayout] | None,
     backward: bool,
 ) -> CallSignature:
     """What every rank must pass identically, as strings (raw values where validation failed;
     :func:`safe_repr`, so that any object a caller passed can be sent)."""
-    if checked is not None:
-        pattern = checked.pattern
-        fields: object = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
-    else:
-        fields = pattern_args
+    plan, sequence = checked or (None, None)
+    fields: object = pattern_args
+    if plan is not None:
+        fields = (plan.pattern.segment_lengths, plan.pattern.dilation_rates, plan.pattern.mode)
     return CallSignature(
         pattern=safe_repr(fields),
         causal=safe_repr(options.causal),
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
-        documents=_documents_text(options, checked),
+        documents=_documents_text(options, sequence),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=_shape_text(q),
         k_shape=_shape_text(k),
         backward=backward,
-        kernel=None if checked is None else checked.kernel.kernel_name,
-        communicator=None if checked is None else _communicator_names(checked),
+        kernel=None if plan is None else plan.kernel.kernel_name,
+        communicator=None if plan is None else _communicator_names(plan),
         lse_used=options.return_lse is True,
     )
