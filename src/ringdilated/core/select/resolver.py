@@ -318,20 +318,12 @@ class Resolver:
         with its reasons; a hybrid's parts are resolved by name, as forced names are. ``window``:
         the call's :class:`~ringdilated.core.plan.window.KeyWindow` (a bool: causal or not)."""
         window = as_window(window)
-        if isinstance(name, Communicator) and not isinstance(name, str):
+        if _check_choice("communicator", name, self.communicator_specs):
+            assert isinstance(name, Communicator)
             chosen = self.describe_communicator(name, window)
             _check_instance_layout(chosen, world_size, grid)
             return chosen
-        if not isinstance(name, str):
-            raise TypeError(
-                "communicator must be 'auto', a communicator name (str) or a Communicator "
-                f"instance, got {name!r}"
-            )
-        if name != "auto" and name not in self.communicator_specs:
-            known = ", ".join(sorted(self.communicator_specs)) or "none"
-            raise ValueError(
-                f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
-            )
+        assert isinstance(name, str)
         # Traffic is modelled only to choose: a forced name needs none (explain shows it).
         modelled = size if name == "auto" else None
         judged = self._judge_communicators(world_size, window, plans, modelled, grid)
