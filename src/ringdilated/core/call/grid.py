@@ -120,11 +120,6 @@ def rank(layout: dist.ProcessGroup | Grid) -> int:
     return dist.get_rank(layout)
 
 
-def backend(layout: dist.ProcessGroup | Grid) -> str:
-    """The backend of the layout's collectives (a grid's inner group's)."""
-    return str(dist.get_backend(layout.inner if isinstance(layout, Grid) else layout))
-
-
 def gather(layout: dist.ProcessGroup | Grid, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (equal shapes), in flat rank order."""
     if not isinstance(layout, Grid):
@@ -157,30 +152,26 @@ def gather_objects(layout: dist.ProcessGroup | Grid, value: object) -> list[obje
 def as_process_group(group: object) -> object:
     """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
     group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
-    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.call.grid.Grid` (for
-    ``communicator="hybrid"``)
-    from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
-    inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
-    alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
-    caller's to say. Anything else is returned unchanged, for :func:`group_size` to reject.
-    Reads the mesh's existing groups: nothing is created, nothing is sent.
+    ``(mesh, 1)``; or a 2-D :class:`Grid` (for ``communicator="hybrid"``) from two dimensions of
+    a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer, inner), or a pair ``(outer,
+    inner)`` of process groups. A mesh of more than one dimension alone is refused: which
+    dimension is the sequence's (a data-parallel one is not) is the caller's to say. Anything
+    else is returned unchanged, for :func:`group_size` to reject. Reads the mesh's existing
+    groups: nothing is created, nothing is sent.
 
     Every rank must pass the same valid value: this runs before the ranks can agree (it says
     which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
     in the call's agreement until the backend's timeout."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+    if isinstance(group, tuple) and len(group) == 2:
         mesh, dim = group
-        if isinstance(dim, tuple) and len(dim) == 2:
-            return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
-        return _mesh_group(mesh, dim)
-    if (
-        isinstance(group, tuple)
-        and len(group) == 2
-        and all(isinstance(g, dist.ProcessGroup) for g in group)
-    ):
-        return Grid(group[0], group[1])
+        if isinstance(mesh, DeviceMesh):
+            if isinstance(dim, tuple) and len(dim) == 2:
+                return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
+            return _mesh_group(mesh, dim)
+        if all(isinstance(g, dist.ProcessGroup) for g in group):
+            return Grid(*group)
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
