@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ringdilated.core.call import grid
 from ringdilated.core.call.agreement import LayoutSignature, agree, safe_repr
-from ringdilated.core.call.validation import check_shard_lengths
+from ringdilated.core.call.validation import brief, check_shard_lengths
 from ringdilated.core.plan.documents import (
     DocumentLayout,
     Documents,
@@ -164,13 +164,11 @@ class SequenceLayout(OpaqueBase):
             if differing is not None:  # every rank gave its length and they differ
                 agree(group, error, signature)
                 lengths = differing
-            elif read is not None and read.shard_length is not None:
-                lengths = (read.shard_length,) * ranks
         elif error is not None:
             raise error
         assert read is not None
-        if ranks == 1 and read.shard_length is not None:
-            lengths = (read.shard_length,)
+        if lengths is None and read.shard_length is not None:
+            lengths = (read.shard_length,) * ranks
         # Every value below was agreed: each rank reaches the same verdict, no collective needed.
         self._settle(group, ranks, read, lengths, read.agree_every_call)
 
@@ -255,7 +253,7 @@ class SequenceLayout(OpaqueBase):
         if lengths is not None and lengths[self.rank] != length:
             raise ValueError(
                 f"this call's shard holds {length} positions but its SequenceLayout holds "
-                f"{lengths[self.rank]} on rank {self.rank} (shard lengths {_brief(lengths)}): "
+                f"{lengths[self.rank]} on rank {self.rank} (shard lengths {brief(lengths)}): "
                 "build a new layout for each batch"
             )
 
@@ -278,14 +276,8 @@ class SequenceLayout(OpaqueBase):
 
     @property
     def description(self) -> str:
-        """The documents and padding, as every rank must hold them: a digest (they may be
-        long), or ``"none"``."""
-        if self.padding is not None:
-            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
-            return f"padding of {len(self.padding)} row groups, digest {_digest(text)}"
-        if self.documents is not None:
-            return f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
-        return "none"
+        """The documents and padding, as every rank must hold them (:func:`_described`)."""
+        return _described(self.documents, self.padding, f"{len(self.padding or ())} row groups")
 
     def shard_positions(self, device: torch.device, shard_length: int) -> torch.Tensor:
         """``(B', n)`` int64 on ``device``: each position of this rank's shard of
@@ -316,15 +308,8 @@ class _Read:
     agree_every_call: bool
 
     def signature(self) -> LayoutSignature:
-        if self.padding is not None:
-            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
-            documents = f"padding of {self.batch} rows, digest {_digest(text)}"
-        elif self.documents is not None:
-            documents = f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
-        else:
-            documents = "none"
         return LayoutSignature(
-            documents=documents,
+            documents=_described(self.documents, self.padding, f"{self.batch} rows"),
             shape=f"length {self.width}, batch {self.batch}",
             shard_length="given" if self.shard_length is not None else "equal shards",
             agree_every_call=str(self.agree_every_call),
@@ -374,7 +359,7 @@ def _place(
     if lengths is not None:
         check_shard_lengths(lengths)
         total = sum(lengths)
-        shards = "" if ranks == 1 else f" (every rank's shard: {_brief(lengths)})"
+        shards = "" if ranks == 1 else f" (every rank's shard: {brief(lengths)})"
         if read.documents is not None and width != total:
             raise ValueError(
                 f"cu_seqlens must run from 0 to the sequence length {total}{shards}, got "
@@ -401,11 +386,12 @@ def _bounds(documents: Documents) -> tuple[int, ...]:
     return (0, *(stop for _, stop in documents))
 
 
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def _brief(values: tuple[int, ...]) -> str:
-    if len(values) <= 8:
-        return str(tuple(values))
-    return f"({', '.join(map(str, values[:4]))}, ..., {', '.join(map(str, values[-2:]))})"
+def _described(documents: Documents | None, padding: tuple[Rows, ...] | None, rows: str) -> str:
+    """The documents or the padding (of ``rows``): a digest (they may be long), or ``"none"``."""
+    if padding is not None:
+        what, text = f"padding of {rows}", repr([(r.start, r.stop, r.documents) for r in padding])
+    elif documents is not None:
+        what, text = f"{len(documents)} documents", repr(documents)
+    else:
+        return "none"
+    return f"{what}, digest {hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"
