@@ -94,11 +94,9 @@ def _importer_level() -> int:
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = frame.f_code.co_filename
-        if "importlib" in name and "_bootstrap" in name:
-            pass  # not counted by warnings.warn
-        elif name in machinery:
+        if name in machinery:
             level += 1
-        else:
+        elif not ("importlib" in name and "_bootstrap" in name):  # those warnings.warn counts
             break
         frame = frame.f_back  # type: ignore[assignment]
     return level
