@@ -531,7 +531,9 @@ def prepare_call(
                 signature = _signature(pattern_args, q, k, options, checked, wants_backward())
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
-            own = -1 if lengths is not None or known else _shard_length(k)
+            own = -1  # this rank's shard length, while the ranks' are unknown and k is 4-D
+            if lengths is None and not known and isinstance(k, torch.Tensor) and k.dim() == 4:
+                own = int(k.shape[1])
             lengths = agree(group, error, signature, length=own)
             if lengths is None:  # agreed (agree() raised otherwise)
                 break
@@ -592,21 +594,10 @@ def plan_key(
     key = (
         pattern,
         shapes,
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
+        (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device),
         backward,
-        type(causal),
-        causal,
-        type(scale),
-        scale,
-        type(dropout_p),
-        dropout_p,
-        type(return_lse),
-        return_lse,
+        (type(causal), causal, type(scale), scale, type(dropout_p), dropout_p),
+        (type(return_lse), return_lse),
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
         options["communicator"],
@@ -658,9 +649,8 @@ def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
     reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
     or when it has one batch row; else contiguous (so batch rows and segments merge into one
     kernel call)."""
-    if query_suffix or x.shape[0] == 1 or x.is_contiguous():
-        return x if x.stride(-1) == 1 else x.contiguous()
-    return x.contiguous()
+    keep = query_suffix or x.shape[0] == 1
+    return x if keep and x.stride(-1) == 1 else x.contiguous()
 
 
 def operands(
@@ -802,13 +792,6 @@ def _communicator_names(plan: CallPlan) -> str:
     """The communicator of every group of rows (one, without padding), by type."""
     chosen: list[CommunicatorChoice | None] = [c for _, _, c in plan.row_plans]
     return ",".join(type(c.instance if c else None).__name__ for c in chosen or [plan.communicator])
-
-
-def _shard_length(k: object) -> int:
-    """The length of this rank's shard of ``k``, or ``-1`` where ``k`` is no 4-D tensor."""
-    if isinstance(k, torch.Tensor) and k.dim() == 4:
-        return int(k.shape[1])
-    return -1
 
 
 def _shape_text(x: object) -> str:
