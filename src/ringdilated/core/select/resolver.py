@@ -244,9 +244,14 @@ class Resolver:
         rule (one built around the validators) is rejected with the rule, and so is a hybrid
         whose parts do not resolve. Never raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
+        # A 1-D call passes no dims: a spec subclass may predate them.
+        args = (world_size, window, plans) if grid is None else (world_size, window, plans, 2)
+
+        def reasons_of(spec: CommunicatorSpec) -> tuple[str, ...]:
+            return _contained("reasons", lambda: spec.reasons(*args))
+
         for spec in self.communicator_specs.values():
-            dims = 1 if grid is None else 2
-            reasons = _communicator_reasons(spec, world_size, window, plans, dims)
+            reasons = reasons_of(spec)
             moved: Traffic | str | None = None
             if not reasons and plans:
                 reasons, moved = self._model(spec, plans, window, size, grid)
@@ -502,19 +507,6 @@ def _check_instance_layout(
             f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
             f"call has {has}"
         )
-
-
-def _communicator_reasons(
-    spec: CommunicatorSpec,
-    world_size: int,
-    window: KeyWindow,
-    plans: Sequence[ShardPlan],
-    dims: int = 1,
-) -> tuple[str, ...]:
-    """``spec.reasons(...)``; what it raises or returns wrongly becomes a reason. Never raises."""
-    if dims == 1:  # a spec subclass may predate ``dims``
-        return _contained("reasons", lambda: spec.reasons(world_size, window, plans))
-    return _contained("reasons", lambda: spec.reasons(world_size, window, plans, dims))
 
 
 def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:
