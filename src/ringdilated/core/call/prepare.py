@@ -6,9 +6,7 @@
 pattern included), resolves the kernel for the tensors actually passed, and, on a process group,
 plans every rank's shard and resolves the communicator (one process: only its name is checked);
 then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
-The plan builds its executors once (:meth:`CallPlan.with_executors`: per group of batch rows, a
-:class:`~ringdilated.core.run.local.LocalRun`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
-over either, each communicator that runs prepared); every call of it then runs::
+The plan builds its executors once (:meth:`CallPlan.with_executors`); every call then runs::
 
     plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
     out, lse = execute(plan, q, k, v, stats)          # kernels and exchanges only
@@ -353,11 +351,9 @@ def _check(
     rank (:func:`prepare_call`'s contract); on a process group, every rank's shard plans and
     the communicator, per group of batch rows when rows differ in padding."""
     ranks = group_size(group)
-    pattern = (
-        pattern_args
-        if isinstance(pattern_args, DilationPattern)
-        else DilationPattern(*pattern_args)  # type: ignore[arg-type]
-    )
+    pattern = pattern_args
+    if not isinstance(pattern, DilationPattern):
+        pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     if ranks > 1:  # an empty shard: one message on every rank, naming it
         rank = None if lengths is not None else grid.rank(group)  # type: ignore[arg-type]
         check_shards(lengths, rank, q, k)
@@ -369,13 +365,9 @@ def _check(
             f"{tuple(k.shape)}"
         )
     if sequence is None:  # a call without a layout: its own, read here, on this rank
-        sequence = SequenceLayout.for_call(
-            group,
-            options.cu_seqlens,
-            options.key_padding_mask,
-            lengths if lengths is not None else (k.shape[1],) * ranks,
-            k.shape[0],
-        )
+        equal = (k.shape[1],) * ranks
+        cu_seqlens, mask = options.cu_seqlens, options.key_padding_mask
+        sequence = SequenceLayout.for_call(group, cu_seqlens, mask, lengths or equal, k.shape[0])
     else:
         if lengths is not None and sequence.shard_lengths is None:
             raise ValueError(
@@ -559,11 +551,10 @@ def plan_key(
     :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
     as :class:`CallOptions`' fields, with their types: ``1`` is no valid ``causal`` though it
     equals ``True``; the resolver; whether a backward will run), so that a call with the key of
-    a planned one is valid and planned alike. On a process group the shards' lengths are left
-    out: the layout holds them, and :meth:`CallPlan.check_shard` compares them at once.
-    ``backward``: whether a backward will run (default: grad mode and the inputs say). ``None``
-    for anything not simply a dense tensor or not hashable (such a call is planned, and
-    checked, anew)."""
+    a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
+    say). On a process group the shards' lengths are left out: the layout holds them, and
+    :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
+    tensor or not hashable (such a call is planned, and checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
