@@ -17,9 +17,6 @@ calls with that signature read nothing from the device and make no collective bu
 exchange. A later call that contradicts its layout (another shard length) raises at once on its
 own rank; its peers are released by the backend's timeout.
 
-``agree_every_call=True`` (or the environment variable ``RINGDILATED_AGREE_EVERY_CALL=1``)
-checks and agrees every call instead, as calls without a layout do: for debugging.
-
 A layout is a value of the batch: build a new one for the next batch. Its plans are cached
 inside it (and dropped with it).
 """
@@ -111,8 +108,8 @@ class SequenceLayout(OpaqueBase):
       "ulysses"))`` or ``(outer group, inner group)``).
     - ``shard_length``: the positions this rank holds (shards may differ); default: equal
       shards.
-    - ``agree_every_call``: check and agree every call (debugging); default: the environment
-      variable ``RINGDILATED_AGREE_EVERY_CALL``.
+    - ``agree_every_call``: check and agree every call, as calls without a layout do (debugging);
+      default: the environment variable ``RINGDILATED_AGREE_EVERY_CALL``.
 
     Both tensors are read to the host here, once (so they must hold data: a ``meta`` tensor
     raises ``ValueError`` naming the argument and its device). A layout without a process
@@ -170,15 +167,10 @@ class SequenceLayout(OpaqueBase):
         if lengths is None and read.shard_length is not None:
             lengths = (read.shard_length,) * ranks
         # Every value below was agreed: each rank reaches the same verdict, no collective needed.
-        self._settle(group, ranks, read, lengths, read.agree_every_call)
+        self._settle(group, ranks, read, lengths)
 
     def _settle(
-        self,
-        group: object,
-        ranks: int,
-        read: _Read,
-        lengths: tuple[int, ...] | None,
-        agree_every_call: bool,
+        self, group: object, ranks: int, read: _Read, lengths: tuple[int, ...] | None
     ) -> None:
         """Initialise this layout from what was read, placed on shards of ``lengths``
         (:func:`_place`)."""
@@ -190,7 +182,7 @@ class SequenceLayout(OpaqueBase):
             read.documents,
             read.padding,
             read.batch,
-            agree_every_call,
+            read.agree_every_call,
             _length=length,
             _state=_State(lengths=placed),
         )
@@ -207,14 +199,14 @@ class SequenceLayout(OpaqueBase):
         """The layout of one call of ``batch`` rows made without a layout: read and checked on
         this rank only (the call's own agreement covers it), for shards of ``lengths``. Raises
         ``TypeError``/``ValueError`` naming the value."""
-        read = _read(cu_seqlens, key_padding_mask, None, False)
+        read = _read(cu_seqlens, key_padding_mask, None, True)
         if read.batch is not None and read.batch != batch:
             raise ValueError(
                 f"key_padding_mask must be (batch, seq_len) = ({batch}, {sum(lengths)}), got "
                 f"({read.batch}, {read.width})"
             )
         layout = cls.__new__(cls)
-        layout._settle(group, len(lengths), read, lengths, True)
+        layout._settle(group, len(lengths), read, lengths)
         return layout
 
     @property
@@ -300,12 +292,12 @@ class SequenceLayout(OpaqueBase):
 class _Read:
     """What one rank passed, checked on its own."""
 
-    documents: Documents | None
-    padding: tuple[Rows, ...] | None
-    batch: int | None
-    width: int | None  # the length the documents or the padding mask say
     shard_length: int | None
     agree_every_call: bool
+    documents: Documents | None = None
+    padding: tuple[Rows, ...] | None = None
+    batch: int | None = None
+    width: int | None = None  # the length the documents or the padding mask say
 
     def signature(self) -> LayoutSignature:
         return LayoutSignature(
@@ -336,18 +328,15 @@ def _read(
         every_call = agree_every_call_default()
     elif not isinstance(every_call, bool):
         raise TypeError(f"agree_every_call must be a bool or None, got {safe_repr(every_call)}")
-    documents: Documents | None = None
-    padding: tuple[Rows, ...] | None = None
-    batch: int | None = None
-    width: int | None = None
     if cu_seqlens is not None:
         documents = read_documents(cu_seqlens, None)
-        width = documents[-1][1]
+        return _Read(length, every_call, documents, width=documents[-1][1])
     if key_padding_mask is not None:
         padding = read_padding(key_padding_mask, None, None)
         assert isinstance(key_padding_mask, torch.Tensor)
         batch, width = key_padding_mask.shape
-    return _Read(documents, padding, batch, width, length, every_call)
+        return _Read(length, every_call, padding=padding, batch=batch, width=width)
+    return _Read(length, every_call)
 
 
 def _place(
