@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
-from ringdilated.core.contract.communicator import Communicator
+from ringdilated.core.contract.communicator import Communicator, layout_mismatch
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.plan.window import KeyWindow, as_window
@@ -159,36 +159,33 @@ class Resolver:
         ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
         verdicts = {name: reasons for name, (_, reasons) in judged.items()}
         candidates = [self.specs[kernel]] if kernel != "auto" else ranked
-        chosen: tuple[KernelSpec, Kernel] | None = None
         for spec in candidates:
             if verdicts[spec.name]:
                 continue
             try:
-                chosen = (spec, self._kernel(spec))
-                break
+                instance = self._kernel(spec)
             except Exception as exc:  # a backend's factory (an import) may fail in any way
                 verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
-        if chosen is None:
-            if kernel != "auto":
-                raise ResolutionError(
-                    f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
-                    + "; ".join(verdicts[kernel])
-                )
-            detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
-            raise ResolutionError(
-                f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
+                continue
+            return KernelChoice(
+                request=request,
+                kernel_name=spec.name,
+                kernel=instance,
+                rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
+                forced_by=forced_by,
+                plugin_failures=self.plugin_failures,
+                priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
+                batch_limit=spec.capabilities.batch_limit,
+                target_note=getattr(spec.capabilities.target_for(request), "note", ""),
             )
-        spec, instance = chosen
-        return KernelChoice(
-            request=request,
-            kernel_name=spec.name,
-            kernel=instance,
-            rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
-            forced_by=forced_by,
-            plugin_failures=self.plugin_failures,
-            priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
-            batch_limit=spec.capabilities.batch_limit,
-            target_note=getattr(spec.capabilities.target_for(request), "note", ""),
+        if kernel != "auto":
+            raise ResolutionError(
+                f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
+                + "; ".join(verdicts[kernel])
+            )
+        detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
+        raise ResolutionError(
+            f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
         )
 
     def explain_communicator(
@@ -497,16 +494,12 @@ def _check_instance_layout(
 ) -> None:
     """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
     the call's layout (a hybrid one needs a 2-D layout, every other kind a process group): a
-    named one is rejected with the same reason."""
-    what = type(chosen.instance).__name__
+    named one is rejected with the same reason (:func:`layout_mismatch`)."""
     parallelism = chosen.parallelism
-    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
-        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
-        has = "a process group" if grid is None else "a 2-D layout"
-        raise ResolutionError(
-            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
-            f"call has {has}"
-        )
+    mismatch = layout_mismatch(2 if parallelism == "hybrid" else 1, 1 if grid is None else 2)
+    if world_size > 1 and mismatch is not None:
+        what = f"communicator {type(chosen.instance).__name__} instance"
+        raise ResolutionError(f"{what} (parallelism {parallelism!r}) {mismatch}")
 
 
 def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:
