@@ -185,8 +185,7 @@ class CallPlan:
         ):  # no autograd node to build (it costs microseconds)
             with autocast_off(q.device.type):
                 return self.forward(q, k, v, call)
-        result = DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call]
-        return result  # type: ignore[no-any-return]
+        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call,no-any-return]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
@@ -420,6 +419,7 @@ def _check(
             f"got {heads}"
         )
     shard_lengths = sequence.shard_lengths or lengths
+    choice: str | Communicator = options.communicator  # type: ignore[assignment]
 
     def size(rows: Rows) -> PieceSize:
         batch = rows.stop - rows.start
@@ -430,14 +430,7 @@ def _check(
             shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths)
             for rank in range(ranks)
         )
-        chosen = resolver.choose_communicator(
-            ranks,
-            window,
-            options.communicator,  # type: ignore[arg-type]
-            shards,
-            size(rows),
-            grid_shape,
-        )
+        chosen = resolver.choose_communicator(ranks, window, choice, shards, size(rows), grid_shape)
         return rows, shards, chosen
 
     if sequence.padding is None:  # one group of rows
