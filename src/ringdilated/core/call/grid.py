@@ -53,11 +53,7 @@ def warn_if_launched_alone(subject: str = "this call runs") -> None:
     otherwise (``WORLD_SIZE`` unset, ``1``, not an integer, or the default group initialised: a
     one-process call beside it is then the caller's choice). Reads the environment only until
     it has warned; called once per planned call and per module built with
-    ``process_group=None``, never per step.
-
-    A module checks when it is built: its ``process_group`` is fixed then, so one built with
-    ``dist.group.WORLD`` before ``init_process_group()`` holds ``None`` for good, and a check at
-    its first call would find the default group initialised by then and say nothing."""
+    ``process_group=None`` (a module's group is fixed then), never per step."""
     global _warned_alone
     if _warned_alone:
         return
