@@ -57,12 +57,10 @@ __all__ = [
     "CallOptions",
     "CallPlan",
     "PatternArgs",
-    "as_process_group",
     "call_layout",
     "call_state",
     "execute",
     "execute_backward",
-    "group_size",
     "operands",
     "plan_for",
     "plan_key",
@@ -134,23 +132,13 @@ class CallPlan:
         its own shard plans and communicator, and its own dropout seed)."""
         if not self.row_plans:
             return [(None, self)]
-        return [
-            (
-                rows.batches,
-                attrs.evolve(
-                    self,
-                    layout=DocumentLayout(
-                        self.layout.length,
-                        self.layout.query_length,
-                        (attrs.evolve(rows, start=0, stop=rows.stop - rows.start),),
-                    ),
-                    shards=shards,
-                    communicator=communicator,
-                    row_plans=(),
-                ),
-            )
-            for rows, shards, communicator in self.row_plans
-        ]
+        parts: list[tuple[slice | None, CallPlan]] = []
+        for rows, shards, chosen in self.row_plans:
+            local = attrs.evolve(rows, start=0, stop=rows.stop - rows.start)
+            docs = DocumentLayout(self.layout.length, self.layout.query_length, (local,))
+            part = attrs.evolve(self, layout=docs, shards=shards, communicator=chosen, row_plans=())
+            parts.append((rows.batches, part))
+        return parts
 
     def with_executors(self, q: torch.Tensor, k: torch.Tensor) -> CallPlan:
         """This plan with its executors built for tensors shaped like ``q`` and ``k``, and every
