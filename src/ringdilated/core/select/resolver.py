@@ -7,14 +7,10 @@ Call flow::
     plan.kernel.forward(...)                          # the hot path: no checks, no try/except
     print(plan.explain())
 
-``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name); for
-communicators, given every rank's shard plan, the one of least modelled exchange time
-(:mod:`ringdilated.core.select.cost`), priority breaking ties. A communicator is handed out as
-a :class:`~ringdilated.core.select.communicator_spec.CommunicatorChoice`: its spec (which says
-how the run uses it) beside its instance, and for a hybrid its two parts, resolved by the names
-its spec gives. A name forces that backend: it fits, or :class:`ResolutionError` lists its
-reasons. It never falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever
-``"auto"`` was asked.
+``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name; for
+communicators, :meth:`Resolver.choose_communicator`). A name forces that backend: it fits, or
+:class:`ResolutionError` lists its reasons. It never falls back silently. ``RINGDILATED_KERNEL``
+forces a backend wherever ``"auto"`` was asked.
 
 Plugins are contained: whatever a spec's ``priority_for``/``reasons`` (or the ``extra_reasons``,
 ``plan_reasons`` and factory it carries) raises or returns becomes a reason against that one
