@@ -34,16 +34,11 @@ __all__ = [
     "Target",
 ]
 
-_DTYPE_NAMES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype))
+    return str(dtype).removeprefix("torch.") if dtype in _FLOATS else str(dtype)
 
 
 def _cc(capability: tuple[int, int] | None) -> str:
