@@ -342,8 +342,7 @@ def _check(
     if not isinstance(pattern, DilationPattern):
         pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     if ranks > 1:  # an empty shard: one message on every rank, naming it
-        rank = None if lengths is not None else grid.rank(group)  # type: ignore[arg-type]
-        check_shards(lengths, rank, q, k)
+        check_shards(lengths, None if lengths is not None else grid.rank(group), q, k)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
     if ranks > 1 and q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -368,6 +367,7 @@ def _check(
     total = sequence.length if sequence.length is not None else k.shape[1] * ranks
     layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
+    dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     window = as_window(check_bool("causal", options.causal))  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
@@ -375,26 +375,17 @@ def _check(
             "transfer_stats must be a ringdilated.TransferStats or None, got "
             f"{safe_repr(options.transfer_stats)}"
         )
+    # wants_backward() after check_inputs: q, k, v are tensors.
     request = Request.for_tensors(
-        q,
-        k,
-        window=window,
-        dropout=options.dropout_p > 0,  # type: ignore[operator]
-        backward=wants_backward(),  # after check_inputs: q, k, v are tensors
-        env=resolver.env,
+        q, k, window=window, dropout=dropout_p > 0, backward=wants_backward(), env=resolver.env
     )
     kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
+    scale = effective_scale(options.scale, q.shape[-1])  # type: ignore[arg-type]
+    rank = 0 if ranks == 1 else grid.rank(group)  # type: ignore[arg-type]
+    lse_used = bool(options.return_lse)
     plan = CallPlan(
-        pattern,
-        kernel,
-        window,
-        effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
-        float(options.dropout_p),  # type: ignore[arg-type]
-        layout,
-        rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
-        group=group,
-        lse_used=bool(options.return_lse),
+        pattern, kernel, window, scale, dropout_p, layout, rank, group=group, lse_used=lse_used
     )
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
@@ -729,12 +720,9 @@ def plan_for(
     return plan
 
 
-_NO_DROPOUT = {
-    (used, needed): CallState(0, None, used, needed)
-    for used in (False, True)
-    for needed in (False, True)
-}
-"""The calls without dropout or byte counting differ in nothing else: one state each."""
+_NO_DROPOUT = {key: CallState(0, None, *key) for key in itertools.product((False, True), repeat=2)}
+"""The calls without dropout or byte counting differ in nothing else: one state per
+``(lse_used, lse_needed)``."""
 
 
 def call_state(
