@@ -352,7 +352,7 @@ def _place(
         if read.documents is not None and width != total:
             raise ValueError(
                 f"cu_seqlens must run from 0 to the sequence length {total}{shards}, got "
-                f"{list(_bounds(read.documents))}"
+                f"{[0, *(stop for _, stop in read.documents)]}"
             )
         if read.padding is not None and width != total:
             raise ValueError(
@@ -368,11 +368,6 @@ def _place(
             "shards (or pass every rank's shard_length)"
         )
     return width, (width // ranks,) * ranks
-
-
-def _bounds(documents: Documents) -> tuple[int, ...]:
-    """``cu_seqlens`` of ``documents`` (they tile ``[0, L)``)."""
-    return (0, *(stop for _, stop in documents))
 
 
 def _described(documents: Documents | None, padding: tuple[Rows, ...] | None, rows: str) -> str:
