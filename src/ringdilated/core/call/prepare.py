@@ -1,12 +1,11 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
-:func:`plan_for` finds a call's plan on its
-:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (by :func:`plan_key`), or has
+:func:`plan_for` finds a call's plan on its :class:`SequenceLayout` (by :func:`plan_key`), or has
 :func:`prepare_call` make it, on every rank, before any work: it validates every argument (the
 pattern included), resolves the kernel for the tensors actually passed, and, on a process group,
-plans every rank's shard and resolves the communicator (one process: only its name is checked);
-then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
-The plan builds its executors once (:meth:`CallPlan.with_executors`); every call then runs::
+plans every rank's shard and resolves the communicator (one process: only its name is checked); then
+the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank. The
+plan builds its executors once (:meth:`CallPlan.with_executors`); every call then runs::
 
     plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
     out, lse = execute(plan, q, k, v, stats)          # kernels and exchanges only
@@ -141,26 +140,21 @@ class CallPlan:
         return parts
 
     def with_executors(self, q: torch.Tensor, k: torch.Tensor) -> CallPlan:
-        """This plan with its executors built for tensors shaped like ``q`` and ``k``, and every
-        communicator that runs (a hybrid's parts) prepared as its executor is built (once per
-        plan)."""
+        """This plan with its :meth:`executor` built for each group of rows, for tensors shaped like
+        ``q`` and ``k`` (once per plan: it prepares the communicators)."""
         parts = tuple((rows, part.executor(q, k)) for rows, part in self.row_parts())
         return attrs.evolve(self, parts=parts)
 
     def check_shard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` at once, on this rank, if a later call's shard contradicts the
-        planned one (its peers, which do not hear of it, are released by the backend's
-        timeout). One process: nothing to check (the sequence length is part of the plan's
-        key)."""
+        planned one (its peers, which do not hear of it, are released by the backend's timeout). One
+        process: nothing to check (the plan's key holds the sequence length)."""
         shard = self.shard
-        if shard is None:
-            return
-        n = shard.shard_len
-        if not q.shape[1] == k.shape[1] == v.shape[1] == n:
+        if shard is not None and not q.shape[1] == k.shape[1] == v.shape[1] == shard.shard_len:
             raise ValueError(
                 f"this call's shard is q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-                f"{tuple(v.shape)}, but its SequenceLayout holds {n} positions on rank "
-                f"{self.rank}: build a new layout for each batch"
+                f"{tuple(v.shape)}, but its SequenceLayout holds {shard.shard_len} positions on "
+                f"rank {self.rank}: build a new layout for each batch"
             )
 
     def apply(
@@ -608,10 +602,9 @@ def call_layout(
 
 
 def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
-    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix
-    reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
-    or when it has one batch row; else contiguous (so batch rows and segments merge into one
-    kernel call)."""
+    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix reads a
+    few segments of it (decoding from a cache: copying it would cost O(L) per token), or when it has
+    one batch row; else contiguous (so batch rows and segments merge into one kernel call)."""
     keep = query_suffix or x.shape[0] == 1
     return x if keep and x.stride(-1) == 1 else x.contiguous()
 
@@ -741,8 +734,7 @@ def call_state(
 def _prepared(
     chosen: CommunicatorChoice, group: object, plans: tuple[ShardPlan, ...], window: KeyWindow
 ) -> Communicator:
-    """``chosen``'s instance, prepared for ``plans`` (its group's ranks') and ``window`` on
-    ``group``."""
+    """``chosen``'s instance, prepared on ``group`` for ``plans`` (its ranks') and ``window``."""
     prepare = chosen.instance.prepare
     prepare(group, plans, mask_argument(prepare, window))  # type: ignore[arg-type]
     return chosen.instance
