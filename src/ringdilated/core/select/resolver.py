@@ -195,8 +195,7 @@ class Resolver:
     ) -> str:
         """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
         given every rank's ``plans`` and the ``size`` of a position, what each would move
-        (:mod:`ringdilated.core.select.cost`). ``grid``: ``(outer, inner)`` of a 2-D layout
-        (``None``: a process group)."""
+        (:mod:`~ringdilated.core.select.cost`); ``grid``: a 2-D layout's ``(outer, inner)``."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
         window = as_window(window)
@@ -216,11 +215,10 @@ class Resolver:
                 detail = f"fits; traffic not modelled ({moved})"
             else:
                 detail = "; ".join(reasons) if reasons else "fits, lower priority"
-            if spec.name == chosen_name:
-                if moved is not None:
-                    lines.append(f"  {spec.name}: {detail}")
-            else:
+            if spec.name != chosen_name:
                 lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
+            elif moved is not None:
+                lines.append(f"  {spec.name}: {detail}")
         return "\n".join(lines)
 
     def _judge_communicators(
@@ -445,10 +443,9 @@ def _check_choice(
     names_only: bool = False,
 ) -> bool:
     """The one rule for a ``kernel=`` or ``communicator=`` (``kind``) choice: whether it is an
-    instance (used as it is); else ``TypeError`` unless a str, and ``ValueError`` naming it,
-    and ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``:
-    not checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no
-    ``"auto"``)."""
+    instance (used as it is); else ``TypeError`` unless a str, and ``ValueError`` naming it, and
+    ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``: not
+    checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no ``"auto"``)."""
     protocol, noun, _ = _CHOICES[kind]
     if not names_only:
         if isinstance(choice, protocol) and not isinstance(choice, str):
