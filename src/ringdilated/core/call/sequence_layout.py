@@ -120,9 +120,8 @@ class SequenceLayout(OpaqueBase):
     rank. Raises ``TypeError``/``ValueError`` naming the value and the rule.
 
     Attributes: ``group`` (the process layout, ``None`` on one process), ``rank``,
-    ``world_size``, ``length`` (the whole sequence's, ``None`` until a call says it when
-    nothing else does), ``shard_lengths`` (every rank's, likewise), ``documents``,
-    ``padding`` (rows of equal padding), ``batch`` (the padding mask's rows, else ``None``).
+    ``world_size``, :attr:`length`, :attr:`shard_lengths`, ``documents``, ``padding`` (rows of
+    equal padding), ``batch`` (the padding mask's rows, else ``None``).
     """
 
     group: object = attrs.field(repr=False)
@@ -211,7 +210,7 @@ class SequenceLayout(OpaqueBase):
 
     @property
     def length(self) -> int | None:
-        """The whole sequence's length (``None``: not known until the first call)."""
+        """The whole sequence's length (``None`` until a call says it, when nothing else does)."""
         if self._length is not None:
             return self._length
         lengths = self._state.lengths
@@ -239,8 +238,7 @@ class SequenceLayout(OpaqueBase):
             self._state.lengths = lengths
 
     def check_shard(self, length: int) -> None:
-        """Raise ``ValueError`` unless this rank's shard holds ``length`` positions (when the
-        layout knows how many)."""
+        """Raise ``ValueError`` unless this rank's shard holds ``length`` positions, where known."""
         lengths = self._state.lengths
         if lengths is not None and lengths[self.rank] != length:
             raise ValueError(
@@ -272,11 +270,10 @@ class SequenceLayout(OpaqueBase):
         return _described(self.documents, self.padding, f"{len(self.padding or ())} row groups")
 
     def shard_positions(self, device: torch.device, shard_length: int) -> torch.Tensor:
-        """``(B', n)`` int64 on ``device``: each position of this rank's shard of
-        ``shard_length`` counted from its document's start, 0 in padding (``B' = 1`` unless rows
-        differ), for rotary embeddings; made once per device and shard length. A layout of
-        equal shards that no call has sized yet takes ``shard_length`` as every rank's (a call
-        then checks that they are)."""
+        """``(B', n)`` int64 on ``device``: each position of this rank's shard of ``shard_length``
+        counted from its document's start, 0 in padding (``B' = 1`` unless rows differ), for rotary
+        embeddings; made once per device and shard length. A layout of equal shards that no call has
+        sized yet takes ``shard_length`` as every rank's (a call then checks that they are)."""
         key = (device, shard_length)
         cached = self._state.positions.get(key)
         if cached is None:
