@@ -87,9 +87,8 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _importer_level() -> int:
-    """The ``stacklevel`` of the first frame outside the import machinery and this module.
-    ``warnings.warn`` itself skips ``importlib._bootstrap`` frames when it counts, so only the
-    others count here."""
+    """The ``stacklevel`` of the first frame outside the import machinery and this module
+    (``warnings.warn`` itself skips ``importlib._bootstrap`` frames, so only the others count)."""
     machinery = {__file__, importlib.__file__}
     frame, level = sys._getframe(1), 1
     while frame is not None:

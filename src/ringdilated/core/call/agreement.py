@@ -162,12 +162,11 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
 
 
 def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the
-    same ranks, made at the first agreement on it (the group's ranks reach that together) and
-    kept, with the group's own timeout (:func:`_group_timeout`), so an agreement waits no longer
-    than the group's data exchange would. ``use_local_synchronization``: only the group's own
-    ranks take part in making it, so the independent groups of a mesh make theirs whenever each
-    reaches its first agreement."""
+    """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the same
+    ranks, made at the first agreement on it (the group's ranks reach that together) and kept, with
+    the group's own timeout (:func:`_group_timeout`), so an agreement waits no longer than the
+    group's data exchange would. ``use_local_synchronization``: only the group's own ranks make it,
+    so each independent group of a mesh makes its own at its first agreement."""
     if _has_cpu_backend(group):
         return group
     twin = _cpu_twins.get(group)
@@ -333,7 +332,6 @@ def compare_reports(group: Layout, error: Exception | None, signature: _Fields |
 
 
 def agreed(error: BaseException) -> bool:
-    """Whether ``error`` came out of an agreement, and so is being raised on every rank: a
-    caller that would report it to its peers (a module's ``reject``) must not, as they have
-    moved on."""
+    """Whether ``error`` came out of an agreement, and so is raised on every rank: a caller that
+    would report it to its peers (a module's ``reject``) must not, as they have moved on."""
     return isinstance(error, EveryRankError)

@@ -197,8 +197,7 @@ def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
 
 
 def group_size(group: object) -> int:
-    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.call.grid.Grid`: all
-    of its ranks)."""
+    """Ranks in ``group`` (``None``: one process; a :class:`Grid`: all of its ranks)."""
     if group is None:
         return 1
     if not isinstance(group, (dist.ProcessGroup, Grid)):

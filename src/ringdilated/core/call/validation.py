@@ -109,8 +109,7 @@ def check_options(scale: object, dropout_p: object) -> None:
 
 def check_shard_lengths(lengths: tuple[int, ...]) -> None:
     """Raise ``ValueError`` unless every rank's shard in ``lengths`` (in rank order) holds a
-    position, naming every empty one. Every rank that knows the lengths raises the same
-    message."""
+    position, naming every empty one: the same message on every rank that knows the lengths."""
     empty = [r for r, n in enumerate(lengths) if n < 1]
     if not empty:
         return
