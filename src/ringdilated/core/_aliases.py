@@ -87,18 +87,15 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _importer_level() -> int:
-    """The ``stacklevel`` of the first frame outside the import machinery and this module.
-    ``warnings.warn`` itself skips ``importlib._bootstrap`` frames when it counts, so only the
-    others count here."""
+    """The ``stacklevel`` of the first frame outside the import machinery and this module
+    (``warnings.warn`` itself skips ``importlib._bootstrap`` frames, so only the others count)."""
     machinery = {__file__, importlib.__file__}
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = frame.f_code.co_filename
-        if "importlib" in name and "_bootstrap" in name:
-            pass  # not counted by warnings.warn
-        elif name in machinery:
+        if name in machinery:
             level += 1
-        else:
+        elif not ("importlib" in name and "_bootstrap" in name):  # those warnings.warn counts
             break
         frame = frame.f_back  # type: ignore[assignment]
     return level

@@ -141,8 +141,7 @@ def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
     """Whether the group moves CPU tensors: any backend but NCCL alone (``"nccl"``,
     ``"cuda:nccl"``; a ``"cpu:gloo,cuda:nccl"`` group does)."""
     name = str(dist.get_backend(group)).lower()
-    parts = [p.split(":")[-1] for p in name.split(",")]
-    return not (parts and all(p == "nccl" for p in parts))
+    return not all(part.split(":")[-1] == "nccl" for part in name.split(","))
 
 
 _cpu_twins: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
@@ -163,12 +162,11 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
 
 
 def _cpu_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the
-    same ranks, made at the first agreement on it (the group's ranks reach that together) and
-    kept, with the group's own timeout (:func:`_group_timeout`), so an agreement waits no longer
-    than the group's data exchange would. ``use_local_synchronization``: only the group's own
-    ranks take part in making it, so the independent groups of a mesh make theirs whenever each
-    reaches its first agreement."""
+    """``group`` itself when it moves CPU tensors; for an NCCL-only group, a gloo group of the same
+    ranks, made at the first agreement on it (the group's ranks reach that together) and kept, with
+    the group's own timeout (:func:`_group_timeout`), so an agreement waits no longer than the
+    group's data exchange would. ``use_local_synchronization``: only the group's own ranks make it,
+    so each independent group of a mesh makes its own at its first agreement."""
     if _has_cpu_backend(group):
         return group
     twin = _cpu_twins.get(group)
@@ -242,8 +240,7 @@ def _check_grid(layout: Grid) -> None:
 
     inner = torch.tensor([dist.get_rank(layout.inner), dist.get_world_size(layout.inner)])
     outer = torch.tensor([dist.get_rank(layout.outer), dist.get_world_size(layout.outer)])
-    bad_now = differs(layout.outer, inner) | differs(layout.inner, outer)
-    bad = torch.tensor([int(bad_now)])
+    bad = torch.tensor([int(differs(layout.outer, inner) | differs(layout.inner, outer))])
     for group in (layout.inner, layout.outer, layout.inner):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item():
@@ -314,11 +311,10 @@ their fields), so a rank in a call's agreement meeting it sees a difference."""
 def compare_reports(group: Layout, error: Exception | None, signature: _Fields | None) -> None:
     """The full comparison (one ``all_gather_object`` of every rank's error and signature):
     raise on every rank naming the rank that failed or each field that differs. Returns only
-    when every rank passed identical signatures. What it raises is
-    :class:`~ringdilated.core.support.errors.EveryRankError` (:func:`agreed`), so nothing
-    agrees on it again: this rank's own error (the same class and message), a
-    :class:`~ringdilated.core.support.errors.PeerRejectedError` naming the first rank that
-    failed, or a :class:`~ringdilated.core.support.errors.CallMismatchError`."""
+    when every rank passed identical signatures. What it raises is :class:`EveryRankError`
+    (:func:`agreed`), so nothing agrees on it again: this rank's own error (the same class and
+    message), a :class:`PeerRejectedError` naming the first rank that failed, or a
+    :class:`CallMismatchError`."""
     mine = (None if error is None else safe_str(error), signature)
     gathered = grid.gather_objects(control_layout(group), mine)
     reports = cast(list[tuple[str | None, _Fields]], gathered)
@@ -336,7 +332,6 @@ def compare_reports(group: Layout, error: Exception | None, signature: _Fields |
 
 
 def agreed(error: BaseException) -> bool:
-    """Whether ``error`` came out of an agreement, and so is being raised on every rank: a
-    caller that would report it to its peers (a module's ``reject``) must not, as they have
-    moved on."""
+    """Whether ``error`` came out of an agreement, and so is raised on every rank: a caller that
+    would report it to its peers (a module's ``reject``) must not, as they have moved on."""
     return isinstance(error, EveryRankError)

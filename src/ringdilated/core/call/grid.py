@@ -53,11 +53,7 @@ def warn_if_launched_alone(subject: str = "this call runs") -> None:
     otherwise (``WORLD_SIZE`` unset, ``1``, not an integer, or the default group initialised: a
     one-process call beside it is then the caller's choice). Reads the environment only until
     it has warned; called once per planned call and per module built with
-    ``process_group=None``, never per step.
-
-    A module checks when it is built: its ``process_group`` is fixed then, so one built with
-    ``dist.group.WORLD`` before ``init_process_group()`` holds ``None`` for good, and a check at
-    its first call would find the default group initialised by then and say nothing."""
+    ``process_group=None`` (a module's group is fixed then), never per step."""
     global _warned_alone
     if _warned_alone:
         return
@@ -120,11 +116,6 @@ def rank(layout: dist.ProcessGroup | Grid) -> int:
     return dist.get_rank(layout)
 
 
-def backend(layout: dist.ProcessGroup | Grid) -> str:
-    """The backend of the layout's collectives (a grid's inner group's)."""
-    return str(dist.get_backend(layout.inner if isinstance(layout, Grid) else layout))
-
-
 def gather(layout: dist.ProcessGroup | Grid, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (equal shapes), in flat rank order."""
     if not isinstance(layout, Grid):
@@ -157,30 +148,26 @@ def gather_objects(layout: dist.ProcessGroup | Grid, value: object) -> list[obje
 def as_process_group(group: object) -> object:
     """The process layout a call runs on: ``group`` itself (``None`` or a ``ProcessGroup``), the
     group of a 1-D ``DeviceMesh``, or of one dimension of a larger one, ``(mesh, "cp")`` or
-    ``(mesh, 1)``; or a 2-D :class:`~ringdilated.core.call.grid.Grid` (for
-    ``communicator="hybrid"``)
-    from two dimensions of a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer,
-    inner), or a pair ``(outer, inner)`` of process groups. A mesh of more than one dimension
-    alone is refused: which dimension is the sequence's (a data-parallel one is not) is the
-    caller's to say. Anything else is returned unchanged, for :func:`group_size` to reject.
-    Reads the mesh's existing groups: nothing is created, nothing is sent.
+    ``(mesh, 1)``; or a 2-D :class:`Grid` (for ``communicator="hybrid"``) from two dimensions of
+    a mesh named explicitly, ``(mesh, ("ring", "ulysses"))`` (outer, inner), or a pair ``(outer,
+    inner)`` of process groups. A mesh of more than one dimension alone is refused: which
+    dimension is the sequence's (a data-parallel one is not) is the caller's to say. Anything
+    else is returned unchanged, for :func:`group_size` to reject. Reads the mesh's existing
+    groups: nothing is created, nothing is sent.
 
     Every rank must pass the same valid value: this runs before the ranks can agree (it says
     which ranks those are), so a bad dimension raises on its own rank only, and its peers wait
     in the call's agreement until the backend's timeout."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+    if isinstance(group, tuple) and len(group) == 2:
         mesh, dim = group
-        if isinstance(dim, tuple) and len(dim) == 2:
-            return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
-        return _mesh_group(mesh, dim)
-    if (
-        isinstance(group, tuple)
-        and len(group) == 2
-        and all(isinstance(g, dist.ProcessGroup) for g in group)
-    ):
-        return Grid(group[0], group[1])
+        if isinstance(mesh, DeviceMesh):
+            if isinstance(dim, tuple) and len(dim) == 2:
+                return Grid(_mesh_group(mesh, dim[0]), _mesh_group(mesh, dim[1]))
+            return _mesh_group(mesh, dim)
+        if all(isinstance(g, dist.ProcessGroup) for g in group):
+            return Grid(*group)
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(
@@ -210,8 +197,7 @@ def _mesh_group(mesh: object, dim: object) -> dist.ProcessGroup:
 
 
 def group_size(group: object) -> int:
-    """Ranks in ``group`` (``None``: one process; a :class:`~ringdilated.core.call.grid.Grid`: all
-    of its ranks)."""
+    """Ranks in ``group`` (``None``: one process; a :class:`Grid`: all of its ranks)."""
     if group is None:
         return 1
     if not isinstance(group, (dist.ProcessGroup, Grid)):

@@ -1,14 +1,11 @@
 """One call's plan: everything a dilated-attention call needs besides its tensors.
 
-:func:`plan_for` finds a call's plan on its
-:class:`~ringdilated.core.call.sequence_layout.SequenceLayout` (by :func:`plan_key`), or has
+:func:`plan_for` finds a call's plan on its :class:`SequenceLayout` (by :func:`plan_key`), or has
 :func:`prepare_call` make it, on every rank, before any work: it validates every argument (the
 pattern included), resolves the kernel for the tensors actually passed, and, on a process group,
-plans every rank's shard and resolves the communicator (one process: only its name is checked);
-then the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank.
-The plan builds its executors once (:meth:`CallPlan.with_executors`: per group of batch rows, a
-:class:`~ringdilated.core.run.local.LocalRun`, a ``ShardedRun`` over one, or a ``HeadParallelRun``
-over either, each communicator that runs prepared); every call of it then runs::
+plans every rank's shard and resolves the communicator (one process: only its name is checked); then
+the ranks agree (:mod:`ringdilated.core.call.agreement`), so bad input raises on every rank. The
+plan builds its executors once (:meth:`CallPlan.with_executors`); every call then runs::
 
     plan = plan_for(pattern, q, k, v, arguments, resolver, process_group, layout)
     out, lse = execute(plan, q, k, v, stats)          # kernels and exchanges only
@@ -59,12 +56,10 @@ __all__ = [
     "CallOptions",
     "CallPlan",
     "PatternArgs",
-    "as_process_group",
     "call_layout",
     "call_state",
     "execute",
     "execute_backward",
-    "group_size",
     "operands",
     "plan_for",
     "plan_key",
@@ -136,45 +131,30 @@ class CallPlan:
         its own shard plans and communicator, and its own dropout seed)."""
         if not self.row_plans:
             return [(None, self)]
-        return [
-            (
-                rows.batches,
-                attrs.evolve(
-                    self,
-                    layout=DocumentLayout(
-                        self.layout.length,
-                        self.layout.query_length,
-                        (attrs.evolve(rows, start=0, stop=rows.stop - rows.start),),
-                    ),
-                    shards=shards,
-                    communicator=communicator,
-                    row_plans=(),
-                ),
-            )
-            for rows, shards, communicator in self.row_plans
-        ]
+        parts: list[tuple[slice | None, CallPlan]] = []
+        for rows, shards, chosen in self.row_plans:
+            local = attrs.evolve(rows, start=0, stop=rows.stop - rows.start)
+            docs = DocumentLayout(self.layout.length, self.layout.query_length, (local,))
+            part = attrs.evolve(self, layout=docs, shards=shards, communicator=chosen, row_plans=())
+            parts.append((rows.batches, part))
+        return parts
 
     def with_executors(self, q: torch.Tensor, k: torch.Tensor) -> CallPlan:
-        """This plan with its executors built for tensors shaped like ``q`` and ``k``, and every
-        communicator that runs (a hybrid's parts) prepared as its executor is built (once per
-        plan)."""
+        """This plan with its :meth:`executor` built for each group of rows, for tensors shaped like
+        ``q`` and ``k`` (once per plan: it prepares the communicators)."""
         parts = tuple((rows, part.executor(q, k)) for rows, part in self.row_parts())
         return attrs.evolve(self, parts=parts)
 
     def check_shard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` at once, on this rank, if a later call's shard contradicts the
-        planned one (its peers, which do not hear of it, are released by the backend's
-        timeout). One process: nothing to check (the sequence length is part of the plan's
-        key)."""
+        planned one (its peers, which do not hear of it, are released by the backend's timeout). One
+        process: nothing to check (the plan's key holds the sequence length)."""
         shard = self.shard
-        if shard is None:
-            return
-        n = shard.shard_len
-        if not q.shape[1] == k.shape[1] == v.shape[1] == n:
+        if shard is not None and not q.shape[1] == k.shape[1] == v.shape[1] == shard.shard_len:
             raise ValueError(
                 f"this call's shard is q {tuple(q.shape)}, k {tuple(k.shape)}, v "
-                f"{tuple(v.shape)}, but its SequenceLayout holds {n} positions on rank "
-                f"{self.rank}: build a new layout for each batch"
+                f"{tuple(v.shape)}, but its SequenceLayout holds {shard.shard_len} positions on "
+                f"rank {self.rank}: build a new layout for each batch"
             )
 
     def apply(
@@ -187,8 +167,7 @@ class CallPlan:
         ):  # no autograd node to build (it costs microseconds)
             with autocast_off(q.device.type):
                 return self.forward(q, k, v, call)
-        result = DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call]
-        return result  # type: ignore[no-any-return]
+        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call,no-any-return]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
@@ -337,23 +316,6 @@ class CallPlan:
         )
 
 
-@attrs.frozen
-class _Checked:
-    """What :func:`_check` found: the validated pattern, kernel plan, key window, the call's
-    documents and its sequence layout; on a process group every rank's shard plans, the
-    communicator and, for padded rows, the plans of each group of rows."""
-
-    pattern: DilationPattern
-    kernel: KernelChoice
-    window: KeyWindow
-    layout: DocumentLayout
-    sequence: SequenceLayout
-    shards: tuple[ShardPlan, ...] = ()
-    communicator: CommunicatorChoice | None = None
-    row_plans: tuple[RowPlan, ...] = ()
-    size: PieceSize | None = None
-
-
 def _check(
     pattern_args: DilationPattern | PatternArgs,
     q: object,
@@ -363,19 +325,18 @@ def _check(
     resolver: Resolver,
     sequence: SequenceLayout | None,
     group: object,
-    ranks: int,
     wants_backward: Callable[[], bool],
     lengths: tuple[int, ...] | None = None,
-    grid_shape: tuple[int, int] | None = None,
-) -> _Checked:
-    pattern = (
-        pattern_args
-        if isinstance(pattern_args, DilationPattern)
-        else DilationPattern(*pattern_args)  # type: ignore[arg-type]
-    )
+) -> tuple[CallPlan, SequenceLayout]:
+    """The call's plan (its executors not built yet) and its sequence layout, checked on this
+    rank (:func:`prepare_call`'s contract); on a process group, every rank's shard plans and
+    the communicator, per group of batch rows when rows differ in padding."""
+    ranks = group_size(group)
+    pattern = pattern_args
+    if not isinstance(pattern, DilationPattern):
+        pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     if ranks > 1:  # an empty shard: one message on every rank, naming it
-        rank = None if lengths is not None else grid.rank(group)  # type: ignore[arg-type]
-        check_shards(lengths, rank, q, k)
+        check_shards(lengths, None if lengths is not None else grid.rank(group), q, k)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
     if ranks > 1 and q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -384,13 +345,9 @@ def _check(
             f"{tuple(k.shape)}"
         )
     if sequence is None:  # a call without a layout: its own, read here, on this rank
-        sequence = SequenceLayout.for_call(
-            group,
-            options.cu_seqlens,
-            options.key_padding_mask,
-            lengths if lengths is not None else (k.shape[1],) * ranks,
-            k.shape[0],
-        )
+        equal = (k.shape[1],) * ranks
+        cu_seqlens, mask = options.cu_seqlens, options.key_padding_mask
+        sequence = SequenceLayout.for_call(group, cu_seqlens, mask, lengths or equal, k.shape[0])
     else:
         if lengths is not None and sequence.shard_lengths is None:
             raise ValueError(
@@ -404,6 +361,7 @@ def _check(
     total = sequence.length if sequence.length is not None else k.shape[1] * ranks
     layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
+    dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     window = as_window(check_bool("causal", options.causal))  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
@@ -411,20 +369,22 @@ def _check(
             "transfer_stats must be a ringdilated.TransferStats or None, got "
             f"{safe_repr(options.transfer_stats)}"
         )
+    # wants_backward() after check_inputs: q, k, v are tensors.
     request = Request.for_tensors(
-        q,
-        k,
-        window=window,
-        dropout=options.dropout_p > 0,  # type: ignore[operator]
-        backward=wants_backward(),  # after check_inputs: q, k, v are tensors
-        env=resolver.env,
+        q, k, window=window, dropout=dropout_p > 0, backward=wants_backward(), env=resolver.env
     )
     kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
+    scale = effective_scale(options.scale, q.shape[-1])  # type: ignore[arg-type]
+    rank = 0 if ranks == 1 else grid.rank(group)  # type: ignore[arg-type]
+    lse_used = bool(options.return_lse)
+    plan = CallPlan(
+        pattern, kernel, window, scale, dropout_p, layout, rank, group=group, lse_used=lse_used
+    )
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
-        return _Checked(pattern, kernel, window, layout, sequence)
-    heads = q.shape[2]
+        return plan, sequence
+    heads, grid_shape = q.shape[2], group.shape if isinstance(group, Grid) else None
     if grid_shape is not None and heads < grid_shape[1]:
         raise ResolutionError(
             f"no communicator can serve this 2-D layout: it deals query heads within its inner "
@@ -432,47 +392,31 @@ def _check(
             f"got {heads}"
         )
     shard_lengths = sequence.shard_lengths or lengths
+    choice: str | Communicator = options.communicator  # type: ignore[assignment]
 
-    def plans(documents: tuple[tuple[int, int], ...] | None) -> tuple[ShardPlan, ...]:
-        return tuple(
+    def size(rows: Rows) -> PieceSize:
+        batch = rows.stop - rows.start
+        return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
+
+    def row_plan(rows: Rows, documents: tuple[tuple[int, int], ...] | None) -> RowPlan:
+        shards = tuple(
             shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths)
             for rank in range(ranks)
         )
+        chosen = resolver.choose_communicator(ranks, window, choice, shards, size(rows), grid_shape)
+        return rows, shards, chosen
 
-    def size(batch: int) -> PieceSize:
-        return PieceSize(batch, k.shape[3], k.element_size(), link_for(k.device.type))
-
-    def communicator(shards: tuple[ShardPlan, ...], batch: int) -> CommunicatorChoice:
-        return resolver.choose_communicator(
-            ranks,
-            window,
-            options.communicator,  # type: ignore[arg-type]
-            shards,
-            size(batch),
-            grid_shape,
-        )
-
-    if sequence.padding is not None:
-        row_plans = []
-        for rows in layout.rows:
-            shards = plans(rows.documents)
-            row_plans.append((rows, shards, communicator(shards, rows.stop - rows.start)))
-        first = row_plans[0]
-        rows = layout.rows[0]
-        return _Checked(
-            pattern,
-            kernel,
-            window,
-            layout,
-            sequence,
-            first[1],
-            first[2],
-            tuple(row_plans),
-            size(rows.stop - rows.start),
-        )
-    shards = plans(None if layout.is_whole else layout.rows[0].documents)
-    chosen = communicator(shards, k.shape[0])
-    return _Checked(pattern, kernel, window, layout, sequence, shards, chosen, (), size(k.shape[0]))
+    if sequence.padding is None:  # one group of rows
+        whole = layout.rows[0]
+        row_plans: tuple[RowPlan, ...] = ()
+        rows, shards, chosen = row_plan(whole, None if layout.is_whole else whole.documents)
+    else:
+        row_plans = tuple(row_plan(rows, rows.documents) for rows in layout.rows)
+        rows, shards, chosen = row_plans[0]
+    plan = attrs.evolve(
+        plan, shards=shards, communicator=chosen, row_plans=row_plans, size=size(rows)
+    )
+    return plan, sequence
 
 
 def prepare_call(
@@ -508,7 +452,6 @@ def prepare_call(
     if layout is not None:
         group = layout.group
     ranks = group_size(group)
-    grid_shape = group.shape if isinstance(group, Grid) else None
 
     def wants_backward() -> bool:
         if backward is not None:
@@ -516,27 +459,16 @@ def prepare_call(
         wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
         return torch.is_grad_enabled() and wants_grad
 
-    def check(lengths: tuple[int, ...] | None = None) -> _Checked:
+    def check(lengths: tuple[int, ...] | None = None) -> tuple[CallPlan, SequenceLayout]:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
         return _check(
-            pattern_args,
-            q,
-            k,
-            v,
-            options,
-            chosen,
-            layout,
-            group,
-            ranks,
-            wants_backward,
-            lengths,
-            grid_shape,
+            pattern_args, q, k, v, options, chosen, layout, group, wants_backward, lengths
         )
 
     if ranks == 1:
-        checked = check()
+        plan, _ = check()
         if group is None:  # one process: say so if a launcher started several (once)
             grid.warn_if_launched_alone()
     else:
@@ -546,42 +478,28 @@ def prepare_call(
         lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
         known = layout is not None and layout.shard_lengths is not None
         while True:
-            maybe: _Checked | None = None
+            checked: tuple[CallPlan, SequenceLayout] | None = None
             error: Exception | None = None
             signature: CallSignature | None = None
             try:
-                maybe = check(lengths)
+                checked = check(lengths)
             except Exception as exc:  # any failure here must reach every rank, not strand them
                 error = exc
             try:
-                signature = _signature(pattern_args, q, k, options, maybe, wants_backward())
+                signature = _signature(pattern_args, q, k, options, checked, wants_backward())
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
-            own = -1 if lengths is not None or known else _shard_length(k)
+            own = -1  # this rank's shard length, while the ranks' are unknown and k is 4-D
+            if lengths is None and not known and isinstance(k, torch.Tensor) and k.dim() == 4:
+                own = int(k.shape[1])
             lengths = agree(group, error, signature, length=own)
             if lengths is None:  # agreed (agree() raised otherwise)
                 break
             # Shards of different lengths: check again knowing them (a second agreement).
-        assert maybe is not None
-        checked = maybe
-        if layout is not None and checked.shards:
-            starts = checked.shards[0].starts
-            layout.bind(tuple(b - a for a, b in itertools.pairwise(starts)))
-    plan = CallPlan(
-        pattern=checked.pattern,
-        kernel=checked.kernel,
-        window=checked.window,
-        scale=effective_scale(options.scale, q.shape[-1]),  # type: ignore[arg-type]
-        dropout_p=float(options.dropout_p),  # type: ignore[arg-type]
-        layout=checked.layout,
-        rank=0 if ranks == 1 else grid.rank(group),  # type: ignore[arg-type]
-        shards=checked.shards,
-        communicator=checked.communicator,
-        group=group,
-        row_plans=checked.row_plans,
-        size=checked.size,
-        lse_used=bool(options.return_lse),
-    )
+        assert checked is not None
+        plan = checked[0]
+        if layout is not None and plan.shards:
+            layout.bind(tuple(b - a for a, b in itertools.pairwise(plan.shards[0].starts)))
     return plan.with_executors(q, k)
 
 
@@ -599,11 +517,10 @@ def plan_key(
     :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
     as :class:`CallOptions`' fields, with their types: ``1`` is no valid ``causal`` though it
     equals ``True``; the resolver; whether a backward will run), so that a call with the key of
-    a planned one is valid and planned alike. On a process group the shards' lengths are left
-    out: the layout holds them, and :meth:`CallPlan.check_shard` compares them at once.
-    ``backward``: whether a backward will run (default: grad mode and the inputs say). ``None``
-    for anything not simply a dense tensor or not hashable (such a call is planned, and
-    checked, anew)."""
+    a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
+    say). On a process group the shards' lengths are left out: the layout holds them, and
+    :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
+    tensor or not hashable (such a call is planned, and checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -634,21 +551,10 @@ def plan_key(
     key = (
         pattern,
         shapes,
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
+        (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device),
         backward,
-        type(causal),
-        causal,
-        type(scale),
-        scale,
-        type(dropout_p),
-        dropout_p,
-        type(return_lse),
-        return_lse,
+        (type(causal), causal, type(scale), scale, type(dropout_p), dropout_p),
+        (type(return_lse), return_lse),
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
         options["communicator"],
@@ -696,13 +602,11 @@ def call_layout(
 
 
 def _kv_operand(x: torch.Tensor, query_suffix: bool) -> torch.Tensor:
-    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix
-    reads a few segments of it (decoding from a cache: copying it would cost O(L) per token),
-    or when it has one batch row; else contiguous (so batch rows and segments merge into one
-    kernel call)."""
-    if query_suffix or x.shape[0] == 1 or x.is_contiguous():
-        return x if x.stride(-1) == 1 else x.contiguous()
-    return x.contiguous()
+    """``k`` or ``v`` as the driver reads it: as it is when contiguous, when a query suffix reads a
+    few segments of it (decoding from a cache: copying it would cost O(L) per token), or when it has
+    one batch row; else contiguous (so batch rows and segments merge into one kernel call)."""
+    keep = query_suffix or x.shape[0] == 1
+    return x if keep and x.stride(-1) == 1 else x.contiguous()
 
 
 def operands(
@@ -809,12 +713,9 @@ def plan_for(
     return plan
 
 
-_NO_DROPOUT = {
-    (used, needed): CallState(0, None, used, needed)
-    for used in (False, True)
-    for needed in (False, True)
-}
-"""The calls without dropout or byte counting differ in nothing else: one state each."""
+_NO_DROPOUT = {key: CallState(0, None, *key) for key in itertools.product((False, True), repeat=2)}
+"""The calls without dropout or byte counting differ in nothing else: one state per
+``(lse_used, lse_needed)``."""
 
 
 def call_state(
@@ -833,26 +734,16 @@ def call_state(
 def _prepared(
     chosen: CommunicatorChoice, group: object, plans: tuple[ShardPlan, ...], window: KeyWindow
 ) -> Communicator:
-    """``chosen``'s instance, prepared for ``plans`` (its group's ranks') and ``window`` on
-    ``group``."""
+    """``chosen``'s instance, prepared on ``group`` for ``plans`` (its ranks') and ``window``."""
     prepare = chosen.instance.prepare
     prepare(group, plans, mask_argument(prepare, window))  # type: ignore[arg-type]
     return chosen.instance
 
 
-def _communicator_names(checked: _Checked) -> str:
+def _communicator_names(plan: CallPlan) -> str:
     """The communicator of every group of rows (one, without padding), by type."""
-    chosen: list[CommunicatorChoice | None] = [c for _, _, c in checked.row_plans]
-    return ",".join(
-        type(c.instance if c else None).__name__ for c in chosen or [checked.communicator]
-    )
-
-
-def _shard_length(k: object) -> int:
-    """The length of this rank's shard of ``k``, or ``-1`` where ``k`` is no 4-D tensor."""
-    if isinstance(k, torch.Tensor) and k.dim() == 4:
-        return int(k.shape[1])
-    return -1
+    chosen: list[CommunicatorChoice | None] = [c for _, _, c in plan.row_plans]
+    return ",".join(type(c.instance if c else None).__name__ for c in chosen or [plan.communicator])
 
 
 def _shape_text(x: object) -> str:
@@ -864,11 +755,11 @@ def _shape_text(x: object) -> str:
     return safe_repr(shape)
 
 
-def _documents_text(options: CallOptions, checked: _Checked | None) -> str:
+def _documents_text(options: CallOptions, sequence: SequenceLayout | None) -> str:
     """The documents and padding every rank must pass identically: a digest of the checked
     layout (it may be long), or a description of what was passed where validation failed."""
-    if checked is not None:
-        return checked.sequence.description
+    if sequence is not None:
+        return sequence.description
     if options.cu_seqlens is None and options.key_padding_mask is None:
         return "none"
     kinds = (type(options.cu_seqlens).__name__, type(options.key_padding_mask).__name__)
@@ -880,28 +771,27 @@ def _signature(
     q: object,
     k: object,
     options: CallOptions,
-    checked: _Checked | None,
+    checked: tuple[CallPlan, SequenceLayout] | None,
     backward: bool,
 ) -> CallSignature:
     """What every rank must pass identically, as strings (raw values where validation failed;
     :func:`safe_repr`, so that any object a caller passed can be sent)."""
-    if checked is not None:
-        pattern = checked.pattern
-        fields: object = (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
-    else:
-        fields = pattern_args
+    plan, sequence = checked or (None, None)
+    fields: object = pattern_args
+    if plan is not None:
+        fields = (plan.pattern.segment_lengths, plan.pattern.dilation_rates, plan.pattern.mode)
     return CallSignature(
         pattern=safe_repr(fields),
         causal=safe_repr(options.causal),
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
-        documents=_documents_text(options, checked),
+        documents=_documents_text(options, sequence),
         device=safe_repr(getattr(getattr(q, "device", None), "type", None)),
         q_shape=_shape_text(q),
         k_shape=_shape_text(k),
         backward=backward,
-        kernel=None if checked is None else checked.kernel.kernel_name,
-        communicator=None if checked is None else _communicator_names(checked),
+        kernel=None if plan is None else plan.kernel.kernel_name,
+        communicator=None if plan is None else _communicator_names(plan),
         lse_used=options.return_lse is True,
     )

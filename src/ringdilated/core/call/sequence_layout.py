@@ -17,9 +17,6 @@ calls with that signature read nothing from the device and make no collective bu
 exchange. A later call that contradicts its layout (another shard length) raises at once on its
 own rank; its peers are released by the backend's timeout.
 
-``agree_every_call=True`` (or the environment variable ``RINGDILATED_AGREE_EVERY_CALL=1``)
-checks and agrees every call instead, as calls without a layout do: for debugging.
-
 A layout is a value of the batch: build a new one for the next batch. Its plans are cached
 inside it (and dropped with it).
 """
@@ -36,7 +33,7 @@ import torch.distributed as dist
 
 from ringdilated.core.call import grid
 from ringdilated.core.call.agreement import LayoutSignature, agree, safe_repr
-from ringdilated.core.call.validation import check_shard_lengths
+from ringdilated.core.call.validation import brief, check_shard_lengths
 from ringdilated.core.plan.documents import (
     DocumentLayout,
     Documents,
@@ -111,8 +108,8 @@ class SequenceLayout(OpaqueBase):
       "ulysses"))`` or ``(outer group, inner group)``).
     - ``shard_length``: the positions this rank holds (shards may differ); default: equal
       shards.
-    - ``agree_every_call``: check and agree every call (debugging); default: the environment
-      variable ``RINGDILATED_AGREE_EVERY_CALL``.
+    - ``agree_every_call``: check and agree every call, as calls without a layout do (debugging);
+      default: the environment variable ``RINGDILATED_AGREE_EVERY_CALL``.
 
     Both tensors are read to the host here, once (so they must hold data: a ``meta`` tensor
     raises ``ValueError`` naming the argument and its device). A layout without a process
@@ -123,9 +120,8 @@ class SequenceLayout(OpaqueBase):
     rank. Raises ``TypeError``/``ValueError`` naming the value and the rule.
 
     Attributes: ``group`` (the process layout, ``None`` on one process), ``rank``,
-    ``world_size``, ``length`` (the whole sequence's, ``None`` until a call says it when
-    nothing else does), ``shard_lengths`` (every rank's, likewise), ``documents``,
-    ``padding`` (rows of equal padding), ``batch`` (the padding mask's rows, else ``None``).
+    ``world_size``, :attr:`length`, :attr:`shard_lengths`, ``documents``, ``padding`` (rows of
+    equal padding), ``batch`` (the padding mask's rows, else ``None``).
     """
 
     group: object = attrs.field(repr=False)
@@ -164,23 +160,16 @@ class SequenceLayout(OpaqueBase):
             if differing is not None:  # every rank gave its length and they differ
                 agree(group, error, signature)
                 lengths = differing
-            elif read is not None and read.shard_length is not None:
-                lengths = (read.shard_length,) * ranks
         elif error is not None:
             raise error
         assert read is not None
-        if ranks == 1 and read.shard_length is not None:
-            lengths = (read.shard_length,)
+        if lengths is None and read.shard_length is not None:
+            lengths = (read.shard_length,) * ranks
         # Every value below was agreed: each rank reaches the same verdict, no collective needed.
-        self._settle(group, ranks, read, lengths, read.agree_every_call)
+        self._settle(group, ranks, read, lengths)
 
     def _settle(
-        self,
-        group: object,
-        ranks: int,
-        read: _Read,
-        lengths: tuple[int, ...] | None,
-        agree_every_call: bool,
+        self, group: object, ranks: int, read: _Read, lengths: tuple[int, ...] | None
     ) -> None:
         """Initialise this layout from what was read, placed on shards of ``lengths``
         (:func:`_place`)."""
@@ -192,7 +181,7 @@ class SequenceLayout(OpaqueBase):
             read.documents,
             read.padding,
             read.batch,
-            agree_every_call,
+            read.agree_every_call,
             _length=length,
             _state=_State(lengths=placed),
         )
@@ -209,19 +198,19 @@ class SequenceLayout(OpaqueBase):
         """The layout of one call of ``batch`` rows made without a layout: read and checked on
         this rank only (the call's own agreement covers it), for shards of ``lengths``. Raises
         ``TypeError``/``ValueError`` naming the value."""
-        read = _read(cu_seqlens, key_padding_mask, None, False)
+        read = _read(cu_seqlens, key_padding_mask, None, True)
         if read.batch is not None and read.batch != batch:
             raise ValueError(
                 f"key_padding_mask must be (batch, seq_len) = ({batch}, {sum(lengths)}), got "
                 f"({read.batch}, {read.width})"
             )
         layout = cls.__new__(cls)
-        layout._settle(group, len(lengths), read, lengths, True)
+        layout._settle(group, len(lengths), read, lengths)
         return layout
 
     @property
     def length(self) -> int | None:
-        """The whole sequence's length (``None``: not known until the first call)."""
+        """The whole sequence's length (``None`` until a call says it, when nothing else does)."""
         if self._length is not None:
             return self._length
         lengths = self._state.lengths
@@ -249,13 +238,12 @@ class SequenceLayout(OpaqueBase):
             self._state.lengths = lengths
 
     def check_shard(self, length: int) -> None:
-        """Raise ``ValueError`` unless this rank's shard holds ``length`` positions (when the
-        layout knows how many)."""
+        """Raise ``ValueError`` unless this rank's shard holds ``length`` positions, where known."""
         lengths = self._state.lengths
         if lengths is not None and lengths[self.rank] != length:
             raise ValueError(
                 f"this call's shard holds {length} positions but its SequenceLayout holds "
-                f"{lengths[self.rank]} on rank {self.rank} (shard lengths {_brief(lengths)}): "
+                f"{lengths[self.rank]} on rank {self.rank} (shard lengths {brief(lengths)}): "
                 "build a new layout for each batch"
             )
 
@@ -278,21 +266,14 @@ class SequenceLayout(OpaqueBase):
 
     @property
     def description(self) -> str:
-        """The documents and padding, as every rank must hold them: a digest (they may be
-        long), or ``"none"``."""
-        if self.padding is not None:
-            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
-            return f"padding of {len(self.padding)} row groups, digest {_digest(text)}"
-        if self.documents is not None:
-            return f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
-        return "none"
+        """The documents and padding, as every rank must hold them (:func:`_described`)."""
+        return _described(self.documents, self.padding, f"{len(self.padding or ())} row groups")
 
     def shard_positions(self, device: torch.device, shard_length: int) -> torch.Tensor:
-        """``(B', n)`` int64 on ``device``: each position of this rank's shard of
-        ``shard_length`` counted from its document's start, 0 in padding (``B' = 1`` unless rows
-        differ), for rotary embeddings; made once per device and shard length. A layout of
-        equal shards that no call has sized yet takes ``shard_length`` as every rank's (a call
-        then checks that they are)."""
+        """``(B', n)`` int64 on ``device``: each position of this rank's shard of ``shard_length``
+        counted from its document's start, 0 in padding (``B' = 1`` unless rows differ), for rotary
+        embeddings; made once per device and shard length. A layout of equal shards that no call has
+        sized yet takes ``shard_length`` as every rank's (a call then checks that they are)."""
         key = (device, shard_length)
         cached = self._state.positions.get(key)
         if cached is None:
@@ -308,23 +289,16 @@ class SequenceLayout(OpaqueBase):
 class _Read:
     """What one rank passed, checked on its own."""
 
-    documents: Documents | None
-    padding: tuple[Rows, ...] | None
-    batch: int | None
-    width: int | None  # the length the documents or the padding mask say
     shard_length: int | None
     agree_every_call: bool
+    documents: Documents | None = None
+    padding: tuple[Rows, ...] | None = None
+    batch: int | None = None
+    width: int | None = None  # the length the documents or the padding mask say
 
     def signature(self) -> LayoutSignature:
-        if self.padding is not None:
-            text = repr([(r.start, r.stop, r.documents) for r in self.padding])
-            documents = f"padding of {self.batch} rows, digest {_digest(text)}"
-        elif self.documents is not None:
-            documents = f"{len(self.documents)} documents, digest {_digest(repr(self.documents))}"
-        else:
-            documents = "none"
         return LayoutSignature(
-            documents=documents,
+            documents=_described(self.documents, self.padding, f"{self.batch} rows"),
             shape=f"length {self.width}, batch {self.batch}",
             shard_length="given" if self.shard_length is not None else "equal shards",
             agree_every_call=str(self.agree_every_call),
@@ -351,18 +325,15 @@ def _read(
         every_call = agree_every_call_default()
     elif not isinstance(every_call, bool):
         raise TypeError(f"agree_every_call must be a bool or None, got {safe_repr(every_call)}")
-    documents: Documents | None = None
-    padding: tuple[Rows, ...] | None = None
-    batch: int | None = None
-    width: int | None = None
     if cu_seqlens is not None:
         documents = read_documents(cu_seqlens, None)
-        width = documents[-1][1]
+        return _Read(length, every_call, documents, width=documents[-1][1])
     if key_padding_mask is not None:
         padding = read_padding(key_padding_mask, None, None)
         assert isinstance(key_padding_mask, torch.Tensor)
         batch, width = key_padding_mask.shape
-    return _Read(documents, padding, batch, width, length, every_call)
+        return _Read(length, every_call, padding=padding, batch=batch, width=width)
+    return _Read(length, every_call)
 
 
 def _place(
@@ -374,11 +345,11 @@ def _place(
     if lengths is not None:
         check_shard_lengths(lengths)
         total = sum(lengths)
-        shards = "" if ranks == 1 else f" (every rank's shard: {_brief(lengths)})"
+        shards = "" if ranks == 1 else f" (every rank's shard: {brief(lengths)})"
         if read.documents is not None and width != total:
             raise ValueError(
                 f"cu_seqlens must run from 0 to the sequence length {total}{shards}, got "
-                f"{list(_bounds(read.documents))}"
+                f"{[0, *(stop for _, stop in read.documents)]}"
             )
         if read.padding is not None and width != total:
             raise ValueError(
@@ -396,16 +367,12 @@ def _place(
     return width, (width // ranks,) * ranks
 
 
-def _bounds(documents: Documents) -> tuple[int, ...]:
-    """``cu_seqlens`` of ``documents`` (they tile ``[0, L)``)."""
-    return (0, *(stop for _, stop in documents))
-
-
-def _digest(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
-def _brief(values: tuple[int, ...]) -> str:
-    if len(values) <= 8:
-        return str(tuple(values))
-    return f"({', '.join(map(str, values[:4]))}, ..., {', '.join(map(str, values[-2:]))})"
+def _described(documents: Documents | None, padding: tuple[Rows, ...] | None, rows: str) -> str:
+    """The documents or the padding (of ``rows``): a digest (they may be long), or ``"none"``."""
+    if padding is not None:
+        what, text = f"padding of {rows}", repr([(r.start, r.stop, r.documents) for r in padding])
+    elif documents is not None:
+        what, text = f"{len(documents)} documents", repr(documents)
+    else:
+        return "none"
+    return f"{what}, digest {hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"

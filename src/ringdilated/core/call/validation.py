@@ -109,20 +109,23 @@ def check_options(scale: object, dropout_p: object) -> None:
 
 def check_shard_lengths(lengths: tuple[int, ...]) -> None:
     """Raise ``ValueError`` unless every rank's shard in ``lengths`` (in rank order) holds a
-    position, naming every empty one. Every rank that knows the lengths raises the same
-    message."""
+    position, naming every empty one: the same message on every rank that knows the lengths."""
     empty = [r for r, n in enumerate(lengths) if n < 1]
     if not empty:
         return
-    shown = str(tuple(lengths))
-    if len(lengths) > 8:
-        shown = f"({', '.join(map(str, lengths[:4]))}, ..., {', '.join(map(str, lengths[-2:]))})"
     holders = (
         f"rank {empty[0]} holds {lengths[empty[0]]}"
         if len(empty) == 1
         else f"ranks {', '.join(map(str, empty))} hold none"
     )
-    raise ValueError(f"{EMPTY_SHARD_RULE}, got shard lengths {shown} ({holders})")
+    raise ValueError(f"{EMPTY_SHARD_RULE}, got shard lengths {brief(lengths)} ({holders})")
+
+
+def brief(lengths: tuple[int, ...]) -> str:
+    """``lengths`` as a tuple, its middle elided beyond eight."""
+    if len(lengths) <= 8:
+        return str(tuple(lengths))
+    return f"({', '.join(map(str, lengths[:4]))}, ..., {', '.join(map(str, lengths[-2:]))})"
 
 
 def check_shards(lengths: tuple[int, ...] | None, rank: int | None, q: object, k: object) -> None:

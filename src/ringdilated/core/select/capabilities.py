@@ -19,6 +19,7 @@ import torch
 
 from ringdilated.core.contract import rules
 from ringdilated.core.plan.window import FULL, KeyWindow, as_window
+from ringdilated.core.support.env import env_names
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
@@ -33,16 +34,11 @@ __all__ = [
     "Target",
 ]
 
-_DTYPE_NAMES = {
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype))
+    return str(dtype).removeprefix("torch.") if dtype in _FLOATS else str(dtype)
 
 
 def _cc(capability: tuple[int, int] | None) -> str:
@@ -142,12 +138,10 @@ class Environment:
 
     @classmethod
     def from_environ(cls) -> Environment:
-        packages = os.environ.get(PACKAGES_ENV_VAR)
+        packages = env_names(PACKAGES_ENV_VAR)
         capability = os.environ.get(CAPABILITY_ENV_VAR)
         return cls(
-            packages=None
-            if packages is None
-            else frozenset(p.strip() for p in packages.split(",") if p.strip()),
+            packages=None if packages is None else frozenset(packages),
             compute_capability=None if not capability else _parse_capability(capability),
         )
 
@@ -292,14 +286,8 @@ class Capabilities:
 
     def target_for(self, request: Request) -> Target | None:
         """The first declared target that serves ``request``'s device, dtype and head dim."""
-        return next(
-            (
-                t
-                for t in self.targets
-                if t.device_type == request.device_type and not t.reasons(request)
-            ),
-            None,
-        )
+        on_device = (t for t in self.targets if t.device_type == request.device_type)
+        return next((t for t in on_device if not t.reasons(request)), None)
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
         """Every reason this backend cannot serve ``request`` (empty: it can)."""
@@ -315,7 +303,7 @@ class Capabilities:
         else:
             per_target = [t.reasons(request) for t in on_device]
             if all(per_target):
-                out.extend(_unique(r for reasons in per_target for r in reasons))
+                out.extend(dict.fromkeys(r for reasons in per_target for r in reasons))
         for feature in _FEATURE_TEXT:
             if getattr(request, feature) and not getattr(self, feature):
                 out.append(f"does not support {_FEATURE_TEXT[feature]}")
@@ -329,10 +317,6 @@ _FEATURE_TEXT = {
     "dropout": "dropout_p > 0",
     "gqa": "grouped-query attention (fewer key/value heads)",
 }
-
-
-def _unique(items: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(items))
 
 
 @attrs.frozen

@@ -111,9 +111,8 @@ class CommunicatorSpec:
     def reasons(
         self, world_size: int, window: KeyWindow, plans: Sequence[ShardPlan] = (), dims: int = 1
     ) -> tuple[str, ...]:
-        """Every reason this communicator cannot serve the group (empty: it can); never raises
-        for what ``plan_reasons`` does. ``dims``: the call's process layout (1: a group; 2: a
-        2-D grid)."""
+        """Every reason this communicator cannot serve the group (empty: it can); never raises for
+        what ``plan_reasons`` does. ``dims``: the call's layout (1: a group; 2: a 2-D grid)."""
         out: list[str] = []
         mismatch = layout_mismatch(self.dims, dims)
         if world_size > 1 and mismatch is not None:

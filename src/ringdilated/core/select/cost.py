@@ -141,12 +141,11 @@ def traffic(
     size: PieceSize,
     grid: tuple[int, int] | None = None,
 ) -> Traffic:
-    """What the communicator ``chosen`` (a spec beside its instance) moves in a forward pass
-    over ``plans`` (every rank's, in flat rank order): its spec says the delivery and
-    parallelism, its instance the schedule; ``grid``: ``(outer, inner)`` of a 2-D layout. Raises
-    what the communicator's ``schedule`` raises, and ``ValueError`` for a hybrid communicator
-    without a grid. ``window``: the call's key window (a bool: causal or not). Cached per
-    problem (the plans are cached values, and hash once)."""
+    """What the communicator ``chosen`` (a spec beside its instance; see the module docstring) moves
+    in a forward pass over ``plans`` (every rank's, in flat rank order); ``grid``: ``(outer,
+    inner)`` of a 2-D layout; ``window``: the call's key window (a bool: causal or not). Raises what
+    the communicator's ``schedule`` raises, and ``ValueError`` for a hybrid communicator without a
+    grid. Cached per problem (the plans are cached values, and hash once)."""
     ring = chosen.parts[1] if len(chosen.parts) == 2 else None
     # An instance (and a choice) hashes by identity: the resolver keeps one instance per name.
     return _traffic(

@@ -8,10 +8,9 @@
 
 A call in float16 on a CUDA device below 7.0 warns once per process (:class:`SlowDtypeWarning`).
 
-Under ``torch.autocast``, attention follows ``scaled_dot_product_attention``'s policy: inputs are
-cast to the autocast dtype of their device type and the result comes back in it
-(:func:`autocast_inputs`); inside, the kernels run with autocast off (:func:`autocast_off`), so
-their float32 softmax state stays float32.
+Under ``torch.autocast``, inputs are cast as ``scaled_dot_product_attention``'s are, and the
+result comes back in the autocast dtype (:func:`autocast_inputs`); the kernels run with autocast
+off (:func:`autocast_off`), so their float32 softmax state stays float32.
 """
 
 from __future__ import annotations

@@ -7,14 +7,10 @@ Call flow::
     plan.kernel.forward(...)                          # the hot path: no checks, no try/except
     print(plan.explain())
 
-``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name); for
-communicators, given every rank's shard plan, the one of least modelled exchange time
-(:mod:`ringdilated.core.select.cost`), priority breaking ties. A communicator is handed out as
-a :class:`~ringdilated.core.select.communicator_spec.CommunicatorChoice`: its spec (which says
-how the run uses it) beside its instance, and for a hybrid its two parts, resolved by the names
-its spec gives. A name forces that backend: it fits, or :class:`ResolutionError` lists its
-reasons. It never falls back silently. ``RINGDILATED_KERNEL`` forces a backend wherever
-``"auto"`` was asked.
+``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name; for
+communicators, :meth:`Resolver.choose_communicator`). A name forces that backend: it fits, or
+:class:`ResolutionError` lists its reasons. It never falls back silently. ``RINGDILATED_KERNEL``
+forces a backend wherever ``"auto"`` was asked.
 
 Plugins are contained: whatever a spec's ``priority_for``/``reasons`` (or the ``extra_reasons``,
 ``plan_reasons`` and factory it carries) raises or returns becomes a reason against that one
@@ -30,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
-from ringdilated.core.contract.communicator import Communicator
+from ringdilated.core.contract.communicator import Communicator, layout_mismatch
 from ringdilated.core.contract.kernel import Kernel
 from ringdilated.core.contract.rules import describe, describe_exception
 from ringdilated.core.plan.window import KeyWindow, as_window
@@ -159,36 +155,33 @@ class Resolver:
         ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
         verdicts = {name: reasons for name, (_, reasons) in judged.items()}
         candidates = [self.specs[kernel]] if kernel != "auto" else ranked
-        chosen: tuple[KernelSpec, Kernel] | None = None
         for spec in candidates:
             if verdicts[spec.name]:
                 continue
             try:
-                chosen = (spec, self._kernel(spec))
-                break
+                instance = self._kernel(spec)
             except Exception as exc:  # a backend's factory (an import) may fail in any way
                 verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
-        if chosen is None:
-            if kernel != "auto":
-                raise ResolutionError(
-                    f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
-                    + "; ".join(verdicts[kernel])
-                )
-            detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
-            raise ResolutionError(
-                f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
+                continue
+            return KernelChoice(
+                request=request,
+                kernel_name=spec.name,
+                kernel=instance,
+                rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
+                forced_by=forced_by,
+                plugin_failures=self.plugin_failures,
+                priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
+                batch_limit=spec.capabilities.batch_limit,
+                target_note=getattr(spec.capabilities.target_for(request), "note", ""),
             )
-        spec, instance = chosen
-        return KernelChoice(
-            request=request,
-            kernel_name=spec.name,
-            kernel=instance,
-            rejected=tuple((s.name, verdicts[s.name]) for s in ranked if s.name != spec.name),
-            forced_by=forced_by,
-            plugin_failures=self.plugin_failures,
-            priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
-            batch_limit=spec.capabilities.batch_limit,
-            target_note=getattr(spec.capabilities.target_for(request), "note", ""),
+        if kernel != "auto":
+            raise ResolutionError(
+                f"kernel {kernel!r} ({forced_by}) cannot serve {request.describe()}: "
+                + "; ".join(verdicts[kernel])
+            )
+        detail = "; ".join(f"{s.name}: {', '.join(verdicts[s.name])}" for s in ranked)
+        raise ResolutionError(
+            f"no kernel can serve {request.describe()} ({detail or 'no kernels loaded'})"
         )
 
     def explain_communicator(
@@ -202,8 +195,7 @@ class Resolver:
     ) -> str:
         """Which communicator serves ``world_size`` ranks, why each other one was rejected and,
         given every rank's ``plans`` and the ``size`` of a position, what each would move
-        (:mod:`ringdilated.core.select.cost`). ``grid``: ``(outer, inner)`` of a 2-D layout
-        (``None``: a process group)."""
+        (:mod:`~ringdilated.core.select.cost`); ``grid``: a 2-D layout's ``(outer, inner)``."""
         if not isinstance(name, str):
             return f"communicator: {type(name).__name__} instance (given) for {world_size} rank(s)"
         window = as_window(window)
@@ -223,11 +215,10 @@ class Resolver:
                 detail = f"fits; traffic not modelled ({moved})"
             else:
                 detail = "; ".join(reasons) if reasons else "fits, lower priority"
-            if spec.name == chosen_name:
-                if moved is not None:
-                    lines.append(f"  {spec.name}: {detail}")
-            else:
+            if spec.name != chosen_name:
                 lines.append(f"  {'rejected' if reasons else 'not chosen'} {spec.name}: {detail}")
+            elif moved is not None:
+                lines.append(f"  {spec.name}: {detail}")
         return "\n".join(lines)
 
     def _judge_communicators(
@@ -244,9 +235,14 @@ class Resolver:
         rule (one built around the validators) is rejected with the rule, and so is a hybrid
         whose parts do not resolve. Never raises for what a plugin does."""
         judged: list[tuple[CommunicatorSpec, tuple[str, ...], Traffic | str | None]] = []
+        # A 1-D call passes no dims: a spec subclass may predate them.
+        args = (world_size, window, plans) if grid is None else (world_size, window, plans, 2)
+
+        def reasons_of(spec: CommunicatorSpec) -> tuple[str, ...]:
+            return _contained("reasons", lambda: spec.reasons(*args))
+
         for spec in self.communicator_specs.values():
-            dims = 1 if grid is None else 2
-            reasons = _communicator_reasons(spec, world_size, window, plans, dims)
+            reasons = reasons_of(spec)
             moved: Traffic | str | None = None
             if not reasons and plans:
                 reasons, moved = self._model(spec, plans, window, size, grid)
@@ -318,20 +314,12 @@ class Resolver:
         with its reasons; a hybrid's parts are resolved by name, as forced names are. ``window``:
         the call's :class:`~ringdilated.core.plan.window.KeyWindow` (a bool: causal or not)."""
         window = as_window(window)
-        if isinstance(name, Communicator) and not isinstance(name, str):
+        if _check_choice("communicator", name, self.communicator_specs):
+            assert isinstance(name, Communicator)
             chosen = self.describe_communicator(name, window)
             _check_instance_layout(chosen, world_size, grid)
             return chosen
-        if not isinstance(name, str):
-            raise TypeError(
-                "communicator must be 'auto', a communicator name (str) or a Communicator "
-                f"instance, got {name!r}"
-            )
-        if name != "auto" and name not in self.communicator_specs:
-            known = ", ".join(sorted(self.communicator_specs)) or "none"
-            raise ValueError(
-                f"unknown communicator {name!r}; known communicators: {known}, or 'auto'"
-            )
+        assert isinstance(name, str)
         # Traffic is modelled only to choose: a forced name needs none (explain shows it).
         modelled = size if name == "auto" else None
         judged = self._judge_communicators(world_size, window, plans, modelled, grid)
@@ -455,10 +443,9 @@ def _check_choice(
     names_only: bool = False,
 ) -> bool:
     """The one rule for a ``kernel=`` or ``communicator=`` (``kind``) choice: whether it is an
-    instance (used as it is); else ``TypeError`` unless a str, and ``ValueError`` naming it,
-    and ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``:
-    not checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no
-    ``"auto"``)."""
+    instance (used as it is); else ``TypeError`` unless a str, and ``ValueError`` naming it, and
+    ``forced_by`` (what forced it), unless it is ``"auto"`` or one of ``known`` (``None``: not
+    checked yet). ``names_only``: one of ``known`` and nothing else (no instance, no ``"auto"``)."""
     protocol, noun, _ = _CHOICES[kind]
     if not names_only:
         if isinstance(choice, protocol) and not isinstance(choice, str):
@@ -500,29 +487,12 @@ def _check_instance_layout(
 ) -> None:
     """Raise :class:`ResolutionError` when a communicator passed as an instance cannot run on
     the call's layout (a hybrid one needs a 2-D layout, every other kind a process group): a
-    named one is rejected with the same reason."""
-    what = type(chosen.instance).__name__
+    named one is rejected with the same reason (:func:`layout_mismatch`)."""
     parallelism = chosen.parallelism
-    if world_size > 1 and (parallelism == "hybrid") != (grid is not None):
-        needs = "a 2-D layout" if parallelism == "hybrid" else "a process group"
-        has = "a process group" if grid is None else "a 2-D layout"
-        raise ResolutionError(
-            f"communicator {what} instance (parallelism {parallelism!r}) runs on {needs}, the "
-            f"call has {has}"
-        )
-
-
-def _communicator_reasons(
-    spec: CommunicatorSpec,
-    world_size: int,
-    window: KeyWindow,
-    plans: Sequence[ShardPlan],
-    dims: int = 1,
-) -> tuple[str, ...]:
-    """``spec.reasons(...)``; what it raises or returns wrongly becomes a reason. Never raises."""
-    if dims == 1:  # a spec subclass may predate ``dims``
-        return _contained("reasons", lambda: spec.reasons(world_size, window, plans))
-    return _contained("reasons", lambda: spec.reasons(world_size, window, plans, dims))
+    mismatch = layout_mismatch(2 if parallelism == "hybrid" else 1, 1 if grid is None else 2)
+    if world_size > 1 and mismatch is not None:
+        what = f"communicator {type(chosen.instance).__name__} instance"
+        raise ResolutionError(f"{what} (parallelism {parallelism!r}) {mismatch}")
 
 
 def _contained(method: str, call: Callable[[], Iterable[object]]) -> tuple[str, ...]:

@@ -49,8 +49,7 @@ def user_stacklevel() -> int:
     first frame outside ringdilated, torch and the wrappers (see :func:`_libraries`): 2 would
     name the function that calls ``warnings.warn``; each library frame above it adds one."""
     inside = _libraries()
-    frame = sys._getframe(1)  # the function that warns
-    level = 1
+    frame, level = sys._getframe(1), 1  # the function that warns
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame = frame.f_back  # type: ignore[assignment]
         level += 1

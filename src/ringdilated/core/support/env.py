@@ -1,15 +1,8 @@
 """Environment variables, read strictly: a value that is not understood raises, naming it.
 
 Every ``RINGDILATED_*`` variable the package reads goes through one of these readers, so none is
-ever silently taken as unset:
-
-- a switch (:func:`env_flag`): ``1``, ``true``, ``yes``, ``on`` mean on; ``0``, ``false``,
-  ``no``, ``off``, empty or unset mean off (any case, surrounding spaces ignored); anything
-  else raises ``ValueError`` naming the variable, the value and the accepted spellings;
-- a list of names (:func:`env_names`): comma-separated, each name stripped of spaces, empty
-  items dropped. The caller checks the names against what exists and raises with
-  :func:`unknown_names`, which names the variable, the value, the names not understood and the
-  accepted ones.
+ever silently taken as unset: a switch (:func:`env_flag`), or a list of names (:func:`env_names`)
+that the caller checks against what exists, raising with :func:`unknown_names`.
 """
 
 from __future__ import annotations

@@ -19,10 +19,7 @@
 
 Input a caller passed is rejected with the built-in a caller would catch (``ValueError``,
 ``TypeError``), naming the value and the rule; the classes above add what a program may need to
-tell apart or read (the culprit, as attributes). An agreement (:mod:`ringdilated.core.call.
-agreement`) raises, on the rank whose input failed, that rank's own error, and on the others a
-:class:`PeerRejectedError` naming it; both are :class:`EveryRankError`, so no caller reports
-them to the peers again.
+tell apart or read (the culprit, as attributes).
 """
 
 from __future__ import annotations
