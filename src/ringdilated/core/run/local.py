@@ -35,7 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import attrs
 import torch
@@ -156,43 +156,25 @@ def selection_view(
     strides: Sequence[int],
     batches: slice,
     heads: tuple[int, int],
-    head_dim: int,
+    head_dim: int | None,
     origin: int = 0,
 ) -> StridedView:
     """The kernel-layout view ``(N = rows x segments, heads, count, D)`` of ``selection`` in a
     ``(B, T, H, D)`` tensor of ``strides`` (``T`` counting from position ``origin``), rows
-    ``batches``, heads ``[heads[0], heads[1])``. The caller checked that rows and segments merge
-    (:func:`mergeable`). The arithmetic of :meth:`Selection.view`, done once instead of per call."""
-    sb, st, sh, sd = strides
+    ``batches``, heads ``[heads[0], heads[1])``; with no ``head_dim``, ``(N, heads, count)`` of
+    an lse whose ``(B, T, H)`` strides are ``strides``. The caller checked that rows and segments
+    merge (:func:`mergeable`). The arithmetic of :meth:`Selection.view`, done once instead of per
+    call."""
+    sb, st, sh = strides[:3]
     rows, segments = batches.stop - batches.start, selection.num_segments
     span = selection.segment_length - selection.offset
     step = min(selection.rate, max(1, span))  # never a stride of rate * st (int64 overflow)
     n_stride = sb if segments == 1 else selection.segment_length * st
     offset = batches.start * sb + (selection.start - origin + selection.offset) * st + heads[0] * sh
-    return StridedView(
-        (rows * segments, heads[1] - heads[0], selection.count, head_dim),
-        (n_stride, sh, step * st, sd),
-        offset,
-    )
-
-
-def lse_view(
-    selection: Selection,
-    strides: Sequence[int],
-    batches: slice,
-    heads: tuple[int, int],
-    origin: int,
-) -> StridedView:
-    """``(N, heads, count)`` of an lse ``(B, H, T)`` of ``strides`` (see :func:`selection_view`)."""
-    lb, lh, lt = strides
-    rows, segments = batches.stop - batches.start, selection.num_segments
-    span = selection.segment_length - selection.offset
-    step = min(selection.rate, max(1, span))
-    n_stride = lb if segments == 1 else selection.segment_length * lt
-    offset = batches.start * lb + (selection.start - origin + selection.offset) * lt + heads[0] * lh
-    return StridedView(
-        (rows * segments, heads[1] - heads[0], selection.count), (n_stride, lh, step * lt), offset
-    )
+    size = (rows * segments, heads[1] - heads[0], selection.count)
+    if head_dim is None:
+        return StridedView(size, (n_stride, sh, step * st), offset)
+    return StridedView((*size, head_dim), (n_stride, sh, step * st, strides[3]), offset)
 
 
 def mergeable(selection: Selection, strides: Sequence[int]) -> bool:
@@ -461,7 +443,7 @@ class LocalRun:
         L, Hkv = k.shape[1], k.shape[2]
         q_strides = (Lq * H * D, H * D, D, 1)
         kv_grad_strides = (L * Hkv * D, Hkv * D, D, 1)
-        lse_strides = (Lq * H, 1, H)
+        lse_strides = (Lq * H, H, 1)  # (B, T, H): lse_buffer's memory order
         origin = self.query_start
         index = 0
         for rows in self.rows:
@@ -492,7 +474,7 @@ class LocalRun:
                         k=selection_view(selection, k.stride(), chunk_rows, hkv, D),
                         v=selection_view(selection, v.stride(), chunk_rows, hkv, D),
                         kv_grad=selection_view(selection, kv_grad_strides, chunk_rows, hkv, D),
-                        lse=lse_view(qs, lse_strides, chunk_rows, hq, origin),
+                        lse=selection_view(qs, lse_strides, chunk_rows, hq, None, origin),
                         options=options,
                         index=index,
                     )
@@ -503,25 +485,20 @@ class LocalRun:
         is never written, and must start at zero); see :meth:`_result_buffer`. Cached."""
         ranges = self._zero_ranges.get((heads, kv))
         if ranges is None:
-            ranges = self._zero_ranges[heads, kv] = self._zero_heads(heads, kv)
+            covered = [False] * heads
+            for block in self.blocks:
+                if block.selection.rate == 1:
+                    run = block.heads
+                    first, stop = (run.kv_start, run.kv_stop) if kv else (run.q_start, run.q_stop)
+                    covered[first:stop] = [True] * (stop - first)
+            zero: list[tuple[int, int]] = []
+            for h in (h for h, done in enumerate(covered) if not done):
+                if zero and zero[-1][1] == h:
+                    zero[-1] = (zero[-1][0], h + 1)
+                else:
+                    zero.append((h, h + 1))
+            ranges = self._zero_ranges[heads, kv] = tuple(zero)
         return ranges
-
-    def _zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
-        covered = [False] * heads
-        for block in self.blocks:
-            if block.selection.rate == 1:
-                first = block.heads.kv_start if kv else block.heads.q_start
-                stop = block.heads.kv_stop if kv else block.heads.q_stop
-                covered[first:stop] = [True] * (stop - first)
-        ranges: list[tuple[int, int]] = []
-        for h, done in enumerate(covered):
-            if done:
-                continue
-            if ranges and ranges[-1][1] == h:
-                ranges[-1] = (ranges[-1][0], h + 1)
-            else:
-                ranges.append((h, h + 1))
-        return tuple(ranges)
 
     def forward(
         self,
@@ -695,6 +672,9 @@ def lse_gradient(
     return dq, dk
 
 
+_Results = TypeVar("_Results", bound=tuple[torch.Tensor, ...])
+
+
 class BatchLimitedKernel:
     """``kernel`` with every call split along the problem dimension ``N`` to its
     :class:`~ringdilated.core.select.capabilities.BatchLimit`, results concatenated: for calls the
@@ -704,32 +684,10 @@ class BatchLimitedKernel:
     def __init__(self, kernel: Kernel, limit: BatchLimit) -> None:
         self.kernel, self.limit = kernel, limit
 
-    def _pieces(self, n: int, kv_heads: int) -> list[slice] | None:
-        """Slices of at most the limit, or ``None`` when one call may take all ``n``."""
-        step = self.limit.per_call(kv_heads)
-        if step is None or n <= step:
-            return None
-        return [slice(i, i + step) for i in range(0, n, step)]
-
-    @staticmethod
-    def _options(options: BlockOptions, piece: int) -> BlockOptions:
-        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
-        draw the same mask); forward and backward split alike, so they agree."""
-        if piece == 0 or options.dropout_p == 0.0:
-            return options
-        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pieces = self._pieces(q.shape[0], k.shape[1])
-        if pieces is None:
-            return self.kernel.forward(q, k, v, options)
-        parts = [
-            self.kernel.forward(q[p], k[p], v[p], self._options(options, i))
-            for i, p in enumerate(pieces)
-        ]
-        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+        return self._call(self.kernel.forward, (q, k, v), options, k.shape[1])
 
     def backward(
         self,
@@ -741,17 +699,35 @@ class BatchLimitedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pieces = self._pieces(q.shape[0], k.shape[1])
-        if pieces is None:
-            return self.kernel.backward(dout, q, k, v, out, lse, options)
+        inputs = (dout, q, k, v, out, lse)
+        return self._call(self.kernel.backward, inputs, options, k.shape[1])
+
+    def _call(
+        self,
+        method: Callable[..., _Results],
+        inputs: tuple[torch.Tensor, ...],
+        options: BlockOptions,
+        kv_heads: int,
+    ) -> _Results:
+        """``method(*inputs, options)``, in pieces of at most the limit along ``N`` when one call
+        may not take all of it, results concatenated."""
+        n, step = inputs[0].shape[0], self.limit.per_call(kv_heads)
+        if step is None or n <= step:
+            return method(*inputs, options)
         parts = [
-            self.kernel.backward(
-                dout[p], q[p], k[p], v[p], out[p], lse[p], self._options(options, i)
-            )
-            for i, p in enumerate(pieces)
+            method(*(x[i : i + step] for x in inputs), self._options(options, i // step))
+            for i in range(0, n, step)
         ]
-        dq, dk, dv = (torch.cat([part[i] for part in parts]) for i in range(3))
-        return dq, dk, dv
+        results = tuple(torch.cat(part) for part in zip(*parts, strict=True))
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _options(options: BlockOptions, piece: int) -> BlockOptions:
+        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
+        draw the same mask); forward and backward split alike, so they agree."""
+        if piece == 0 or options.dropout_p == 0.0:
+            return options
+        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
 
 
 class Executor(Protocol):
