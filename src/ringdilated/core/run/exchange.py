@@ -51,15 +51,9 @@ class _Done:
 
 
 @attrs.define
-class _Step:
-    peers: tuple[int, ...]
-    pending: Pending
-    recvs: dict[int, torch.Tensor]
-
-
-@attrs.define
-class _Return:
-    """Gradients sent back at one step: the receives to wait for and add in."""
+class _InFlight:
+    """One exchange started: a step's pieces, or the gradients sent back at one step; the
+    receives to wait for."""
 
     pending: Pending
     recvs: dict[int, torch.Tensor]
@@ -93,8 +87,8 @@ class PieceExchange:
         self.steps = communicator.schedule(rank, len(plans))
         self.window = window
         self.broadcast = broadcast
-        self._next: _Step | None = None
-        self._returning: _Return | None = None
+        self._next: _InFlight | None = None
+        self._returning: _InFlight | None = None
 
     def payload(self, src: int, dst: int) -> Payload:
         return payload(self.plan, src, dst, self.window)
@@ -106,10 +100,14 @@ class PieceExchange:
             self.stats.record(sends, recvs)
         return self.communicator.exchange(self.group, sends, recvs, uniform=uniform)
 
+    def _buffer(self, payload: Payload) -> torch.Tensor:
+        """An uninitialised flat tensor for ``payload``'s keys and values (or their gradients)."""
+        return self.k.new_empty(wire.numel(payload, self.batch, self.head_dim))
+
     def _broadcast(self, src: int) -> Payload:
         return broadcast_payload(self.plans[src], self.window)
 
-    def _start_broadcast(self, peers: tuple[int, ...]) -> _Step:
+    def _start_broadcast(self, peers: tuple[int, ...]) -> _InFlight:
         """Send this rank's broadcast payload to every peer; receive theirs. All are padded to
         the group's largest, so a collective of equal sizes can move them."""
         sizes = [
@@ -118,15 +116,15 @@ class PieceExchange:
         ]
         width = max(sizes)
         if width == 0:
-            return _Step(peers, _Done(), {})
+            return _InFlight(_Done(), {})
         mine = self._broadcast(self.rank)
         padding = self.k.new_zeros(width - sizes[self.rank])
         flat = torch.cat([wire.pack(mine, self.k, self.v), padding]) if mine else padding
         sends = dict.fromkeys(peers, flat)
         recvs = {p: self.k.new_empty(width) for p in peers}
-        return _Step(peers, self._exchange(sends, recvs, uniform=True), recvs)
+        return _InFlight(self._exchange(sends, recvs, uniform=True), recvs)
 
-    def _start(self, index: int) -> _Step:
+    def _start(self, index: int) -> _InFlight:
         me = self.rank
         peers = self.steps[index]
         if self.broadcast:
@@ -138,10 +136,9 @@ class PieceExchange:
                 sends[peer] = wire.pack(outgoing, self.k, self.v)
             incoming = self.payload(peer, me)
             if incoming:
-                size = wire.numel(incoming, self.batch, self.head_dim)
-                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
+                recvs[peer] = self._buffer(incoming)
         contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
-        return _Step(peers, self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
+        return _InFlight(self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
 
     def start(self) -> None:
         """Put the first step in flight (call before local work, to overlap it)."""
@@ -188,9 +185,8 @@ class PieceExchange:
         for peer in self.steps[step]:
             mine = self.payload(me, peer)
             if mine:
-                size = wire.numel(mine, self.batch, self.head_dim)
-                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
-        self._returning = _Return(self._exchange(sends, recvs, uniform=False), recvs)
+                recvs[peer] = self._buffer(mine)
+        self._returning = _InFlight(self._exchange(sends, recvs, uniform=False), recvs)
 
     def _complete(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         if self._returning is None:

@@ -5,8 +5,7 @@ One exchange with every peer turns the shards into heads: each rank receives eve
 its share of the query heads, and of the key/value heads they read
 (:func:`~ringdilated.core.plan.heads.deal_heads`), attends them over the whole sequence exactly as
 one process would (the single-process :class:`~ringdilated.core.run.local.LocalRun` on the share's
-blocks,
-with no crossing segments at all), and a second exchange returns each rank's positions of
+blocks, with no crossing segments at all), and a second exchange returns each rank's positions of
 ``out`` and ``lse``. Backward exchanges ``q``, ``k``, ``v``, ``out``, ``lse``, ``dout`` and ``dlse``
 the same way, runs the single-process backward, and returns ``dq``, ``dk`` and ``dv``; a key/value
 head shared by several ranks (fewer key/value heads than ranks) gets the sum of their
@@ -20,6 +19,7 @@ bytes, each in its own dtype. Memory per rank is that of one process attending i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -131,15 +131,15 @@ class HeadParallelRun:
         after an odd number of float16 values could not be viewed); both ends order alike."""
 
         def widest_first(dtypes: Sequence[torch.dtype]) -> list[int]:
-            return sorted(range(len(dtypes)), key=lambda j: (-_itemsize(dtypes[j]), j))
+            return sorted(range(len(dtypes)), key=lambda j: (-dtypes[j].itemsize, j))
 
         flat = {}
         for y, tensors in sends.items():
             order = widest_first([t.dtype for t in tensors])
-            flat[y] = torch.cat([_as_bytes(tensors[j]) for j in order])
+            flat[y] = torch.cat([tensors[j].contiguous().view(-1).view(torch.uint8) for j in order])
         orders = {src: widest_first([d for _, d in layout]) for src, layout in layouts.items()}
         sizes = {
-            src: [_numel(layout[j][0]) * _itemsize(layout[j][1]) for j in orders[src]]
+            src: [math.prod(layout[j][0]) * layout[j][1].itemsize for j in orders[src]]
             for src, layout in layouts.items()
         }
         recvs = {
@@ -233,18 +233,3 @@ class HeadParallelRun:
                     result.index_copy_(3 - dim, index, received[src][i])
             results.append(result)
         return results
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().reshape(-1).view(torch.uint8)
