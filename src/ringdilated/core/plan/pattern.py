@@ -267,17 +267,12 @@ def split_by_kv(first: int, stop: int, group: int) -> list[HeadRun]:
     runs: list[HeadRun] = []
     h = first
     while h < stop:
-        if h % group:
-            # A run inside one key/value head: up to the next boundary.
+        end = h if h % group else h + (stop - h) // group * group  # whole key/value heads
+        if end == h:  # a run inside one key/value head: up to the next boundary
             end = min(stop, (h // group + 1) * group)
             runs.append(HeadRun(h, end, h // group, h // group + 1))
         else:
-            end = h + (stop - h) // group * group
-            if end == h:
-                end = stop
-                runs.append(HeadRun(h, end, h // group, h // group + 1))
-            else:
-                runs.append(HeadRun(h, end, h // group, end // group))
+            runs.append(HeadRun(h, end, h // group, end // group))
         h = end
     return runs
 
