@@ -212,26 +212,20 @@ class _Step:
     options: BlockOptions
     index: int
 
-    def seeded(self, seed: int) -> BlockOptions:
-        """The options with this call's dropout seed (the same for forward and backward)."""
-        if self.options.dropout_p == 0.0:
-            return self.options
-        return attrs.evolve(self.options, dropout_seed=derive_seed(seed, self.index))
 
-
-#: A kernel call fuses steps of one shape while their ``q``, ``k`` and ``v`` views hold at most
-#: this many elements together (a step holding more than half of it runs alone: it would leave
-#: room for little). Below it, gathering the steps' views into one call's inputs costs less than
-#: the calls it saves (each a kernel launch, its non-finite repair and the driver's Python);
-#: above it, each step reads its views in place. Read when a plan's calls are first made.
+#: A kernel call fuses steps of one shape (every size but ``N``) and options, without dropout,
+#: while their ``q``, ``k`` and ``v`` views hold at most this many elements together (a step
+#: holding more than half of it runs alone: it would leave room for little). Below it, gathering
+#: the steps' views into one call's inputs costs less than the calls it saves (each a kernel
+#: launch, its non-finite repair and the driver's Python); above it, each step reads its views in
+#: place. Read when a plan's calls are first made.
 FUSE_ELEMENTS = 1 << 15
 
 
 @attrs.frozen
 class _KernelCall:
     """One kernel call: a single step, reading and writing its views in place, or several small
-    steps of one shape (every size but ``N``) and the same options, without dropout, gathered
-    along ``N`` into one call's inputs and written back from its results.
+    steps (:data:`FUSE_ELEMENTS`) gathered along ``N`` into one call's inputs and written back.
 
     A fused call reads whole rows of ``D`` elements (the last dimension is contiguous in every
     view) through an index of the rows' storage offsets, one indexing op per tensor, and writes
@@ -251,12 +245,13 @@ class _KernelCall:
         return tuple(step.q.size[0] for step in self.steps)
 
     def options(self, seed: int) -> BlockOptions:
-        """The call's options (a fused call's steps have equal ones, without dropout)."""
+        """The call's options (a fused call's steps have equal ones, without dropout), with
+        this call's dropout seed (the same for forward and backward)."""
         first = self.steps[0]
-        if len(self.steps) == 1:
-            return first.seeded(seed)
-        assert first.options.dropout_p == 0.0, "steps with dropout are never fused"
-        return first.options
+        if first.options.dropout_p == 0.0:
+            return first.options
+        assert len(self.steps) == 1, "steps with dropout are never fused"
+        return attrs.evolve(first.options, dropout_seed=derive_seed(seed, first.index))
 
     def gather(self, x: torch.Tensor, side: Callable[[_Step], StridedView]) -> torch.Tensor:
         """The call's input read from ``x`` through each step's ``side`` view (:data:`_Q`, ...)."""
@@ -351,10 +346,8 @@ _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse"
 
 
 def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_KernelCall]:
-    """``steps`` as kernel calls: steps of one shape and options without dropout share a call
-    while their ``q``, ``k`` and ``v`` views hold at most :data:`FUSE_ELEMENTS` elements together
-    and their problems fit the kernel's batch ``limit``; the others run alone. Calls keep the
-    order of their first steps."""
+    """``steps`` as kernel calls, fused by the rule of :data:`FUSE_ELEMENTS` while their problems
+    fit the kernel's batch ``limit``; calls keep the order of their first steps."""
     open_calls: dict[object, tuple[list[_Step], list[int]]] = {}  # steps; elements, problems
     groups: list[list[_Step]] = []
     for step in steps:
@@ -379,9 +372,6 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
         yield _KernelCall(tuple(group))
 
 
-_Geometry = tuple[object, ...]
-
-
 @attrs.frozen
 class LocalRun:
     """One dilated-attention plan's fixed parts: the kernel, the blocks and the options.
@@ -399,8 +389,6 @@ class LocalRun:
     ``covers_queries``: every query position of every row lies in a document (no padding), so
     results need no zero fill where a rate-1 block writes; ``covers_keys``: the same for keys,
     which also needs every key to be a query's (no suffix).
-
-    The steps of each input geometry (shapes and strides) are computed on first use and kept.
     """
 
     kernel: Kernel = attrs.field(eq=False)
@@ -415,7 +403,7 @@ class LocalRun:
     query_start: int = 0
     covers_queries: bool = True
     covers_keys: bool = True
-    _calls: dict[_Geometry, tuple[_KernelCall, ...]] = attrs.field(
+    _calls: dict[tuple[object, ...], tuple[_KernelCall, ...]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
     _zero_ranges: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = attrs.field(
