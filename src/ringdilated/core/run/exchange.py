@@ -9,7 +9,7 @@ Call flow on every rank (the same steps in the same order)::
     exchange.start()                              # step 1 in flight before any local work
     for step, received in exchange:               # step t+1 already in flight while t computes
         ... compute with received pieces ...
-        exchange.return_gradients(step, grads)    # backward: start sending them back (async)
+        exchange.return_gradients(step, grads, dk, dv)  # backward: send them back (async)
     exchange.finish(dk, dv)                       # backward: wait, add what came back
 
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
@@ -129,15 +129,11 @@ class PieceExchange:
         peers = self.steps[index]
         if self.broadcast:
             return self._start_broadcast(peers)
-        sends, recvs = {}, {}
-        for peer in peers:
-            outgoing = self.payload(me, peer)
-            if outgoing:
-                sends[peer] = wire.pack(outgoing, self.k, self.v)
-            incoming = self.payload(peer, me)
-            if incoming:
-                recvs[peer] = self._buffer(incoming)
-        contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
+        outgoing = {peer: self.payload(me, peer) for peer in peers}
+        incoming = {peer: self.payload(peer, me) for peer in peers}
+        sends = {peer: wire.pack(p, self.k, self.v) for peer, p in outgoing.items() if p}
+        recvs = {peer: self._buffer(p) for peer, p in incoming.items() if p}
+        contents = {(outgoing[x].heads, outgoing[x].positions) for x in sends}
         return _InFlight(self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
 
     def start(self) -> None:
@@ -181,11 +177,8 @@ class PieceExchange:
             src: torch.cat([g.to(self.k.dtype).reshape(-1) for g in buffers])
             for src, buffers in grads.items()
         }
-        recvs = {}
-        for peer in self.steps[step]:
-            mine = self.payload(me, peer)
-            if mine:
-                recvs[peer] = self._buffer(mine)
+        mine = {peer: self.payload(me, peer) for peer in self.steps[step]}
+        recvs = {peer: self._buffer(p) for peer, p in mine.items() if p}
         self._returning = _InFlight(self._exchange(sends, recvs, uniform=False), recvs)
 
     def _complete(self, dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ from ringdilated.core.contract.communicator import TransferStats
 from ringdilated.core.contract.guard import CheckedKernel
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.documents import DocumentLayout
+from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.select.capabilities import UNLIMITED, BatchLimit
@@ -473,18 +474,13 @@ class LocalRun:
         is never written, and must start at zero); see :meth:`_result_buffer`. Cached."""
         ranges = self._zero_ranges.get((heads, kv))
         if ranges is None:
-            covered = [False] * heads
+            covered: set[int] = set()
             for block in self.blocks:
                 if block.selection.rate == 1:
                     run = block.heads
                     first, stop = (run.kv_start, run.kv_stop) if kv else (run.q_start, run.q_stop)
-                    covered[first:stop] = [True] * (stop - first)
-            zero: list[tuple[int, int]] = []
-            for h in (h for h, done in enumerate(covered) if not done):
-                if zero and zero[-1][1] == h:
-                    zero[-1] = (zero[-1][0], h + 1)
-                else:
-                    zero.append((h, h + 1))
+                    covered.update(range(first, stop))
+            zero = consecutive_runs([h for h in range(heads) if h not in covered])
             ranges = self._zero_ranges[heads, kv] = tuple(zero)
         return ranges
 
@@ -860,18 +856,15 @@ def pattern_run(
     heads, dim = q.shape[2], q.shape[3]
     layout = layout or DocumentLayout.whole(batch, length, q.shape[1])
     rows: tuple[RowBlocks, ...]
-    if blocks is not None:
-        rows = (RowBlocks(None, blocks),)
-    elif layout.is_whole:
-        rows = (RowBlocks(None, pattern.blocks(length, heads, kv_heads)),)
-    else:
+    if blocks is None and not layout.is_whole:
+        start = layout.query_start
         rows = tuple(
-            RowBlocks(
-                r.batches,
-                pattern.document_blocks(r.documents, heads, kv_heads, layout.query_start),
-            )
+            RowBlocks(r.batches, pattern.document_blocks(r.documents, heads, kv_heads, start))
             for r in layout.rows
         )
+    else:
+        whole = pattern.blocks(length, heads, kv_heads) if blocks is None else blocks
+        rows = (RowBlocks(None, whole),)
     covers = layout.covers_all
     return LocalRun(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
