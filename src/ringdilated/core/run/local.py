@@ -301,17 +301,13 @@ class _KernelCall:
             found = self._indices[key] = (offsets // side(self.steps[0]).size[-1], extent)
         elif found is None:
             views = [side(step) for step in self.steps]
+            # A view's rows are numbered by its first three dimensions: (N, H, L) of a (N, H, L, D)
+            # view (its last is a contiguous row), all three of an lse's.
             extent = 1 + max(
-                v.offset + sum((n - 1) * stride for n, stride in _row_dims(v)) for v in views
+                v.offset + sum((v.size[d] - 1) * v.stride[d] for d in range(3)) for v in views
             )
             found = self._indices[key] = (_row_offsets(views, device), extent)
         return found
-
-
-def _row_dims(view: StridedView) -> list[tuple[int, int]]:
-    """``(size, stride)`` of the dimensions that number a view's rows: a ``(N, H, L, D)`` view's
-    first three (its last is a contiguous row), an lse's ``(N, H, L)`` all three."""
-    return list(zip(view.size[:3], view.stride[:3], strict=True))
 
 
 def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor:
@@ -319,7 +315,7 @@ def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor
     ``(sum of N, H, L)``: each problem's first offset (one ``arange`` per view), plus one
     ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast.
     Device ops only (nothing is copied from the host), once per call and device."""
-    (heads, _), (length, _) = _row_dims(views[0])[1:]
+    heads, length = views[0].size[1:3]
     parts = []
     for (head_stride, row_stride), run in itertools.groupby(views, key=lambda v: v.stride[1:3]):
         firsts = []
@@ -506,12 +502,8 @@ class LocalRun:
             lse = lse_buffer(B, H, Lq, acc, q.device)
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
         for kernel_call in self.calls(q, k, v):
-            out_c, lse_c = kernel.forward(
-                kernel_call.gather(q, _Q),
-                kernel_call.gather(k, _K),
-                kernel_call.gather(v, _V),
-                kernel_call.options(seed),
-            )
+            qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
+            out_c, lse_c = kernel.forward(qc, kc, vc, kernel_call.options(seed))
             if self.exclusive:
                 kernel_call.write(out, _Q, out_c)
                 if lse is not None:
@@ -561,16 +553,9 @@ class LocalRun:
         for kernel_call in self.calls(q, k, v):
             options = kernel_call.options(seed)
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
+            dout_c, out_c = kernel_call.gather(dout, _Q), kernel_call.gather(out, _Q)
             lse_c = kernel_call.gather(lse, _LSE)
-            grads = kernel.backward(
-                kernel_call.gather(dout, _Q),
-                qc,
-                kc,
-                vc,
-                kernel_call.gather(out, _Q),
-                lse_c,
-                options,
-            )
+            grads = kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
             for target, side, grad, once in (
                 (dq, _Q, grads[0], self.exclusive),
                 (dk, _KV_GRAD, grads[1], kv_once),
@@ -773,11 +758,7 @@ def as_lse_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, H, L)`` in the layout of :func:`lse_buffer` (a copy unless it already is)."""
     if x.stride() == (x.shape[1] * x.shape[2], 1, x.shape[1]):
         return x
-    return (
-        torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device)
-        .transpose(1, 2)
-        .copy_(x)
-    )
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[1])).transpose(1, 2).copy_(x)
 
 
 class DilatedAttentionFunction(torch.autograd.Function):

@@ -102,16 +102,12 @@ class ShardedRun:
             o, s = self.kernel.forward(qc, kc, vc, self.options(index[c], src, call.seed))
             Accumulator.add(states[c].out, states[c].lse, o, s)
         for c, state in states.items():
+            out_c, lse_c = wire.piece(out, c, me, wire.q_heads(c)), wire.lse_piece(lse, c, me)
             if self.inner.exclusive:
-                wire.piece(out, c, me, wire.q_heads(c)).copy_(state.out)
-                wire.lse_piece(lse, c, me).copy_(state.lse)
+                out_c.copy_(state.out)
+                lse_c.copy_(state.lse)
             else:
-                Accumulator.add(
-                    wire.piece(out, c, me, wire.q_heads(c)),
-                    wire.lse_piece(lse, c, me),
-                    state.out,
-                    state.lse,
-                )
+                Accumulator.add(out_c, lse_c, state.out, state.lse)
         if cast and not self.inner.exclusive:
             out = out.to(q.dtype)
         return out, lse
