@@ -203,14 +203,16 @@ def _payload(crossings: tuple[Crossing, ...], src: int) -> Payload:
     return Payload(crossings, heads, positions, index)
 
 
-def _local(selection: Selection, lo: int, hi: int, shard_start: int) -> Selection | None:
-    """The selected positions of ``selection``'s single segment that lie in ``[lo, hi)``, local."""
-    first = selection.start + selection.offset
+def _local(segment: Selection, starts: tuple[int, ...], rank: int) -> Selection | None:
+    """The selected positions of ``segment`` (a single segment) in ``rank``'s shard, local to it
+    (``starts``: where each shard begins, then the sequence length)."""
+    lo, hi = max(segment.start, starts[rank]), min(segment.stop, starts[rank + 1])
+    first = segment.start + segment.offset
     if first < lo:
-        first += -(-(lo - first) // selection.rate) * selection.rate
+        first += -(-(lo - first) // segment.rate) * segment.rate
     if first >= hi:
         return None
-    return Selection(lo - shard_start, 1, hi - lo, selection.rate, first - lo)
+    return Selection(lo - starts[rank], 1, hi - lo, segment.rate, first - lo)
 
 
 def shard_starts(
@@ -283,12 +285,7 @@ def shard_plan(
             pieces = []
             owner = bisect.bisect_right(starts, segment.start) - 1
             for x in range(owner, bisect.bisect_left(starts, segment.stop)):
-                piece = _local(
-                    segment,
-                    max(segment.start, starts[x]),
-                    min(segment.stop, starts[x + 1]),
-                    starts[x],
-                )
+                piece = _local(segment, starts, x)
                 if piece is not None:
                     pieces.append(Piece(x, piece))
             if any(p.rank == rank for p in pieces):

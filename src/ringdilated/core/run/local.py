@@ -434,25 +434,19 @@ class LocalRun:
         for rows in self.rows:
             batches = rows.batches or slice(0, B)
             for block in rows.blocks:
-                queries = block.query_selection
+                sel, run, queries = block.selection, block.heads, block.query_selection
                 # In selected keys; a query suffix ends where the block's keys end.
-                window = self.window.dilated(block.selection.rate)
-                window = window.shifted(block.selection.count - queries.count)
+                window = self.window.dilated(sel.rate).shifted(sel.count - queries.count)
                 options = BlockOptions(self.scale, window, self.dropout_p)
                 # lse_buffer's layout merges exactly when q's does.
                 tiles = mergeable(queries, q_strides) and all(
-                    mergeable(block.selection, s) for s in (k.stride(), v.stride(), kv_grad_strides)
+                    mergeable(sel, s) for s in (k.stride(), v.stride(), kv_grad_strides)
                 )
-                hq = (block.heads.q_start, block.heads.q_stop)
-                hkv = (block.heads.kv_start, block.heads.kv_stop)
-                for chunk_rows, selection in _split(
-                    block.selection,
-                    batches,
-                    tiles,
-                    block.selection.count * block.heads.num_heads * D,
-                    self.chunk_elements,
-                    self.batch_limit.per_call(block.heads.num_kv_heads),
-                ):
+                hq, hkv = (run.q_start, run.q_stop), (run.kv_start, run.kv_stop)
+                most = self.batch_limit.per_call(run.num_kv_heads)
+                per_segment = sel.count * run.num_heads * D
+                chunks = _split(sel, batches, tiles, per_segment, self.chunk_elements, most)
+                for chunk_rows, selection in chunks:
                     qs = selection if block.queries is None else block.queries
                     yield _Step(
                         q=selection_view(qs, q_strides, chunk_rows, hq, D, origin),
