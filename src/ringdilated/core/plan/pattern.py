@@ -16,6 +16,7 @@ Call flow::
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
@@ -212,13 +213,11 @@ class DilationPattern:
         ``head_groups``: group ``i`` uses offset ``i % r_i``. ``longnet``: under pattern ``i``,
         head ``h`` uses offset ``(h * r_i) // H``; runs with no heads are left out.
         """
-        runs: list[tuple[int, int, int, int]] = []
         if self.mode == "head_groups":
-            start = 0
-            for i, size in enumerate(self.group_sizes(num_heads)):
-                runs.append((i, i % self.dilation_rates[i], start, start + size))
-                start += size
-            return tuple(runs)
+            bounds = (0, *itertools.accumulate(self.group_sizes(num_heads)))
+            rates = enumerate(self.dilation_rates)
+            return tuple((i, i % r, bounds[i], bounds[i + 1]) for i, r in rates)
+        runs: list[tuple[int, int, int, int]] = []
         # Walk the heads, not the offsets: the work is O(H) whatever the rate (a rate of 2**62
         # must not loop 2**62 times).
         for i, r in enumerate(self.dilation_rates):

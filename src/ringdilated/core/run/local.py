@@ -475,12 +475,7 @@ class LocalRun:
         return ranges
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; with ``cast=False`` a merging run returns its float32/float64 state.
         ``q`` is contiguous (see :meth:`calls`)."""
@@ -489,12 +484,8 @@ class LocalRun:
         kernel, seed = self.kernel, call.seed
         # Each (position, head) is one block's when exclusive: results are copied, the lse only
         # if read; otherwise partial results are merged in float32/64.
-        if self.exclusive:
-            lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed else None
-            out = self._result_buffer(q, q.dtype, exclusive=self.covers_queries)
-        else:
-            lse = lse_buffer(B, H, Lq, acc, q.device)
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed or not self.exclusive else None
+        out = self._result_buffer(q, once=self.exclusive)
         for kernel_call in self.calls(q, k, v):
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
             out_c, lse_c = kernel.forward(qc, kc, vc, kernel_call.options(seed))
@@ -509,15 +500,16 @@ class LocalRun:
             return out, lse  # type: ignore[return-value]
         return (out.to(q.dtype) if cast else out), lse  # type: ignore[return-value]
 
-    def _result_buffer(
-        self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
-    ) -> torch.Tensor:
-        """A contiguous buffer shaped like ``like`` for results written by the blocks.
+    def _result_buffer(self, like: torch.Tensor, once: bool, kv: bool = False) -> torch.Tensor:
+        """A contiguous buffer shaped like ``like`` for results written by the blocks: in
+        ``like``'s dtype when each element is written ``once``, else in its accumulation dtype.
 
-        Written once per element, every position in a document (``exclusive``): uninitialised,
-        except heads some position of which no block writes (no rate-1 block covers them),
-        which are zeroed. Otherwise zeros (to add into, or left where no block writes)."""
-        if not exclusive:
+        Written once per element, every position in a document (``kv``: every key's, else every
+        query's): uninitialised, except heads some position of which no block writes (no rate-1
+        block covers them), which are zeroed. Otherwise zeros (to add into, or left where no
+        block writes)."""
+        dtype = like.dtype if once else accumulation_dtype(like.dtype)
+        if not (once and (self.covers_keys if kv else self.covers_queries)):
             return torch.zeros(like.shape, dtype=dtype, device=like.device)
         buffer = torch.empty(like.shape, dtype=dtype, device=like.device)
         for first, stop in self.zero_heads(like.shape[2], kv):
@@ -536,13 +528,8 @@ class LocalRun:
         q_once = self.exclusive and self.complete and dlse is None
         k_once = kv_once and self.complete and dlse is None
         v_once = kv_once and self.complete
-
-        def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
-            dtype = like.dtype if once else accumulation_dtype(like.dtype)
-            covered = self.covers_keys if kv else self.covers_queries
-            return self._result_buffer(like, dtype, exclusive=once and covered, kv=kv)
-
-        dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
+        dq = self._result_buffer(q, q_once)
+        dk, dv = self._result_buffer(k, k_once, kv=True), self._result_buffer(v, v_once, kv=True)
         kernel, seed = self.kernel, call.seed
         for kernel_call in self.calls(q, k, v):
             options = kernel_call.options(seed)
