@@ -85,8 +85,7 @@ class PieceExchange:
         self.k, self.v, self.stats = k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
         self.steps = communicator.schedule(rank, len(plans))
-        self.window = window
-        self.broadcast = broadcast
+        self.window, self.broadcast = window, broadcast
         self._next: _InFlight | None = None
         self._returning: _InFlight | None = None
 

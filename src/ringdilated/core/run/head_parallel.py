@@ -35,14 +35,13 @@ __all__ = ["HeadParallelRun"]
 @attrs.frozen
 class HeadParallelRun:
     """A head-parallel call's fixed parts: ``inner``, an
-    :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over
-    the whole sequence (a :class:`~ringdilated.core.run.local.LocalRun`), or over the chunk of the
+    :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over the
+    whole sequence (a :class:`~ringdilated.core.run.local.LocalRun`), or over the chunk of the
     group's shards, with pieces from other chunks (a
     :class:`~ringdilated.core.run.sharded.ShardedRun` across a grid's outer group: ``hybrid``);
-    ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or
-    chunk) sequence, then its length. Built once per plan; the index tensors of the heads each
-    rank holds are made once per device and kept. A call's dropout seed is its part
-    ``("heads", rank)``: local head 0 of every rank is another head."""
+    ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or chunk)
+    sequence, then its length. Built once per plan (its index tensors once per device). A call's
+    dropout seed is its part ``("heads", rank)``: local head 0 of every rank is another head."""
 
     inner: Executor
     shares: tuple[HeadShare, ...]
@@ -83,12 +82,8 @@ class HeadParallelRun:
         received = self._to_heads(parts, call.stats)
         qh, kh, vh, out_h, lse_h, dout_h = received[:6]
         dlse_h = received[6].transpose(1, 2) if call.lse_used else None
-        inner_call = call.derive("heads", self.rank)
-        dq_h, dk_h, dv_h = self.inner.backward(
-            BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2)),
-            inner_call,
-            cast=False,
-        )
+        held = BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2))
+        dq_h, dk_h, dv_h = self.inner.backward(held, call.derive("heads", self.rank), cast=False)
         dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2], call.stats)[0]
         if not self.shared_kv:
             dk_h, dv_h = dk_h.to(k.dtype), dv_h.to(v.dtype)

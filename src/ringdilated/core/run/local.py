@@ -313,8 +313,7 @@ class _KernelCall:
 def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor:
     """The storage offset of each row of ``views`` (of one shape but ``N``), in order, shaped
     ``(sum of N, H, L)``: each problem's first offset (one ``arange`` per view), plus one
-    ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast.
-    Device ops only (nothing is copied from the host), once per call and device."""
+    ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast."""
     heads, length = views[0].size[1:3]
     parts = []
     for (head_stride, row_stride), run in itertools.groupby(views, key=lambda v: v.stride[1:3]):

@@ -80,9 +80,8 @@ class ShardedRun:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of this rank's shard: the inner blocks, then each crossing's partials,
-        this rank's own piece first, then each piece as it arrives, merged in the accumulation
-        dtype (``cast=False``: ``out`` left in it where it merges)."""
+        """``(out, lse)`` of this rank's shard, by the module's call flow (``cast=False``: ``out``
+        left in the accumulation dtype where it merges)."""
         me, crossings = self.plan.rank, self.plan.crossings
         exchange = self._exchange(k, v, call.stats)
         exchange.start()
