@@ -62,10 +62,7 @@ class Crossing:
     pieces: tuple[Piece, ...]
 
     def piece(self, rank: int) -> Piece | None:
-        for piece in self.pieces:
-            if piece.rank == rank:
-                return piece
-        return None
+        return next((piece for piece in self.pieces if piece.rank == rank), None)
 
     def sends(self, src: int, dst: int, window: KeyWindow) -> bool:
         """Whether ``src``'s piece goes to ``dst``: both take part, and ``window``'s send rule

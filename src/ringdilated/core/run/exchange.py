@@ -143,7 +143,6 @@ class PieceExchange:
     def __iter__(self) -> Iterator[tuple[int, list[Received]]]:
         """Yield ``(step, received)`` for every step of the schedule."""
         self.start()
-        me = self.rank
         for index in range(len(self.steps)):
             current = self._next
             assert current is not None
@@ -151,7 +150,7 @@ class PieceExchange:
             current.pending.wait()
             received = []
             for src, flat in current.recvs.items():
-                incoming = self.payload(src, me)
+                incoming = self.payload(src, self.rank)
                 if self.broadcast:
                     if not incoming:
                         continue  # a piece for other peers
@@ -171,12 +170,11 @@ class PieceExchange:
         receiving the gradients of this rank's own pieces from ``step``'s peers. The previous
         step's return is completed first (added into ``dk``, ``dv``), so one is in flight."""
         self._complete(dk, dv)
-        me = self.rank
         sends = {
             src: torch.cat([g.to(self.k.dtype).reshape(-1) for g in buffers])
             for src, buffers in grads.items()
         }
-        mine = {peer: self.payload(me, peer) for peer in self.steps[step]}
+        mine = {peer: self.payload(self.rank, peer) for peer in self.steps[step]}
         recvs = {peer: self._buffer(p) for peer, p in mine.items() if p}
         self._returning = _InFlight(self._exchange(sends, recvs, uniform=False), recvs)
 
@@ -185,9 +183,8 @@ class PieceExchange:
             return
         returning, self._returning = self._returning, None
         returning.pending.wait()
-        me = self.rank
         for peer, flat in returning.recvs.items():
-            mine = self.payload(me, peer)
+            mine = self.payload(self.rank, peer)
             returned = wire.unpack(flat, mine, self.batch, self.head_dim)
             wire.scatter_add_returned(dk, dv, mine, returned)
 

@@ -341,7 +341,7 @@ def _span(x: torch.Tensor, extent: int, width: int | None) -> torch.Tensor:
 _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse", "kv_grad"))
 
 
-def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_KernelCall]:
+def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> tuple[_KernelCall, ...]:
     """``steps`` as kernel calls, fused by the rule of :data:`FUSE_ELEMENTS` while their problems
     fit the kernel's batch ``limit``; calls keep the order of their first steps."""
     open_calls: dict[object, tuple[list[_Step], list[int]]] = {}  # steps; elements, problems
@@ -364,8 +364,7 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
         group = [step]
         open_calls[key] = (group, [elements, step.q.size[0]])
         groups.append(group)
-    for group in groups:
-        yield _KernelCall(tuple(group))
+    return tuple(_KernelCall(tuple(group)) for group in groups)
 
 
 @attrs.frozen
@@ -419,7 +418,7 @@ class LocalRun:
         calls = self._calls.get(geometry)
         if calls is None:
             steps = tuple(self._make_steps(q, k, v))
-            calls = self._calls[geometry] = tuple(_kernel_calls(steps, self.batch_limit))
+            calls = self._calls[geometry] = _kernel_calls(steps, self.batch_limit)
         return calls
 
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
@@ -518,8 +517,7 @@ class LocalRun:
     def backward(
         self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers
-        hold."""
+        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold."""
         dout, dlse, q, k, v, out, lse = inputs
         # A gradient written once per element is written in the input dtype (the kernel's result,
         # no second rounding); one that sums several contributions accumulates in float32/64.
