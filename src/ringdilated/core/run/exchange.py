@@ -99,9 +99,9 @@ class PieceExchange:
             self.stats.record(sends, recvs)
         return self.communicator.exchange(self.group, sends, recvs, uniform=uniform)
 
-    def _buffer(self, payload: Payload) -> torch.Tensor:
-        """An uninitialised flat tensor for ``payload``'s keys and values (or their gradients)."""
-        return self.k.new_empty(wire.numel(payload, self.batch, self.head_dim))
+    def _numel(self, payload: Payload) -> int:
+        """Elements of ``payload``'s flat tensor (its keys and values, or their gradients)."""
+        return wire.numel(payload, self.batch, self.head_dim)
 
     def _broadcast(self, src: int) -> Payload:
         return broadcast_payload(self.plans[src], self.window)
@@ -109,10 +109,7 @@ class PieceExchange:
     def _start_broadcast(self, peers: tuple[int, ...]) -> _InFlight:
         """Send this rank's broadcast payload to every peer; receive theirs. All are padded to
         the group's largest, so a collective of equal sizes can move them."""
-        sizes = [
-            wire.numel(self._broadcast(r), self.batch, self.head_dim)
-            for r in range(len(self.plans))
-        ]
+        sizes = [self._numel(self._broadcast(r)) for r in range(len(self.plans))]
         width = max(sizes)
         if width == 0:
             return _InFlight(_Done(), {})
@@ -131,7 +128,7 @@ class PieceExchange:
         outgoing = {peer: self.payload(me, peer) for peer in peers}
         incoming = {peer: self.payload(peer, me) for peer in peers}
         sends = {peer: wire.pack(p, self.k, self.v) for peer, p in outgoing.items() if p}
-        recvs = {peer: self._buffer(p) for peer, p in incoming.items() if p}
+        recvs = {peer: self.k.new_empty(self._numel(p)) for peer, p in incoming.items() if p}
         contents = {(outgoing[x].heads, outgoing[x].positions) for x in sends}
         return _InFlight(self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
 
@@ -175,7 +172,7 @@ class PieceExchange:
             for src, buffers in grads.items()
         }
         mine = {peer: self.payload(self.rank, peer) for peer in self.steps[step]}
-        recvs = {peer: self._buffer(p) for peer, p in mine.items() if p}
+        recvs = {peer: self.k.new_empty(self._numel(p)) for peer, p in mine.items() if p}
         self._returning = _InFlight(self._exchange(sends, recvs, uniform=False), recvs)
 
     def _complete(self, dk: torch.Tensor, dv: torch.Tensor) -> None:

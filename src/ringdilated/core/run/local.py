@@ -502,10 +502,10 @@ class LocalRun:
         """A contiguous buffer shaped like ``like`` for results written by the blocks: in
         ``like``'s dtype when each element is written ``once``, else in its accumulation dtype.
 
-        Written once per element, every position in a document (``kv``: every key's, else every
-        query's): uninitialised, except heads some position of which no block writes (no rate-1
-        block covers them), which are zeroed. Otherwise zeros (to add into, or left where no
-        block writes)."""
+        Written ``once`` per element, every position in a document (``covers_keys`` for ``kv``,
+        else ``covers_queries``): uninitialised, except heads some position of which no block
+        writes (no rate-1 block covers them), which are zeroed. Otherwise zeros (to add into, or
+        left where no block writes)."""
         dtype = like.dtype if once else accumulation_dtype(like.dtype)
         if not (once and (self.covers_keys if kv else self.covers_queries)):
             return torch.zeros(like.shape, dtype=dtype, device=like.device)

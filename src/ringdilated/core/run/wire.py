@@ -129,8 +129,10 @@ def crossing_kv(
     """Crossing ``i``'s keys and values in kernel layout ``(B, heads, n, D)`` from unpacked
     payload tensors."""
     heads = _crossing_heads(payload, i, tensors[0].device)
-    ks = torch.stack([tensors[slot][:, index] for slot, index in heads], 1)
-    return ks, torch.stack([tensors[slot + 1][:, index] for slot, index in heads], 1)
+    k, v = (
+        torch.stack([tensors[slot + kv][:, index] for slot, index in heads], 1) for kv in (0, 1)
+    )
+    return k, v
 
 
 def gradient_buffers(
