@@ -75,12 +75,7 @@ NativeBackward = Callable[
 
 
 def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool:
-    return (
-        len(pieces) == 1
-        and pieces[0].row_start == 0
-        and pieces[0].row_stop == q_len
-        and (pieces[0].keys == k_len)
-    )
+    return len(pieces) == 1 and pieces[0] == BottomRightPiece(0, q_len, k_len, pieces[0].causal)
 
 
 def forward_in_pieces(

@@ -110,13 +110,12 @@ class Communicator(Protocol):
         ...
 
     def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        """Called on every rank of ``group`` (the group it exchanges on), with each of its
-        ranks' plans and the call's key window, once per planned call (when a call signature
-        is first planned on a layout, or per call without a layout), before its first
-        exchange; later calls of the plan exchange without it. A hybrid's parts are prepared
-        alike, each on its own group. It
-        must not create process groups: ``dist.new_group`` is a collective over the whole
-        default group, which independent groups (those of a mesh) reach at different times."""
+        """Called on every rank of ``group`` (the group it exchanges on), with each of its ranks'
+        plans and the call's key window, once per planned call (when a call signature is first
+        planned on a layout, or per call without a layout), before its first exchange; later calls
+        of the plan exchange without it. A hybrid's parts are prepared alike, each on its own group.
+        It must not create process groups: ``dist.new_group`` is a collective over the whole default
+        group, which independent groups (those of a mesh) reach at different times."""
         ...
 
     def exchange(

@@ -42,9 +42,8 @@ its op's failures may repair less: ``sdpa``'s CPU path, ``ringdilated.backends.s
 conformance kit's ``non-finite`` and ``non-finite-gradients`` checks hold every kernel to the
 rule.
 
-:func:`all_finite` and :func:`inputs_finite` read the host (one summing pass and one read); they
-remain for code that wants a yes/no answer off the hot path. The built-in kernels no longer call
-them, and the driver no longer fills ``BlockOptions.finite`` (deprecated, always ``None``).
+:func:`all_finite` and :func:`inputs_finite` read the host: for code that wants a yes/no answer
+off the hot path.
 """
 
 from __future__ import annotations
@@ -104,10 +103,8 @@ class BlockOptions:
     - ``dropout_p`` and ``dropout_seed``: attention probabilities are zeroed with probability
       ``dropout_p`` and the rest scaled by ``1 / (1 - dropout_p)``. The mask is a pure function of
       the seed and the block's shape and device, so backward regenerates the same mask.
-    - ``finite``: deprecated, kept for one release for plugins that read it. The driver no
-      longer checks a call's inputs on the host and always passes ``None`` (unknown); a kernel
-      meets the non-finite rule on the device (module docstring). Earlier releases passed
-      ``True`` when the call's inputs held no NaN or infinity.
+    - ``finite``: deprecated, kept for one release for plugins that read it: always ``None``
+      (unknown); a kernel meets the non-finite rule on the device (module docstring).
 
     ``causal_offset`` (0.1: ``window.right``, an int or ``None``) is accepted and read for one
     release with a ``DeprecationWarning``.
@@ -172,8 +169,7 @@ def _deprecated_offset() -> None:
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether no element of ``tensors`` is NaN or infinite: one summing pass and **one host
     read** (a sum is non-finite whenever an element is; a sum of finite values that overflows
-    answers ``False`` wrongly). Not for the hot path: the built-in kernels and the driver no
-    longer call it (see :func:`finite_along` for the device-side test)."""
+    answers ``False`` wrongly). Not for the hot path (:func:`finite_along` tests on the device)."""
     if not tensors:
         return True
     totals = [
@@ -184,7 +180,7 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 
 def inputs_finite(options: BlockOptions, *tensors: torch.Tensor) -> bool:
     """``options.finite`` when set, else :func:`all_finite` of ``tensors`` (a host read).
-    Deprecated with ``BlockOptions.finite``; the built-in kernels no longer call it."""
+    Deprecated with ``BlockOptions.finite``."""
     return options.finite if options.finite is not None else all_finite(*tensors)
 
 
@@ -197,15 +193,6 @@ def finite_along(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
         shape = [n for i, n in enumerate(x.shape) if i not in axes]
         return torch.ones(shape, dtype=torch.bool, device=x.device)
     return (x.amax(dims) < _INF) & (x.amin(dims) > -_INF)
-
-
-def _expand_heads(per_kv_head: torch.Tensor, heads: int) -> torch.Tensor:
-    """``(N, Hkv)`` to ``(N, heads)``: query head ``h`` gets key/value head ``h // (heads //
-    Hkv)``'s entry (expand and reshape: no ``repeat_interleave``, whose tensor form reads the
-    host)."""
-    n, kv_heads = per_kv_head.shape
-    group = heads // kv_heads
-    return per_kv_head.unsqueeze(-1).expand(n, kv_heads, group).reshape(n, heads)
 
 
 #: Below this many elements :func:`_poison` reduces ``x - x`` (fewest operations: tiny blocks
@@ -253,11 +240,8 @@ def mark_non_finite_rows(
     (:meth:`BlockOptions.mark_empty_rows`)."""
     n, heads, q_len = q.shape[:3]
     kv_heads = k.shape[1]
-    if not (n and heads and kv_heads):  # nothing to mark (and no grouping to divide)
-        if options is not None:
-            options.mark_empty_rows(out, lse)
-        return
-    if q_len and not _empty(q, (-1,)):
+    # Without problems or query rows there is nothing to mark (and no grouping to divide).
+    if n and heads and kv_heads and q_len and not _empty(q, (-1,)):
         poison = _poison((q,), (-1,))  # (N, H, Lq)
         if not _empty(k, (-2, -1)):
             per_problem = _poison((k, v), (-2, -1)).view(n, kv_heads, 1, 1)
@@ -309,7 +293,9 @@ def mark_non_finite_problems(
     poison = per_head.view(n, kv_heads, group).sum(-1)  # (N, Hkv)
     if not forward_marked and not _empty(k, dims):
         poison = poison + _poison((k, v), dims)
-    q_poison = _expand_heads(poison, heads).view(n, heads, 1, 1)
+    # Query head h gets key/value head h // group's: expand, not repeat_interleave (its tensor
+    # form reads the host).
+    q_poison = poison.unsqueeze(-1).expand(n, kv_heads, group).reshape(n, heads, 1, 1)
     kv_poison = poison.view(n, kv_heads, 1, 1)  # view, not [..., None]: fake CUDA tensors
     q_len, k_len = lse.shape[-1], k.shape[-2]
     if q_len and k_len:

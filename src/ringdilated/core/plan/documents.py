@@ -161,12 +161,9 @@ def read_documents(cu_seqlens: object, length: int | None) -> Documents:
             f"cu_seqlens must be a 1-D integer torch.Tensor [0, e_1, ..., L], got "
             f"{type(cu_seqlens).__name__}"
         )
-    if (
-        cu_seqlens.dtype.is_floating_point
-        or cu_seqlens.is_complex()
-        or cu_seqlens.dtype == torch.bool
-    ):
-        raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype}")
+    dtype = cu_seqlens.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor, got {dtype}")
     if cu_seqlens.dim() != 1:
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"

@@ -22,6 +22,7 @@ Every rank computes the same shares from the same arguments: nothing about them 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import attrs
 
@@ -73,9 +74,8 @@ def deal_heads(
     unit_cost = [sum(costs[h] for h in unit) for unit in units]
     if pattern.mode == "longnet" or len(set(unit_cost)) == 1:
         base, extra = divmod(len(units), world_size)
-        counts = [base + (r < extra) for r in range(world_size)]
-        starts = [sum(counts[:r]) for r in range(world_size)]
-        owned = [list(range(starts[r], starts[r] + counts[r])) for r in range(world_size)]
+        bounds = itertools.accumulate((base + (r < extra) for r in range(world_size)), initial=0)
+        owned = [list(range(first, stop)) for first, stop in itertools.pairwise(bounds)]
     else:
         owned = _longest_first(unit_cost, world_size)
     shares = []
@@ -118,7 +118,7 @@ def share_blocks(
     for block in blocks:
         run = block.heads
         mine = [h for h in range(run.q_start, run.q_stop) if h in local_q]
-        for first, stop in _consecutive(mine):
+        for first, stop in consecutive_runs(mine):
             for part in split_by_kv(first, stop, group):
                 heads = HeadRun(
                     local_q[part.q_start],
@@ -130,7 +130,7 @@ def share_blocks(
     return tuple(out)
 
 
-def _consecutive(heads: list[int]) -> list[tuple[int, int]]:
+def consecutive_runs(heads: list[int]) -> list[tuple[int, int]]:
     """Maximal runs ``[first, stop)`` of consecutive integers in sorted ``heads``."""
     runs: list[tuple[int, int]] = []
     for h in heads:

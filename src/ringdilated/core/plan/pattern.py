@@ -16,6 +16,7 @@ Call flow::
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
@@ -212,13 +213,11 @@ class DilationPattern:
         ``head_groups``: group ``i`` uses offset ``i % r_i``. ``longnet``: under pattern ``i``,
         head ``h`` uses offset ``(h * r_i) // H``; runs with no heads are left out.
         """
-        runs: list[tuple[int, int, int, int]] = []
         if self.mode == "head_groups":
-            start = 0
-            for i, size in enumerate(self.group_sizes(num_heads)):
-                runs.append((i, i % self.dilation_rates[i], start, start + size))
-                start += size
-            return tuple(runs)
+            bounds = (0, *itertools.accumulate(self.group_sizes(num_heads)))
+            rates = enumerate(self.dilation_rates)
+            return tuple((i, i % r, bounds[i], bounds[i + 1]) for i, r in rates)
+        runs: list[tuple[int, int, int, int]] = []
         # Walk the heads, not the offsets: the work is O(H) whatever the rate (a rate of 2**62
         # must not loop 2**62 times).
         for i, r in enumerate(self.dilation_rates):
@@ -267,17 +266,12 @@ def split_by_kv(first: int, stop: int, group: int) -> list[HeadRun]:
     runs: list[HeadRun] = []
     h = first
     while h < stop:
-        if h % group:
-            # A run inside one key/value head: up to the next boundary.
+        end = h if h % group else h + (stop - h) // group * group  # whole key/value heads
+        if end == h:  # a run inside one key/value head: up to the next boundary
             end = min(stop, (h // group + 1) * group)
             runs.append(HeadRun(h, end, h // group, h // group + 1))
         else:
-            end = h + (stop - h) // group * group
-            if end == h:
-                end = stop
-                runs.append(HeadRun(h, end, h // group, h // group + 1))
-            else:
-                runs.append(HeadRun(h, end, h // group, end // group))
+            runs.append(HeadRun(h, end, h // group, end // group))
         h = end
     return runs
 

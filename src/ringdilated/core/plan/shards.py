@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
+from collections.abc import Iterable
 
 import attrs
 
@@ -61,10 +62,7 @@ class Crossing:
     pieces: tuple[Piece, ...]
 
     def piece(self, rank: int) -> Piece | None:
-        for piece in self.pieces:
-            if piece.rank == rank:
-                return piece
-        return None
+        return next((piece for piece in self.pieces if piece.rank == rank), None)
 
     def sends(self, src: int, dst: int, window: KeyWindow) -> bool:
         """Whether ``src``'s piece goes to ``dst``: both take part, and ``window``'s send rule
@@ -130,10 +128,29 @@ class Payload:
         return bool(self.crossings)
 
 
-def _piece_positions(piece: Piece) -> range:
+def _piece_positions(crossing: Crossing, rank: int) -> range:
+    """The selected positions (local to ``rank``) of ``rank``'s piece of ``crossing``."""
+    piece = crossing.piece(rank)
+    assert piece is not None
     sel = piece.selection
     first = sel.start + sel.offset
     return range(first, first + sel.count * sel.rate, sel.rate)
+
+
+def _union(crossings: Iterable[Crossing], src: int) -> dict[int, set[int]]:
+    """Per key/value head, the positions of ``src``'s pieces of ``crossings`` that read it."""
+    union: dict[int, set[int]] = {}
+    for c in crossings:
+        positions = _piece_positions(c, src)
+        for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
+            union.setdefault(h, set()).update(positions)
+    return union
+
+
+def _broadcast_crossings(plan: ShardPlan, window: KeyWindow) -> tuple[Crossing, ...]:
+    """The crossings whose piece ``plan.rank`` sends to some peer."""
+    me = plan.rank
+    return tuple(c for c in plan.crossings if any(c.sends(me, x.rank, window) for x in c.pieces))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -146,11 +163,7 @@ def payload(plan: ShardPlan, src: int, dst: int, window: KeyWindow) -> Payload:
 def broadcast_payload(plan: ShardPlan, window: KeyWindow) -> Payload:
     """What ``plan.rank`` sends when it sends one payload to every peer at once (a collective):
     the union of its payloads to each peer. A receiver finds its own payload inside it."""
-    me = plan.rank
-    wanted = tuple(
-        c for c in plan.crossings if any(c.sends(me, y, window) for y in range(plan.world_size))
-    )
-    return _payload(wanted, me)
+    return _payload(_broadcast_crossings(plan, window), plan.rank)
 
 
 def payload_positions(plan: ShardPlan, window: KeyWindow) -> dict[int, int]:
@@ -159,64 +172,44 @@ def payload_positions(plan: ShardPlan, window: KeyWindow) -> dict[int, int]:
     (key/value head, position) pairs it sends ``dst``. Work in the crossings' participants, not
     in the world size."""
     me = plan.rank
-    union: dict[int, dict[int, set[int]]] = {}
+    sent: dict[int, list[Crossing]] = {}
     for c in plan.crossings:
-        piece = c.piece(me)
-        assert piece is not None
-        positions = _piece_positions(piece)
         for other in c.pieces:
             if c.sends(me, other.rank, window):
-                heads = union.setdefault(other.rank, {})
-                for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
-                    heads.setdefault(h, set()).update(positions)
-    return {dst: sum(len(p) for p in heads.values()) for dst, heads in union.items()}
+                sent.setdefault(other.rank, []).append(c)
+    return {dst: sum(map(len, _union(cs, me).values())) for dst, cs in sent.items()}
 
 
 def broadcast_positions(plan: ShardPlan, window: KeyWindow) -> int:
     """``broadcast_payload(plan, window).positions_count``, without building the payload."""
-    me = plan.rank
-    union: dict[int, set[int]] = {}
-    for c in plan.crossings:
-        if any(c.sends(me, other.rank, window) for other in c.pieces):
-            piece = c.piece(me)
-            assert piece is not None
-            for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
-                union.setdefault(h, set()).update(_piece_positions(piece))
-    return sum(len(p) for p in union.values())
+    return sum(map(len, _union(_broadcast_crossings(plan, window), plan.rank).values()))
 
 
 def _payload(crossings: tuple[Crossing, ...], src: int) -> Payload:
-    union: dict[int, set[int]] = {}
-    for c in crossings:
-        piece = c.piece(src)
-        assert piece is not None
-        for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
-            union.setdefault(h, set()).update(_piece_positions(piece))
+    union = _union(crossings, src)
     heads = tuple(sorted(union))
     positions = tuple(tuple(sorted(union[h])) for h in heads)
     where = {h: {p: i for i, p in enumerate(pos)} for h, pos in zip(heads, positions, strict=True)}
-    index = []
-    for c in crossings:
-        piece = c.piece(src)
-        assert piece is not None
-        own = _piece_positions(piece)
-        index.append(
-            tuple(
-                tuple(where[h][p] for p in own)
-                for h in range(c.block.heads.kv_start, c.block.heads.kv_stop)
-            )
+    index = tuple(
+        tuple(
+            tuple(where[h][p] for p in _piece_positions(c, src))
+            for h in range(c.block.heads.kv_start, c.block.heads.kv_stop)
         )
-    return Payload(crossings, heads, positions, tuple(index))
+        for c in crossings
+    )
+    return Payload(crossings, heads, positions, index)
 
 
-def _local(selection: Selection, lo: int, hi: int, shard_start: int) -> Selection | None:
-    """The selected positions of ``selection``'s single segment that lie in ``[lo, hi)``, local."""
-    first = selection.start + selection.offset
+def _local(segment: Selection, starts: tuple[int, ...], rank: int) -> Selection | None:
+    """The selected positions of ``segment`` (a single segment) in ``rank``'s shard, local to it
+    (``starts``: where each shard begins, then the sequence length)."""
+    lo, hi = max(segment.start, starts[rank]), min(segment.stop, starts[rank + 1])
+    first = segment.start + segment.offset
     if first < lo:
-        first += -(-(lo - first) // selection.rate) * selection.rate
+        first += -(-(lo - first) // segment.rate) * segment.rate
     if first >= hi:
         return None
-    return Selection(lo - shard_start, 1, hi - lo, selection.rate, first - lo)
+    return Selection(lo - starts[rank], 1, hi - lo, segment.rate, first - lo)
 
 
 def shard_starts(
@@ -289,12 +282,7 @@ def shard_plan(
             pieces = []
             owner = bisect.bisect_right(starts, segment.start) - 1
             for x in range(owner, bisect.bisect_left(starts, segment.stop)):
-                piece = _local(
-                    segment,
-                    max(segment.start, starts[x]),
-                    min(segment.stop, starts[x + 1]),
-                    starts[x],
-                )
+                piece = _local(segment, starts, x)
                 if piece is not None:
                     pieces.append(Piece(x, piece))
             if any(p.rank == rank for p in pieces):

@@ -9,7 +9,7 @@ Call flow on every rank (the same steps in the same order)::
     exchange.start()                              # step 1 in flight before any local work
     for step, received in exchange:               # step t+1 already in flight while t computes
         ... compute with received pieces ...
-        exchange.return_gradients(step, grads)    # backward: start sending them back (async)
+        exchange.return_gradients(step, grads, dk, dv)  # backward: send them back (async)
     exchange.finish(dk, dv)                       # backward: wait, add what came back
 
 At most two steps of pieces and one step of returned gradients are alive at a time, so memory per
@@ -51,15 +51,9 @@ class _Done:
 
 
 @attrs.define
-class _Step:
-    peers: tuple[int, ...]
-    pending: Pending
-    recvs: dict[int, torch.Tensor]
-
-
-@attrs.define
-class _Return:
-    """Gradients sent back at one step: the receives to wait for and add in."""
+class _InFlight:
+    """One exchange started: a step's pieces, or the gradients sent back at one step; the
+    receives to wait for."""
 
     pending: Pending
     recvs: dict[int, torch.Tensor]
@@ -91,10 +85,9 @@ class PieceExchange:
         self.k, self.v, self.stats = k, v, stats
         self.batch, self.head_dim = k.shape[0], k.shape[3]
         self.steps = communicator.schedule(rank, len(plans))
-        self.window = window
-        self.broadcast = broadcast
-        self._next: _Step | None = None
-        self._returning: _Return | None = None
+        self.window, self.broadcast = window, broadcast
+        self._next: _InFlight | None = None
+        self._returning: _InFlight | None = None
 
     def payload(self, src: int, dst: int) -> Payload:
         return payload(self.plan, src, dst, self.window)
@@ -106,42 +99,38 @@ class PieceExchange:
             self.stats.record(sends, recvs)
         return self.communicator.exchange(self.group, sends, recvs, uniform=uniform)
 
+    def _numel(self, payload: Payload) -> int:
+        """Elements of ``payload``'s flat tensor (its keys and values, or their gradients)."""
+        return wire.numel(payload, self.batch, self.head_dim)
+
     def _broadcast(self, src: int) -> Payload:
         return broadcast_payload(self.plans[src], self.window)
 
-    def _start_broadcast(self, peers: tuple[int, ...]) -> _Step:
+    def _start_broadcast(self, peers: tuple[int, ...]) -> _InFlight:
         """Send this rank's broadcast payload to every peer; receive theirs. All are padded to
         the group's largest, so a collective of equal sizes can move them."""
-        sizes = [
-            wire.numel(self._broadcast(r), self.batch, self.head_dim)
-            for r in range(len(self.plans))
-        ]
+        sizes = [self._numel(self._broadcast(r)) for r in range(len(self.plans))]
         width = max(sizes)
         if width == 0:
-            return _Step(peers, _Done(), {})
+            return _InFlight(_Done(), {})
         mine = self._broadcast(self.rank)
         padding = self.k.new_zeros(width - sizes[self.rank])
         flat = torch.cat([wire.pack(mine, self.k, self.v), padding]) if mine else padding
         sends = dict.fromkeys(peers, flat)
         recvs = {p: self.k.new_empty(width) for p in peers}
-        return _Step(peers, self._exchange(sends, recvs, uniform=True), recvs)
+        return _InFlight(self._exchange(sends, recvs, uniform=True), recvs)
 
-    def _start(self, index: int) -> _Step:
+    def _start(self, index: int) -> _InFlight:
         me = self.rank
         peers = self.steps[index]
         if self.broadcast:
             return self._start_broadcast(peers)
-        sends, recvs = {}, {}
-        for peer in peers:
-            outgoing = self.payload(me, peer)
-            if outgoing:
-                sends[peer] = wire.pack(outgoing, self.k, self.v)
-            incoming = self.payload(peer, me)
-            if incoming:
-                size = wire.numel(incoming, self.batch, self.head_dim)
-                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
-        contents = {(p.heads, p.positions) for p in (self.payload(me, x) for x in sends)}
-        return _Step(peers, self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
+        outgoing = {peer: self.payload(me, peer) for peer in peers}
+        incoming = {peer: self.payload(peer, me) for peer in peers}
+        sends = {peer: wire.pack(p, self.k, self.v) for peer, p in outgoing.items() if p}
+        recvs = {peer: self.k.new_empty(self._numel(p)) for peer, p in incoming.items() if p}
+        contents = {(outgoing[x].heads, outgoing[x].positions) for x in sends}
+        return _InFlight(self._exchange(sends, recvs, uniform=len(contents) == 1), recvs)
 
     def start(self) -> None:
         """Put the first step in flight (call before local work, to overlap it)."""
@@ -151,7 +140,6 @@ class PieceExchange:
     def __iter__(self) -> Iterator[tuple[int, list[Received]]]:
         """Yield ``(step, received)`` for every step of the schedule."""
         self.start()
-        me = self.rank
         for index in range(len(self.steps)):
             current = self._next
             assert current is not None
@@ -159,7 +147,7 @@ class PieceExchange:
             current.pending.wait()
             received = []
             for src, flat in current.recvs.items():
-                incoming = self.payload(src, me)
+                incoming = self.payload(src, self.rank)
                 if self.broadcast:
                     if not incoming:
                         continue  # a piece for other peers
@@ -179,27 +167,21 @@ class PieceExchange:
         receiving the gradients of this rank's own pieces from ``step``'s peers. The previous
         step's return is completed first (added into ``dk``, ``dv``), so one is in flight."""
         self._complete(dk, dv)
-        me = self.rank
         sends = {
             src: torch.cat([g.to(self.k.dtype).reshape(-1) for g in buffers])
             for src, buffers in grads.items()
         }
-        recvs = {}
-        for peer in self.steps[step]:
-            mine = self.payload(me, peer)
-            if mine:
-                size = wire.numel(mine, self.batch, self.head_dim)
-                recvs[peer] = torch.empty(size, dtype=self.k.dtype, device=self.k.device)
-        self._returning = _Return(self._exchange(sends, recvs, uniform=False), recvs)
+        mine = {peer: self.payload(self.rank, peer) for peer in self.steps[step]}
+        recvs = {peer: self.k.new_empty(self._numel(p)) for peer, p in mine.items() if p}
+        self._returning = _InFlight(self._exchange(sends, recvs, uniform=False), recvs)
 
     def _complete(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
         if self._returning is None:
             return
         returning, self._returning = self._returning, None
         returning.pending.wait()
-        me = self.rank
         for peer, flat in returning.recvs.items():
-            mine = self.payload(me, peer)
+            mine = self.payload(self.rank, peer)
             returned = wire.unpack(flat, mine, self.batch, self.head_dim)
             wire.scatter_add_returned(dk, dv, mine, returned)
 

@@ -5,8 +5,7 @@ One exchange with every peer turns the shards into heads: each rank receives eve
 its share of the query heads, and of the key/value heads they read
 (:func:`~ringdilated.core.plan.heads.deal_heads`), attends them over the whole sequence exactly as
 one process would (the single-process :class:`~ringdilated.core.run.local.LocalRun` on the share's
-blocks,
-with no crossing segments at all), and a second exchange returns each rank's positions of
+blocks, with no crossing segments at all), and a second exchange returns each rank's positions of
 ``out`` and ``lse``. Backward exchanges ``q``, ``k``, ``v``, ``out``, ``lse``, ``dout`` and ``dlse``
 the same way, runs the single-process backward, and returns ``dq``, ``dk`` and ``dv``; a key/value
 head shared by several ranks (fewer key/value heads than ranks) gets the sum of their
@@ -20,7 +19,8 @@ bytes, each in its own dtype. Memory per rank is that of one process attending i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -35,14 +35,13 @@ __all__ = ["HeadParallelRun"]
 @attrs.frozen
 class HeadParallelRun:
     """A head-parallel call's fixed parts: ``inner``, an
-    :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over
-    the whole sequence (a :class:`~ringdilated.core.run.local.LocalRun`), or over the chunk of the
+    :class:`~ringdilated.core.run.local.Executor`, attends this rank's share of the heads over the
+    whole sequence (a :class:`~ringdilated.core.run.local.LocalRun`), or over the chunk of the
     group's shards, with pieces from other chunks (a
     :class:`~ringdilated.core.run.sharded.ShardedRun` across a grid's outer group: ``hybrid``);
-    ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or
-    chunk) sequence, then its length. Built once per plan; the index tensors of the heads each
-    rank holds are made once per device and kept. A call's dropout seed is its part
-    ``("heads", rank)``: local head 0 of every rank is another head."""
+    ``shares`` every rank's heads; ``starts`` where each rank's shard begins in the (whole or chunk)
+    sequence, then its length. Built once per plan (its index tensors once per device). A call's
+    dropout seed is its part ``("heads", rank)``: local head 0 of every rank is another head."""
 
     inner: Executor
     shares: tuple[HeadShare, ...]
@@ -83,12 +82,8 @@ class HeadParallelRun:
         received = self._to_heads(parts, call.stats)
         qh, kh, vh, out_h, lse_h, dout_h = received[:6]
         dlse_h = received[6].transpose(1, 2) if call.lse_used else None
-        inner_call = call.derive("heads", self.rank)
-        dq_h, dk_h, dv_h = self.inner.backward(
-            BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2)),
-            inner_call,
-            cast=False,
-        )
+        held = BackwardInputs(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.transpose(1, 2))
+        dq_h, dk_h, dv_h = self.inner.backward(held, call.derive("heads", self.rank), cast=False)
         dq = self._to_sequence([(dq_h.to(q.dtype), "q", 1)], q.shape[2], call.stats)[0]
         if not self.shared_kv:
             dk_h, dv_h = dk_h.to(k.dtype), dv_h.to(v.dtype)
@@ -120,27 +115,31 @@ class HeadParallelRun:
 
     def _swap(
         self,
-        sends: dict[int, list[torch.Tensor]],
-        layouts: dict[int, list[tuple[tuple[int, ...], torch.dtype]]],
+        send: Callable[[int], list[torch.Tensor]],
+        layout: Callable[[int], list[tuple[tuple[int, ...], torch.dtype]]],
         device: torch.device,
         stats: TransferStats | None,
-    ) -> dict[int, list[torch.Tensor]]:
-        """Send each peer its tensors and receive from each peer tensors of the given shapes and
-        dtypes: one exchange of bytes, every tensor in its own dtype. Within a buffer the
-        tensors go widest dtype first, so each starts at a multiple of its item size (a float32
-        after an odd number of float16 values could not be viewed); both ends order alike."""
+    ) -> list[list[torch.Tensor]]:
+        """Every rank's tensors for this one, in rank order: its own ``send(rank)``, and from each
+        peer tensors of ``layout(peer)``'s shapes and dtypes, for ``send(peer)`` sent to it: one
+        exchange of bytes, every tensor in its own dtype. Within a buffer the tensors go widest
+        dtype first, so each starts at a multiple of its item size (a float32 after an odd number
+        of float16 values could not be viewed); both ends order alike."""
 
         def widest_first(dtypes: Sequence[torch.dtype]) -> list[int]:
-            return sorted(range(len(dtypes)), key=lambda j: (-_itemsize(dtypes[j]), j))
+            return sorted(range(len(dtypes)), key=lambda j: (-dtypes[j].itemsize, j))
 
-        flat = {}
-        for y, tensors in sends.items():
+        def as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
             order = widest_first([t.dtype for t in tensors])
-            flat[y] = torch.cat([_as_bytes(tensors[j]) for j in order])
-        orders = {src: widest_first([d for _, d in layout]) for src, layout in layouts.items()}
+            return torch.cat([tensors[j].contiguous().view(-1).view(torch.uint8) for j in order])
+
+        me, world = self.rank, len(self.shares)
+        flat = {y: as_bytes(send(y)) for y in range(world) if y != me}
+        layouts = {src: layout(src) for src in flat}
+        orders = {src: widest_first([d for _, d in shapes]) for src, shapes in layouts.items()}
         sizes = {
-            src: [_numel(layout[j][0]) * _itemsize(layout[j][1]) for j in orders[src]]
-            for src, layout in layouts.items()
+            src: [math.prod(shapes[j][0]) * shapes[j][1].itemsize for j in orders[src]]
+            for src, shapes in layouts.items()
         }
         recvs = {
             src: torch.empty(sum(n), dtype=torch.uint8, device=device) for src, n in sizes.items()
@@ -148,42 +147,33 @@ class HeadParallelRun:
         if stats is not None:
             stats.record(flat, recvs)
         self.communicator.exchange(self.group, flat, recvs, uniform=False).wait()
-        received = {}
-        for src, layout in layouts.items():
-            parts: list[torch.Tensor | None] = [None] * len(layout)
-            for j, raw in zip(orders[src], torch.split(recvs[src], sizes[src]), strict=True):
-                shape, dtype = layout[j]
-                parts[j] = raw.view(dtype).view(shape)
-            received[src] = [p for p in parts if p is not None]
-        return received
+        received = {me: send(me)}
+        for src, shapes in layouts.items():
+            raws = dict(zip(orders[src], torch.split(recvs[src], sizes[src]), strict=True))
+            received[src] = [
+                raws[j].view(dtype).view(shape) for j, (shape, dtype) in enumerate(shapes)
+            ]
+        return [received[y] for y in range(world)]
 
     def _to_heads(
         self, parts: Sequence[tuple[torch.Tensor, str]], stats: TransferStats | None
     ) -> list[torch.Tensor]:
         """Sequence shards ``(B, n_r, heads, ...)`` to this rank's heads at every position
         ``(B, L, share, ...)``: one exchange for every part."""
-        me, world = self.rank, len(self.shares)
         device = parts[0][0].device
 
-        def piece(x: torch.Tensor, kind: str, rank: int) -> torch.Tensor:
-            return x.index_select(2, self._index(rank, kind, device))
+        def pieces(rank: int) -> list[torch.Tensor]:
+            return [x.index_select(2, self._index(rank, kind, device)) for x, kind in parts]
 
         def layout(src: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
             n = self.starts[src + 1] - self.starts[src]
             return [
-                ((x.shape[0], n, len(self._heads(me, kind)), *x.shape[3:]), x.dtype)
+                ((x.shape[0], n, len(self._heads(self.rank, kind)), *x.shape[3:]), x.dtype)
                 for x, kind in parts
             ]
 
-        peers = [y for y in range(world) if y != me]
-        received = self._swap(
-            {y: [piece(x, kind, y) for x, kind in parts] for y in peers},
-            {src: layout(src) for src in peers},
-            device,
-            stats,
-        )
-        received[me] = [piece(x, kind, me) for x, kind in parts]
-        return [torch.cat([received[src][i] for src in range(world)], 1) for i in range(len(parts))]
+        received = self._swap(pieces, layout, device, stats)
+        return [torch.cat(column, 1) for column in zip(*received, strict=True)]
 
     def _to_sequence(
         self,
@@ -196,55 +186,32 @@ class HeadParallelRun:
         is ``(tensor, kind, dim)`` with the sequence in ``dim`` (1, or 2 for an lse) and its
         heads in the other of dims 1 and 2. ``summed``: a head held by several ranks gets the sum
         of theirs (else each head is held by one rank)."""
-        me, world = self.rank, len(self.shares)
-        device = parts[0][0].device
-        n = self.starts[me + 1] - self.starts[me]
+        device, starts = parts[0][0].device, self.starts
+        n = starts[self.rank + 1] - starts[self.rank]
 
-        def window(x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
-            return x.narrow(dim, self.starts[rank], self.starts[rank + 1] - self.starts[rank])
+        def windows(rank: int) -> list[torch.Tensor]:
+            return [
+                x.narrow(dim, starts[rank], starts[rank + 1] - starts[rank]) for x, _, dim in parts
+            ]
 
         def shape(x: torch.Tensor, dim: int, heads: int) -> tuple[int, ...]:
             size = list(x.shape)
             size[dim], size[3 - dim] = n, heads
             return tuple(size)
 
-        peers = [y for y in range(world) if y != me]
-        received = self._swap(
-            {y: [window(x, dim, y) for x, _, dim in parts] for y in peers},
-            {
-                src: [
-                    (shape(x, dim, len(self._heads(src, kind))), x.dtype) for x, kind, dim in parts
-                ]
-                for src in peers
-            },
-            device,
-            stats,
-        )
-        received[me] = [window(x, dim, me) for x, _, dim in parts]
+        def layout(src: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+            return [(shape(x, dim, len(self._heads(src, kind))), x.dtype) for x, kind, dim in parts]
+
+        received = self._swap(windows, layout, device, stats)
         results = []
         for i, (x, kind, dim) in enumerate(parts):
             fill = torch.zeros if summed else torch.empty
             result = fill(shape(x, dim, num_heads), dtype=x.dtype, device=device)
-            for src in range(world):
+            for src, tensors in enumerate(received):
                 index = self._index(src, kind, device)
                 if summed:
-                    result.index_add_(3 - dim, index, received[src][i])
+                    result.index_add_(3 - dim, index, tensors[i])
                 else:
-                    result.index_copy_(3 - dim, index, received[src][i])
+                    result.index_copy_(3 - dim, index, tensors[i])
             results.append(result)
         return results
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().reshape(-1).view(torch.uint8)

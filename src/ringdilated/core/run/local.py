@@ -35,7 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import attrs
 import torch
@@ -45,6 +45,7 @@ from ringdilated.core.contract.communicator import TransferStats
 from ringdilated.core.contract.guard import CheckedKernel
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.documents import DocumentLayout
+from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.select.capabilities import UNLIMITED, BatchLimit
@@ -156,43 +157,25 @@ def selection_view(
     strides: Sequence[int],
     batches: slice,
     heads: tuple[int, int],
-    head_dim: int,
+    head_dim: int | None,
     origin: int = 0,
 ) -> StridedView:
     """The kernel-layout view ``(N = rows x segments, heads, count, D)`` of ``selection`` in a
     ``(B, T, H, D)`` tensor of ``strides`` (``T`` counting from position ``origin``), rows
-    ``batches``, heads ``[heads[0], heads[1])``. The caller checked that rows and segments merge
-    (:func:`mergeable`). The arithmetic of :meth:`Selection.view`, done once instead of per call."""
-    sb, st, sh, sd = strides
+    ``batches``, heads ``[heads[0], heads[1])``; with no ``head_dim``, ``(N, heads, count)`` of
+    an lse whose ``(B, T, H)`` strides are ``strides``. The caller checked that rows and segments
+    merge (:func:`mergeable`). The arithmetic of :meth:`Selection.view`, done once instead of per
+    call."""
+    sb, st, sh = strides[:3]
     rows, segments = batches.stop - batches.start, selection.num_segments
     span = selection.segment_length - selection.offset
     step = min(selection.rate, max(1, span))  # never a stride of rate * st (int64 overflow)
     n_stride = sb if segments == 1 else selection.segment_length * st
     offset = batches.start * sb + (selection.start - origin + selection.offset) * st + heads[0] * sh
-    return StridedView(
-        (rows * segments, heads[1] - heads[0], selection.count, head_dim),
-        (n_stride, sh, step * st, sd),
-        offset,
-    )
-
-
-def lse_view(
-    selection: Selection,
-    strides: Sequence[int],
-    batches: slice,
-    heads: tuple[int, int],
-    origin: int,
-) -> StridedView:
-    """``(N, heads, count)`` of an lse ``(B, H, T)`` of ``strides`` (see :func:`selection_view`)."""
-    lb, lh, lt = strides
-    rows, segments = batches.stop - batches.start, selection.num_segments
-    span = selection.segment_length - selection.offset
-    step = min(selection.rate, max(1, span))
-    n_stride = lb if segments == 1 else selection.segment_length * lt
-    offset = batches.start * lb + (selection.start - origin + selection.offset) * lt + heads[0] * lh
-    return StridedView(
-        (rows * segments, heads[1] - heads[0], selection.count), (n_stride, lh, step * lt), offset
-    )
+    size = (rows * segments, heads[1] - heads[0], selection.count)
+    if head_dim is None:
+        return StridedView(size, (n_stride, sh, step * st), offset)
+    return StridedView((*size, head_dim), (n_stride, sh, step * st, strides[3]), offset)
 
 
 def mergeable(selection: Selection, strides: Sequence[int]) -> bool:
@@ -230,26 +213,20 @@ class _Step:
     options: BlockOptions
     index: int
 
-    def seeded(self, seed: int) -> BlockOptions:
-        """The options with this call's dropout seed (the same for forward and backward)."""
-        if self.options.dropout_p == 0.0:
-            return self.options
-        return attrs.evolve(self.options, dropout_seed=derive_seed(seed, self.index))
 
-
-#: A kernel call fuses steps of one shape while their ``q``, ``k`` and ``v`` views hold at most
-#: this many elements together (a step holding more than half of it runs alone: it would leave
-#: room for little). Below it, gathering the steps' views into one call's inputs costs less than
-#: the calls it saves (each a kernel launch, its non-finite repair and the driver's Python);
-#: above it, each step reads its views in place. Read when a plan's calls are first made.
+#: A kernel call fuses steps of one shape (every size but ``N``) and options, without dropout,
+#: while their ``q``, ``k`` and ``v`` views hold at most this many elements together (a step
+#: holding more than half of it runs alone: it would leave room for little). Below it, gathering
+#: the steps' views into one call's inputs costs less than the calls it saves (each a kernel
+#: launch, its non-finite repair and the driver's Python); above it, each step reads its views in
+#: place. Read when a plan's calls are first made.
 FUSE_ELEMENTS = 1 << 15
 
 
 @attrs.frozen
 class _KernelCall:
     """One kernel call: a single step, reading and writing its views in place, or several small
-    steps of one shape (every size but ``N``) and the same options, without dropout, gathered
-    along ``N`` into one call's inputs and written back from its results.
+    steps (:data:`FUSE_ELEMENTS`) gathered along ``N`` into one call's inputs and written back.
 
     A fused call reads whole rows of ``D`` elements (the last dimension is contiguous in every
     view) through an index of the rows' storage offsets, one indexing op per tensor, and writes
@@ -269,12 +246,13 @@ class _KernelCall:
         return tuple(step.q.size[0] for step in self.steps)
 
     def options(self, seed: int) -> BlockOptions:
-        """The call's options (a fused call's steps have equal ones, without dropout)."""
+        """The call's options (a fused call's steps have equal ones, without dropout), with
+        this call's dropout seed (the same for forward and backward)."""
         first = self.steps[0]
-        if len(self.steps) == 1:
-            return first.seeded(seed)
-        assert first.options.dropout_p == 0.0, "steps with dropout are never fused"
-        return first.options
+        if first.options.dropout_p == 0.0:
+            return first.options
+        assert len(self.steps) == 1, "steps with dropout are never fused"
+        return attrs.evolve(first.options, dropout_seed=derive_seed(seed, first.index))
 
     def gather(self, x: torch.Tensor, side: Callable[[_Step], StridedView]) -> torch.Tensor:
         """The call's input read from ``x`` through each step's ``side`` view (:data:`_Q`, ...)."""
@@ -323,25 +301,20 @@ class _KernelCall:
             found = self._indices[key] = (offsets // side(self.steps[0]).size[-1], extent)
         elif found is None:
             views = [side(step) for step in self.steps]
+            # A view's rows are numbered by its first three dimensions: (N, H, L) of a (N, H, L, D)
+            # view (its last is a contiguous row), all three of an lse's.
             extent = 1 + max(
-                v.offset + sum((n - 1) * stride for n, stride in _row_dims(v)) for v in views
+                v.offset + sum((v.size[d] - 1) * v.stride[d] for d in range(3)) for v in views
             )
             found = self._indices[key] = (_row_offsets(views, device), extent)
         return found
 
 
-def _row_dims(view: StridedView) -> list[tuple[int, int]]:
-    """``(size, stride)`` of the dimensions that number a view's rows: a ``(N, H, L, D)`` view's
-    first three (its last is a contiguous row), an lse's ``(N, H, L)`` all three."""
-    return list(zip(view.size[:3], view.stride[:3], strict=True))
-
-
 def _row_offsets(views: list[StridedView], device: torch.device) -> torch.Tensor:
     """The storage offset of each row of ``views`` (of one shape but ``N``), in order, shaped
     ``(sum of N, H, L)``: each problem's first offset (one ``arange`` per view), plus one
-    ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast.
-    Device ops only (nothing is copied from the host), once per call and device."""
-    (heads, _), (length, _) = _row_dims(views[0])[1:]
+    ``(H, L)`` grid of offsets per run of views with equal head and row strides, broadcast."""
+    heads, length = views[0].size[1:3]
     parts = []
     for (head_stride, row_stride), run in itertools.groupby(views, key=lambda v: v.stride[1:3]):
         firsts = []
@@ -368,11 +341,9 @@ def _span(x: torch.Tensor, extent: int, width: int | None) -> torch.Tensor:
 _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse", "kv_grad"))
 
 
-def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_KernelCall]:
-    """``steps`` as kernel calls: steps of one shape and options without dropout share a call
-    while their ``q``, ``k`` and ``v`` views hold at most :data:`FUSE_ELEMENTS` elements together
-    and their problems fit the kernel's batch ``limit``; the others run alone. Calls keep the
-    order of their first steps."""
+def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> tuple[_KernelCall, ...]:
+    """``steps`` as kernel calls, fused by the rule of :data:`FUSE_ELEMENTS` while their problems
+    fit the kernel's batch ``limit``; calls keep the order of their first steps."""
     open_calls: dict[object, tuple[list[_Step], list[int]]] = {}  # steps; elements, problems
     groups: list[list[_Step]] = []
     for step in steps:
@@ -393,11 +364,7 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> Iterator[_Kern
         group = [step]
         open_calls[key] = (group, [elements, step.q.size[0]])
         groups.append(group)
-    for group in groups:
-        yield _KernelCall(tuple(group))
-
-
-_Geometry = tuple[object, ...]
+    return tuple(_KernelCall(tuple(group)) for group in groups)
 
 
 @attrs.frozen
@@ -417,8 +384,6 @@ class LocalRun:
     ``covers_queries``: every query position of every row lies in a document (no padding), so
     results need no zero fill where a rate-1 block writes; ``covers_keys``: the same for keys,
     which also needs every key to be a query's (no suffix).
-
-    The steps of each input geometry (shapes and strides) are computed on first use and kept.
     """
 
     kernel: Kernel = attrs.field(eq=False)
@@ -433,7 +398,7 @@ class LocalRun:
     query_start: int = 0
     covers_queries: bool = True
     covers_keys: bool = True
-    _calls: dict[_Geometry, tuple[_KernelCall, ...]] = attrs.field(
+    _calls: dict[tuple[object, ...], tuple[_KernelCall, ...]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
     _zero_ranges: dict[tuple[int, bool], tuple[tuple[int, int], ...]] = attrs.field(
@@ -453,7 +418,7 @@ class LocalRun:
         calls = self._calls.get(geometry)
         if calls is None:
             steps = tuple(self._make_steps(q, k, v))
-            calls = self._calls[geometry] = tuple(_kernel_calls(steps, self.batch_limit))
+            calls = self._calls[geometry] = _kernel_calls(steps, self.batch_limit)
         return calls
 
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
@@ -461,38 +426,32 @@ class LocalRun:
         L, Hkv = k.shape[1], k.shape[2]
         q_strides = (Lq * H * D, H * D, D, 1)
         kv_grad_strides = (L * Hkv * D, Hkv * D, D, 1)
-        lse_strides = (Lq * H, 1, H)
+        lse_strides = (Lq * H, H, 1)  # (B, T, H): lse_buffer's memory order
         origin = self.query_start
         index = 0
         for rows in self.rows:
             batches = rows.batches or slice(0, B)
             for block in rows.blocks:
-                queries = block.query_selection
+                sel, run, queries = block.selection, block.heads, block.query_selection
                 # In selected keys; a query suffix ends where the block's keys end.
-                window = self.window.dilated(block.selection.rate)
-                window = window.shifted(block.selection.count - queries.count)
+                window = self.window.dilated(sel.rate).shifted(sel.count - queries.count)
                 options = BlockOptions(self.scale, window, self.dropout_p)
                 # lse_buffer's layout merges exactly when q's does.
                 tiles = mergeable(queries, q_strides) and all(
-                    mergeable(block.selection, s) for s in (k.stride(), v.stride(), kv_grad_strides)
+                    mergeable(sel, s) for s in (k.stride(), v.stride(), kv_grad_strides)
                 )
-                hq = (block.heads.q_start, block.heads.q_stop)
-                hkv = (block.heads.kv_start, block.heads.kv_stop)
-                for chunk_rows, selection in _split(
-                    block.selection,
-                    batches,
-                    tiles,
-                    block.selection.count * block.heads.num_heads * D,
-                    self.chunk_elements,
-                    self.batch_limit.per_call(block.heads.num_kv_heads),
-                ):
+                hq, hkv = (run.q_start, run.q_stop), (run.kv_start, run.kv_stop)
+                most = self.batch_limit.per_call(run.num_kv_heads)
+                per_segment = sel.count * run.num_heads * D
+                chunks = _split(sel, batches, tiles, per_segment, self.chunk_elements, most)
+                for chunk_rows, selection in chunks:
                     qs = selection if block.queries is None else block.queries
                     yield _Step(
                         q=selection_view(qs, q_strides, chunk_rows, hq, D, origin),
                         k=selection_view(selection, k.stride(), chunk_rows, hkv, D),
                         v=selection_view(selection, v.stride(), chunk_rows, hkv, D),
                         kv_grad=selection_view(selection, kv_grad_strides, chunk_rows, hkv, D),
-                        lse=lse_view(qs, lse_strides, chunk_rows, hq, origin),
+                        lse=selection_view(qs, lse_strides, chunk_rows, hq, None, origin),
                         options=options,
                         index=index,
                     )
@@ -503,33 +462,18 @@ class LocalRun:
         is never written, and must start at zero); see :meth:`_result_buffer`. Cached."""
         ranges = self._zero_ranges.get((heads, kv))
         if ranges is None:
-            ranges = self._zero_ranges[heads, kv] = self._zero_heads(heads, kv)
+            covered: set[int] = set()
+            for block in self.blocks:
+                if block.selection.rate == 1:
+                    run = block.heads
+                    first, stop = (run.kv_start, run.kv_stop) if kv else (run.q_start, run.q_stop)
+                    covered.update(range(first, stop))
+            zero = consecutive_runs([h for h in range(heads) if h not in covered])
+            ranges = self._zero_ranges[heads, kv] = tuple(zero)
         return ranges
 
-    def _zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
-        covered = [False] * heads
-        for block in self.blocks:
-            if block.selection.rate == 1:
-                first = block.heads.kv_start if kv else block.heads.q_start
-                stop = block.heads.kv_stop if kv else block.heads.q_stop
-                covered[first:stop] = [True] * (stop - first)
-        ranges: list[tuple[int, int]] = []
-        for h, done in enumerate(covered):
-            if done:
-                continue
-            if ranges and ranges[-1][1] == h:
-                ranges[-1] = (ranges[-1][0], h + 1)
-            else:
-                ranges.append((h, h + 1))
-        return tuple(ranges)
-
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        call: CallState,
-        cast: bool = True,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``; with ``cast=False`` a merging run returns its float32/float64 state.
         ``q`` is contiguous (see :meth:`calls`)."""
@@ -538,19 +482,11 @@ class LocalRun:
         kernel, seed = self.kernel, call.seed
         # Each (position, head) is one block's when exclusive: results are copied, the lse only
         # if read; otherwise partial results are merged in float32/64.
-        if self.exclusive:
-            lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed else None
-            out = self._result_buffer(q, q.dtype, exclusive=self.covers_queries)
-        else:
-            lse = lse_buffer(B, H, Lq, acc, q.device)
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = lse_buffer(B, H, Lq, acc, q.device) if call.lse_needed or not self.exclusive else None
+        out = self._result_buffer(q, once=self.exclusive)
         for kernel_call in self.calls(q, k, v):
-            out_c, lse_c = kernel.forward(
-                kernel_call.gather(q, _Q),
-                kernel_call.gather(k, _K),
-                kernel_call.gather(v, _V),
-                kernel_call.options(seed),
-            )
+            qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
+            out_c, lse_c = kernel.forward(qc, kc, vc, kernel_call.options(seed))
             if self.exclusive:
                 kernel_call.write(out, _Q, out_c)
                 if lse is not None:
@@ -562,15 +498,16 @@ class LocalRun:
             return out, lse  # type: ignore[return-value]
         return (out.to(q.dtype) if cast else out), lse  # type: ignore[return-value]
 
-    def _result_buffer(
-        self, like: torch.Tensor, dtype: torch.dtype, *, exclusive: bool, kv: bool = False
-    ) -> torch.Tensor:
-        """A contiguous buffer shaped like ``like`` for results written by the blocks.
+    def _result_buffer(self, like: torch.Tensor, once: bool, kv: bool = False) -> torch.Tensor:
+        """A contiguous buffer shaped like ``like`` for results written by the blocks: in
+        ``like``'s dtype when each element is written ``once``, else in its accumulation dtype.
 
-        Written once per element, every position in a document (``exclusive``): uninitialised,
-        except heads some position of which no block writes (no rate-1 block covers them),
-        which are zeroed. Otherwise zeros (to add into, or left where no block writes)."""
-        if not exclusive:
+        Written ``once`` per element, every position in a document (``covers_keys`` for ``kv``,
+        else ``covers_queries``): uninitialised, except heads some position of which no block
+        writes (no rate-1 block covers them), which are zeroed. Otherwise zeros (to add into, or
+        left where no block writes)."""
+        dtype = like.dtype if once else accumulation_dtype(like.dtype)
+        if not (once and (self.covers_keys if kv else self.covers_queries)):
             return torch.zeros(like.shape, dtype=dtype, device=like.device)
         buffer = torch.empty(like.shape, dtype=dtype, device=like.device)
         for first, stop in self.zero_heads(like.shape[2], kv):
@@ -580,8 +517,7 @@ class LocalRun:
     def backward(
         self, inputs: BackwardInputs, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers
-        hold."""
+        """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold."""
         dout, dlse, q, k, v, out, lse = inputs
         # A gradient written once per element is written in the input dtype (the kernel's result,
         # no second rounding); one that sums several contributions accumulates in float32/64.
@@ -589,27 +525,15 @@ class LocalRun:
         q_once = self.exclusive and self.complete and dlse is None
         k_once = kv_once and self.complete and dlse is None
         v_once = kv_once and self.complete
-
-        def buffer(like: torch.Tensor, once: bool, kv: bool) -> torch.Tensor:
-            dtype = like.dtype if once else accumulation_dtype(like.dtype)
-            covered = self.covers_keys if kv else self.covers_queries
-            return self._result_buffer(like, dtype, exclusive=once and covered, kv=kv)
-
-        dq, dk, dv = buffer(q, q_once, False), buffer(k, k_once, True), buffer(v, v_once, True)
+        dq = self._result_buffer(q, q_once)
+        dk, dv = self._result_buffer(k, k_once, kv=True), self._result_buffer(v, v_once, kv=True)
         kernel, seed = self.kernel, call.seed
         for kernel_call in self.calls(q, k, v):
             options = kernel_call.options(seed)
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
+            dout_c, out_c = kernel_call.gather(dout, _Q), kernel_call.gather(out, _Q)
             lse_c = kernel_call.gather(lse, _LSE)
-            grads = kernel.backward(
-                kernel_call.gather(dout, _Q),
-                qc,
-                kc,
-                vc,
-                kernel_call.gather(out, _Q),
-                lse_c,
-                options,
-            )
+            grads = kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
             for target, side, grad, once in (
                 (dq, _Q, grads[0], self.exclusive),
                 (dk, _KV_GRAD, grads[1], kv_once),
@@ -695,6 +619,9 @@ def lse_gradient(
     return dq, dk
 
 
+_Results = TypeVar("_Results", bound=tuple[torch.Tensor, ...])
+
+
 class BatchLimitedKernel:
     """``kernel`` with every call split along the problem dimension ``N`` to its
     :class:`~ringdilated.core.select.capabilities.BatchLimit`, results concatenated: for calls the
@@ -704,32 +631,10 @@ class BatchLimitedKernel:
     def __init__(self, kernel: Kernel, limit: BatchLimit) -> None:
         self.kernel, self.limit = kernel, limit
 
-    def _pieces(self, n: int, kv_heads: int) -> list[slice] | None:
-        """Slices of at most the limit, or ``None`` when one call may take all ``n``."""
-        step = self.limit.per_call(kv_heads)
-        if step is None or n <= step:
-            return None
-        return [slice(i, i + step) for i in range(0, n, step)]
-
-    @staticmethod
-    def _options(options: BlockOptions, piece: int) -> BlockOptions:
-        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
-        draw the same mask); forward and backward split alike, so they agree."""
-        if piece == 0 or options.dropout_p == 0.0:
-            return options
-        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pieces = self._pieces(q.shape[0], k.shape[1])
-        if pieces is None:
-            return self.kernel.forward(q, k, v, options)
-        parts = [
-            self.kernel.forward(q[p], k[p], v[p], self._options(options, i))
-            for i, p in enumerate(pieces)
-        ]
-        return torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts])
+        return self._call(self.kernel.forward, (q, k, v), options, k.shape[1])
 
     def backward(
         self,
@@ -741,17 +646,35 @@ class BatchLimitedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pieces = self._pieces(q.shape[0], k.shape[1])
-        if pieces is None:
-            return self.kernel.backward(dout, q, k, v, out, lse, options)
+        inputs = (dout, q, k, v, out, lse)
+        return self._call(self.kernel.backward, inputs, options, k.shape[1])
+
+    def _call(
+        self,
+        method: Callable[..., _Results],
+        inputs: tuple[torch.Tensor, ...],
+        options: BlockOptions,
+        kv_heads: int,
+    ) -> _Results:
+        """``method(*inputs, options)``, in pieces of at most the limit along ``N`` when one call
+        may not take all of it, results concatenated."""
+        n, step = inputs[0].shape[0], self.limit.per_call(kv_heads)
+        if step is None or n <= step:
+            return method(*inputs, options)
         parts = [
-            self.kernel.backward(
-                dout[p], q[p], k[p], v[p], out[p], lse[p], self._options(options, i)
-            )
-            for i, p in enumerate(pieces)
+            method(*(x[i : i + step] for x in inputs), self._options(options, i // step))
+            for i in range(0, n, step)
         ]
-        dq, dk, dv = (torch.cat([part[i] for part in parts]) for i in range(3))
-        return dq, dk, dv
+        results = tuple(torch.cat(part) for part in zip(*parts, strict=True))
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _options(options: BlockOptions, piece: int) -> BlockOptions:
+        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
+        draw the same mask); forward and backward split alike, so they agree."""
+        if piece == 0 or options.dropout_p == 0.0:
+            return options
+        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
 
 
 class Executor(Protocol):
@@ -813,11 +736,7 @@ def as_lse_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, H, L)`` in the layout of :func:`lse_buffer` (a copy unless it already is)."""
     if x.stride() == (x.shape[1] * x.shape[2], 1, x.shape[1]):
         return x
-    return (
-        torch.empty((x.shape[0], x.shape[2], x.shape[1]), dtype=x.dtype, device=x.device)
-        .transpose(1, 2)
-        .copy_(x)
-    )
+    return x.new_empty((x.shape[0], x.shape[2], x.shape[1])).transpose(1, 2).copy_(x)
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
@@ -896,18 +815,15 @@ def pattern_run(
     heads, dim = q.shape[2], q.shape[3]
     layout = layout or DocumentLayout.whole(batch, length, q.shape[1])
     rows: tuple[RowBlocks, ...]
-    if blocks is not None:
-        rows = (RowBlocks(None, blocks),)
-    elif layout.is_whole:
-        rows = (RowBlocks(None, pattern.blocks(length, heads, kv_heads)),)
-    else:
+    if blocks is None and not layout.is_whole:
+        start = layout.query_start
         rows = tuple(
-            RowBlocks(
-                r.batches,
-                pattern.document_blocks(r.documents, heads, kv_heads, layout.query_start),
-            )
+            RowBlocks(r.batches, pattern.document_blocks(r.documents, heads, kv_heads, start))
             for r in layout.rows
         )
+    else:
+        whole = pattern.blocks(length, heads, kv_heads) if blocks is None else blocks
+        rows = (RowBlocks(None, whole),)
     covers = layout.covers_all
     return LocalRun(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),

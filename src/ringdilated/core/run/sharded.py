@@ -28,6 +28,8 @@ communication.
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 
@@ -63,9 +65,7 @@ class ShardedRun:
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
     broadcast: bool = attrs.field(kw_only=True)
-    _options: dict[tuple[int, bool], BlockOptions] = attrs.field(
-        factory=dict, eq=False, repr=False, init=False
-    )
+    _options: dict[bool, BlockOptions] = attrs.field(factory=dict, eq=False, repr=False, init=False)
 
     @property
     def plan(self) -> ShardPlan:
@@ -80,45 +80,33 @@ class ShardedRun:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of this rank's shard: the inner blocks, then each crossing's partials,
-        this rank's own piece first, then each piece as it arrives, merged in the accumulation
-        dtype (``cast=False``: ``out`` left in it where it merges)."""
+        """``(out, lse)`` of this rank's shard, by the module's call flow (``cast=False``: ``out``
+        left in the accumulation dtype where it merges)."""
         me, crossings = self.plan.rank, self.plan.crossings
         exchange = self._exchange(k, v, call.stats)
         exchange.start()
         call = call.derive("shard", self.rank).with_lse()
         out, lse = self.inner.forward(q, k, v, call, cast=False)
         index = {c: i for i, c in enumerate(crossings)}
+        own = (
+            (me, c, wire.piece(k, c, me, wire.kv_heads(c)), wire.piece(v, c, me, wire.kv_heads(c)))
+            for c in crossings
+        )
+        arrived = ((src, c, kr, vr) for _, received in exchange for src, _, c, kr, vr in received)
         states: dict[Crossing, Accumulator] = {}
-        for c in crossings:
+        for src, c, kc, vc in itertools.chain(own, arrived):
             qc = wire.piece(q, c, me, wire.q_heads(c))
-            states[c] = Accumulator(
-                torch.empty(qc.shape, dtype=lse.dtype, device=q.device),
-                torch.empty(qc.shape[:-1], dtype=lse.dtype, device=q.device),
-            )
-            o, s = self.kernel.forward(
-                qc,
-                wire.piece(k, c, me, wire.kv_heads(c)),
-                wire.piece(v, c, me, wire.kv_heads(c)),
-                self.options(index[c], me, call.seed),
-            )
+            if c not in states:
+                states[c] = Accumulator.empty(qc.shape, qc.shape[:-1], q.dtype, q.device)
+            o, s = self.kernel.forward(qc, kc, vc, self.options(index[c], src, call.seed))
             Accumulator.add(states[c].out, states[c].lse, o, s)
-        for _, received in exchange:
-            for src, _, c, kr, vr in received:
-                qc = wire.piece(q, c, me, wire.q_heads(c))
-                o, s = self.kernel.forward(qc, kr, vr, self.options(index[c], src, call.seed))
-                Accumulator.add(states[c].out, states[c].lse, o, s)
         for c, state in states.items():
+            out_c, lse_c = wire.piece(out, c, me, wire.q_heads(c)), wire.lse_piece(lse, c, me)
             if self.inner.exclusive:
-                wire.piece(out, c, me, wire.q_heads(c)).copy_(state.out)
-                wire.lse_piece(lse, c, me).copy_(state.lse)
+                out_c.copy_(state.out)
+                lse_c.copy_(state.lse)
             else:
-                Accumulator.add(
-                    wire.piece(out, c, me, wire.q_heads(c)),
-                    wire.lse_piece(lse, c, me),
-                    state.out,
-                    state.lse,
-                )
+                Accumulator.add(out_c, lse_c, state.out, state.lse)
         if cast and not self.inner.exclusive:
             out = out.to(q.dtype)
         return out, lse
@@ -138,26 +126,26 @@ class ShardedRun:
         dq, dk, dv = self.inner.backward(inputs, call, cast=False)
         index = {c: i for i, c in enumerate(crossings)}
 
-        def views(c: Crossing, kc: torch.Tensor, vc: torch.Tensor) -> BackwardInputs:
-            """Crossing ``c``'s piece of this rank's inputs, its keys and values ``kc``, ``vc``."""
-            qh = wire.q_heads(c)
-            return BackwardInputs(
-                wire.piece(dout, c, me, qh),
-                None if dlse is None else wire.lse_piece(dlse, c, me),
-                wire.piece(q, c, me, qh),
-                kc,
-                vc,
-                wire.piece(out, c, me, qh),
-                wire.lse_piece(lse, c, me),
-            )
+        def partial(
+            c: Crossing, src: int, kc: torch.Tensor, vc: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            """Crossing ``c``'s partial against ``src``'s piece ``kc``, ``vc``: its ``dq`` (the
+            lse's share added where ``dlse`` flows) added into this rank's, its ``dk``, ``dv``
+            returned."""
+            qh, options = wire.q_heads(c), self.options(index[c], src, call.seed)
+            qc, lse_c = wire.piece(q, c, me, qh), wire.lse_piece(lse, c, me)
+            dout_c, out_c = wire.piece(dout, c, me, qh), wire.piece(out, c, me, qh)
+            gq, gk, gv = self.kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
+            if dlse is not None:
+                dlse_c = wire.lse_piece(dlse, c, me)
+                dq_l, dk_l = lse_gradient(self.kernel, options, dlse_c, qc, kc, vc, lse_c)
+                gq, gk = gq.to(lse.dtype) + dq_l, gk.to(lse.dtype) + dk_l
+            wire.piece(dq, c, me, qh).add_(gq)
+            return gk, gv
 
         for c in crossings:
             kh = wire.kv_heads(c)
-            gq, gk, gv = self._partial_backward(
-                self.options(index[c], me, call.seed),
-                views(c, wire.piece(k, c, me, kh), wire.piece(v, c, me, kh)),
-            )
-            wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
+            gk, gv = partial(c, me, wire.piece(k, c, me, kh), wire.piece(v, c, me, kh))
             wire.piece(dk, c, me, kh).add_(gk)
             wire.piece(dv, c, me, kh).add_(gv)
         batch, head_dim = k.shape[0], k.shape[3]
@@ -165,10 +153,7 @@ class ShardedRun:
             # Gradients of the pieces received, in each sender's payload layout, to send back.
             back: dict[int, list[torch.Tensor]] = {}
             for src, i, c, kr, vr in received:
-                gq, gk, gv = self._partial_backward(
-                    self.options(index[c], src, call.seed), views(c, kr, vr)
-                )
-                wire.piece(dq, c, me, wire.q_heads(c)).add_(gq)
+                gk, gv = partial(c, src, kr, vr)
                 incoming = exchange.payload(src, me)
                 if src not in back:
                     back[src] = wire.gradient_buffers(incoming, batch, head_dim, acc, k.device)
@@ -185,15 +170,13 @@ class ShardedRun:
         positions); no mask for another rank's (today's windows, ``FULL`` and ``CAUSAL``,
         see all of an earlier rank's keys, and only earlier ranks send under the causal one; a
         window with bounds elsewhere would shift here by the pieces' offset). ``seed``: the
-        shard's dropout seed (``0``: none; the options are then made once and kept)."""
+        shard's dropout seed (``0``: none; the options of each side are then made once and kept)."""
         own = src == self.plan.rank
-        seed_index = crossing * self.plan.world_size + src
         if seed == 0:
-            key = (seed_index, own)
-            options = self._options.get(key)
-            if options is None:
-                options = self._options[key] = self._make_options(own, 0)
-            return options
+            if own not in self._options:
+                self._options[own] = self._make_options(own, 0)
+            return self._options[own]
+        seed_index = crossing * self.plan.world_size + src
         return self._make_options(own, derive_seed(seed, "crossing", seed_index))
 
     def _make_options(self, own: bool, seed: int) -> BlockOptions:
@@ -208,14 +191,3 @@ class ShardedRun:
             self.plans, self.rank, self.communicator, self.group, self.inner.window, k, v, stats,
             broadcast=self.broadcast,
         )  # fmt: skip
-
-    def _partial_backward(
-        self, options: BlockOptions, inputs: BackwardInputs
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One crossing partial's ``(dq, dk, dv)``, the lse's share added where ``dlse`` flows."""
-        dout, dlse, q, k, v, out, lse = inputs
-        dq, dk, dv = self.kernel.backward(dout, q, k, v, out, lse, options)
-        if dlse is not None:
-            dq_l, dk_l = lse_gradient(self.kernel, options, dlse, q, k, v, lse)
-            dq, dk = dq.to(lse.dtype) + dq_l, dk.to(lse.dtype) + dk_l
-        return dq, dk, dv

@@ -13,6 +13,7 @@ Kernel-layout views of a rank's own tensors (its piece of a crossing segment) li
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -68,9 +69,17 @@ def _positions(payload: Payload, device: torch.device) -> tuple[torch.Tensor, ..
 
 
 @functools.lru_cache(maxsize=4096)
-def _crossing_index(payload: Payload, i: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per key/value head of crossing ``i``, where its piece's positions sit in the payload."""
-    return tuple(torch.tensor(ix, dtype=torch.long, device=device) for ix in payload.index[i])
+def _crossing_heads(
+    payload: Payload, i: int, device: torch.device
+) -> tuple[tuple[int, torch.Tensor], ...]:
+    """Per key/value head of crossing ``i``: which unpacked payload tensor holds its keys (its
+    values are the next one), and where its piece's positions sit in it, as an index tensor."""
+    heads = payload.crossings[i].block.heads
+    slot = {h: 2 * j for j, h in enumerate(payload.heads)}
+    return tuple(
+        (slot[h], torch.tensor(ix, dtype=torch.long, device=device))
+        for h, ix in zip(range(heads.kv_start, heads.kv_stop), payload.index[i], strict=True)
+    )
 
 
 def pack(payload: Payload, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -83,9 +92,8 @@ def pack(payload: Payload, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def unpack(flat: torch.Tensor, payload: Payload, batch: int, head_dim: int) -> list[torch.Tensor]:
     """Per head ``h`` of the payload: its keys then its values, each ``(B, n_h, D)`` (views)."""
-    sizes = [batch * len(pos) * head_dim for pos in payload.positions for _ in range(2)]
     shapes = [(batch, len(pos), head_dim) for pos in payload.positions for _ in range(2)]
-    parts = torch.split(flat, sizes)
+    parts = torch.split(flat, [math.prod(shape) for shape in shapes])
     return [part.view(shape) for part, shape in zip(parts, shapes, strict=True)]
 
 
@@ -108,13 +116,10 @@ def extract(
     """The flat tensor of ``part`` from that of ``whole`` (a sender's broadcast payload, which
     holds every position of ``part``; trailing padding of ``flat`` is ignored)."""
     tensors = unpack(flat[: numel(whole, batch, head_dim)], whole, batch, head_dim)
-    slot = {h: j for j, h in enumerate(whole.heads)}
+    slot = {h: 2 * j for j, h in enumerate(whole.heads)}
     parts = []
     for h, index in zip(part.heads, _within(whole, part, flat.device), strict=True):
-        parts += [
-            tensors[2 * slot[h]][:, index].reshape(-1),
-            tensors[2 * slot[h] + 1][:, index].reshape(-1),
-        ]
+        parts += [tensors[slot[h] + kv][:, index].reshape(-1) for kv in (0, 1)]
     return torch.cat(parts)
 
 
@@ -123,14 +128,11 @@ def crossing_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Crossing ``i``'s keys and values in kernel layout ``(B, heads, n, D)`` from unpacked
     payload tensors."""
-    c = payload.crossings[i]
-    slot = {h: j for j, h in enumerate(payload.heads)}
-    index = _crossing_index(payload, i, tensors[0].device)
-    ks, vs = [], []
-    for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
-        ks.append(tensors[2 * slot[h]][:, index[j]])
-        vs.append(tensors[2 * slot[h] + 1][:, index[j]])
-    return torch.stack(ks, 1), torch.stack(vs, 1)
+    heads = _crossing_heads(payload, i, tensors[0].device)
+    k, v = (
+        torch.stack([tensors[slot + kv][:, index] for slot, index in heads], 1) for kv in (0, 1)
+    )
+    return k, v
 
 
 def gradient_buffers(
@@ -149,12 +151,9 @@ def scatter_add(
 ) -> None:
     """Add crossing ``i``'s kernel-layout ``dk``, ``dv`` ``(B, heads, n, D)`` into ``buffers``
     (from :func:`gradient_buffers`) at its piece's positions."""
-    c = payload.crossings[i]
-    slot = {h: j for j, h in enumerate(payload.heads)}
-    index = _crossing_index(payload, i, dk.device)
-    for j, h in enumerate(range(c.block.heads.kv_start, c.block.heads.kv_stop)):
-        buffers[2 * slot[h]].index_add_(1, index[j], dk[:, j].to(buffers[0].dtype))
-        buffers[2 * slot[h] + 1].index_add_(1, index[j], dv[:, j].to(buffers[0].dtype))
+    for j, (slot, index) in enumerate(_crossing_heads(payload, i, dk.device)):
+        buffers[slot].index_add_(1, index, dk[:, j].to(buffers[0].dtype))
+        buffers[slot + 1].index_add_(1, index, dv[:, j].to(buffers[0].dtype))
 
 
 def scatter_add_returned(
