@@ -17,6 +17,7 @@ from ringdilated.core.call import (
     agree,
     agreed,
     as_process_group,
+    check_bool,
     check_options,
     group_size,
     warn_if_launched_alone,
@@ -76,8 +77,7 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        check_bool("causal", causal)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
@@ -136,9 +136,8 @@ class DilatedAttention(nn.Module):
         ``ValueError`` naming this rank's error. An error that came out of an agreement already
         (:func:`~ringdilated.core.call.agreement.agreed`) is raised as it is. On a ``layout`` that
         has planned any call (not checked every call) the error is raised at once, on this rank
-        only:
-        its peers may be in a planned call's data exchange, which an agreement here would pair
-        with (undefined results), or in a new signature's agreement, which the backend's
+        only: its peers may be in a planned call's data exchange, which an agreement here would
+        pair with (undefined results), or in a new signature's agreement, which the backend's
         timeout then ends. Only on a layout that has planned nothing are the peers surely in
         their first call's agreement."""
         steady = (

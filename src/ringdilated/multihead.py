@@ -27,7 +27,13 @@ from ringdilated.core.select import autocast_enabled, recommended_dtype
 from ringdilated.modules import DilatedAttention
 from ringdilated.rotary import Rotary
 
-__all__ = ["MultiheadDilatedAttention", "positive_float", "positive_int", "resolve_dtype"]
+__all__ = [
+    "MultiheadDilatedAttention",
+    "check_tokens",
+    "positive_float",
+    "positive_int",
+    "resolve_dtype",
+]
 
 
 def resolve_dtype(
@@ -60,6 +66,18 @@ def positive_float(name: str, value: object) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
+
+
+def check_tokens(name: str, x: object, embed_dim: int) -> None:
+    """Raise, naming ``name``, unless ``x`` is a dense ``(batch, seq_len, embed_dim)`` tensor."""
+    if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got "
+            f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}"
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -244,7 +262,6 @@ class MultiheadDilatedAttention(nn.Module):
             self.attention.reject(error, layout)
         if cache is not None:
             out = cache.attend(q, k, v, key_padding_mask=key_padding_mask)
-            assert isinstance(out, torch.Tensor)
         else:
             out = self.attention(
                 q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask, layout=layout
@@ -282,16 +299,8 @@ class MultiheadDilatedAttention(nn.Module):
                 "construction)"
             )
         for name, x in (("query", query), ("key", key), ("value", value)):
-            if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
-                raise TypeError(
-                    f"{name} must be a dense (strided) tensor, got "
-                    f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}"
-                )
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(
-                    f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
-                )
+            check_tokens(name, x, self.embed_dim)
+            assert isinstance(x, torch.Tensor)
             kind = x.device.type
             autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
             if x.dtype != self.dtype and not autocast:
@@ -317,21 +326,19 @@ class MultiheadDilatedAttention(nn.Module):
             mask = key_padding_mask if isinstance(key_padding_mask, torch.Tensor) else None
             positions = cache.rotary_positions(q_len, q.device, mask)
             return self.rotary(q, positions), self.rotary(k, positions)
+        group = self.attention.process_group
         if layout is not None:  # made once per layout, device and shard length
             positions = shard_positions(layout, q.shape[0], length, q.device)
-            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
-        group = self.attention.process_group
-        if group is None and cu_seqlens is None and key_padding_mask is None:
+        elif group is None and cu_seqlens is None and key_padding_mask is None:
             positions = torch.arange(length, device=q.device).unsqueeze(0)  # traceable
-            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
-        start, total = 0, length
-        if group is not None:  # where this rank's shard starts: shards may differ in length
-            assert isinstance(group, (dist.ProcessGroup, Grid))
-            lengths = shard_lengths(group, length)
-            rank = grid.rank(group)
-            start, total = sum(lengths[:rank]), sum(lengths)
-        documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
-        positions = documents.positions(q.device)[:, start : start + length]
+        else:
+            start, total = 0, length
+            if group is not None:  # where this rank's shard starts: shards may differ in length
+                assert isinstance(group, (dist.ProcessGroup, Grid))
+                lengths = shard_lengths(group, length)
+                start, total = sum(lengths[: grid.rank(group)]), sum(lengths)
+            documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
+            positions = documents.positions(q.device)[:, start : start + length]
         return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
 
     def make_cache(self) -> DilatedKVCache:
