@@ -4,13 +4,13 @@ selective activation checkpointing and for CUDA graphs.
 - ``ringdilated::attention`` (backward: ``ringdilated::attention_backward``): a call on a
   :class:`~ringdilated.SequenceLayout`, which the op takes as an opaque argument
   (:mod:`ringdilated.core.support.opaque`): a new layout per batch reuses the compiled graph. The
-  op finds the call's plan on the layout (made, and agreed on a process group, at the layout's first
-  call
-  with that signature) and runs it: on a layout in steady state it reads nothing on the host, so
-  CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a selective
-  activation-checkpointing policy can keep its output by name (``torch.ops.ringdilated.
-  attention.default``) instead of running its exchanges again. A sharded call without a layout
-  passes the names of its process groups instead, and the op plans (and agrees on) each call.
+  op finds the call's plan on the layout (made, and agreed on a process group, at the layout's
+  first call with that signature) and runs it: on a layout in steady state it reads nothing on
+  the host, so CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a
+  selective activation-checkpointing policy can keep its output by name
+  (``torch.ops.ringdilated.attention.default``) instead of running its exchanges again. A sharded
+  call without a layout passes the names of its process groups instead, and the op plans (and
+  agrees on) each call.
 - ``ringdilated::dilated_attention`` (backward: ``ringdilated::dilated_attention_backward``): a
   one-process call given ``cu_seqlens`` or ``key_padding_mask`` tensors under ``torch.compile``;
   it reads their values on the host every call (tagged ``torch.Tag.cudagraph_unsafe``): pass a

@@ -112,13 +112,11 @@ def attend(
         key_padding_mask=key_padding_mask,
     )
     compiling = torch.compiler.is_compiling()
+    routed = None
     if compiling or process_group is not None or getattr(layout, "world_size", 1) > 1:
         # Under torch.compile, and for a sharded call in eager mode too: one registered op.
         routed = _attend_op(pattern, q, k, v, options, resolver, process_group, layout, compiling)
-        if routed is not None:
-            out, lse, plan = routed
-            return out, lse if full_precision_lse else lse.float(), plan
-    out, lse, plan = _attend_eager(
+    out, lse, plan = routed or _attend_eager(
         pattern, q, k, v, options, resolver, process_group, layout, lse_needed
     )
     return out, lse if full_precision_lse or lse is None else lse.float(), plan
@@ -127,20 +125,17 @@ def attend(
 def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list[int], str] | None:
     """The pattern as the ops take it (``int[]``, ``int[]``, ``str``), or ``None`` where it does
     not fit their schema (the eager path then rejects it with its own message)."""
-    segments: object
-    rates: object
-    mode: object
-    if isinstance(pattern, DilationPattern):
-        segments, rates, mode = pattern.segment_lengths, pattern.dilation_rates, pattern.mode
-    else:
-        segments, rates, mode = pattern
+    segments, rates, mode = (
+        (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
+        if isinstance(pattern, DilationPattern)
+        else pattern
+    )
     if not (isinstance(segments, (list, tuple)) and isinstance(rates, (list, tuple))):
         return None
     if not isinstance(mode, str):
         return None
-    for x in (*segments, *rates):
-        if type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX:
-            return None
+    if any(type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX for x in (*segments, *rates)):
+        return None
     return list(segments), list(rates), mode
 
 
@@ -222,12 +217,10 @@ def _attend_op(
             backward,
         )
         return out, lse, None
-    if attention_op is None or (documents and layout is not None):
+    # Documents with a layout, or a sharded call's: its own layout, read per call (eager).
+    if attention_op is None or documents:
         return None
-    if layout is None:
-        if documents:  # a sharded call's documents: its own layout, read per call (eager)
-            return None
-        layout = WHOLE_SEQUENCES
+    layout = WHOLE_SEQUENCES if layout is None else layout
     if not isinstance(layout, SequenceLayout):
         return None
     group = as_process_group(process_group)
@@ -236,7 +229,6 @@ def _attend_op(
     if not compiling and group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
         return None  # the eager path names what it is instead
     # The op checks a process group passed with a layout against the layout's own.
-    groups = group_names(group)
     out, lse = attention_op(
         q,
         k,
@@ -244,7 +236,7 @@ def _attend_op(
         _seed(dropout),
         layout,
         stats if stats is not None else NO_STATS,
-        *groups,
+        *group_names(group),
         *fields,
         causal,
         scale_value,
@@ -257,7 +249,8 @@ def _attend_op(
     return out, lse, None if compiling else last_plan()
 
 
-def _attend_planned(
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _attend_eager(
     pattern: DilationPattern | PatternArgs,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -266,22 +259,18 @@ def _attend_planned(
     resolver: Resolver | None,
     process_group: object,
     layout: object,
-    lse_needed: bool = True,
+    lse_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
     """The eager path: the call's plan (found on its layout, or made), then its kernels and
-    exchanges, under one autograd node."""
+    exchanges, under one autograd node. Never traced by dynamo (the resolver, the plan and the
+    process group are Python state), so from inside a compiled region it is a graph break; and
+    never entered by dynamo's frame callback either, which a compiled region's eager fallback
+    would otherwise run on every function it calls."""
     plan = plan_for(
         pattern, q, k, v, arguments, resolver or default_resolver, process_group, layout
     )
     out, lse = execute(plan, q, k, v, arguments["transfer_stats"], lse_needed=lse_needed)
     return out, lse, plan
-
-
-_attend_eager = torch.compiler.disable(_attend_planned)  # type: ignore[no-untyped-call]
-"""The eager path as every caller reaches it: never traced by dynamo (the resolver, the plan and
-the process group are Python state), so from inside a compiled region it is a graph break; and
-never entered by dynamo's frame callback either, which a compiled region's eager fallback
-would otherwise run on every function it calls."""
 
 
 @overload
@@ -394,24 +383,22 @@ def dilated_attention(
       :class:`~ringdilated.core.Kernel` instance, used as it is.
     - ``process_group``: ``None`` (one process) or a ``torch.distributed`` group whose ranks each
       pass their contiguous shard ``(B, n_r, H, D)`` of the sequence, in rank order (lengths may
-      differ; they are exchanged in the ranks' agreement), and get back their slice of
-      the single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one
-      dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
-      ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
-      (``"ringpass"``, ``"allgather"``) or a
-      :class:`~ringdilated.core.contract.communicator.Communicator` instance (described by the
-      registered spec whose factory builds its class). Inputs are checked on
-      every rank and a rejection raises on every rank; every shard must
-      hold at least one position (an empty one raises on every rank, naming its rank).
+      differ; they are exchanged in the ranks' agreement), and get back their slice of the
+      single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one dimension
+      of a larger mesh (its existing group; nothing is created). ``communicator``: ``"auto"``
+      (the least modelled exchange time, see docs/choosing.md), a name (``"ringpass"``,
+      ``"allgather"``) or a :class:`~ringdilated.core.contract.communicator.Communicator`
+      instance (described by the registered spec whose factory builds its class). Inputs are
+      checked on every rank and a rejection raises on every rank; every shard must hold at
+      least one position (an empty one raises on every rank, naming its rank).
       ``dist.group.WORLD`` is ``None`` until ``torch.distributed.init_process_group()``: passed
       before it, the call runs as one process over the rank's own shard. A one-process call in
       a process whose environment says ``WORLD_SIZE > 1`` (a launcher such as ``torchrun``)
       while ``torch.distributed`` is not initialised warns with
       :class:`~ringdilated.DistributedNotInitializedWarning`, once per process.
-    - ``transfer_stats``: a :class:`~ringdilated.core.contract.communicator.TransferStats` to which
-    a
-      sharded call adds the bytes this rank sends and receives (forward, and backward when it
-      runs).
+    - ``transfer_stats``: a :class:`~ringdilated.core.contract.communicator.TransferStats` to
+      which a sharded call adds the bytes this rank sends and receives (forward, and backward
+      when it runs).
 
     Raises ``TypeError``/``ValueError`` naming the offending value before any work starts.
     """
