@@ -250,14 +250,12 @@ def padding_mask(
 ) -> KeyMask:
     """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`).
 
-    ``attention_mask`` is transformers' 2-D padding mask, ``1`` = token, ``0`` = padding (any
-    nonzero value is a token), of shape ``(batch, cached + new positions)``: one column per key,
-    the first one the oldest. Raises ``ValueError`` for a mask of any other length (it is never
-    cut to its last columns nor taken as no padding), for a row whose tokens are not one
-    contiguous run (eager mode; compiled calls check it in the layer's op), and for a cache
-    layout whose queries are not the last positions of the keys (a static or sliding cache),
-    which ringdilated's query suffix cannot place. A mask function it does not serve is
-    reported in :attr:`KeyMask.overlay`, for the attention call to raise."""
+    ``attention_mask``: as the module docstring says, one column per key (the first one the
+    oldest; any nonzero value is a token). Raises ``ValueError`` for a mask of any other length,
+    for a row whose tokens are not one contiguous run (eager mode; compiled calls check it in
+    the layer's op), and for a cache layout whose queries are not the last positions of the keys
+    (a static or sliding cache), which ringdilated's query suffix cannot place. A mask function
+    it does not serve is reported in :attr:`KeyMask.overlay`, for the attention call to raise."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
     keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
     if attention_mask is not None and (
@@ -278,15 +276,11 @@ def padding_mask(
     mask = None if attention_mask is None else attention_mask.bool()
     if torch.compiler.is_compiling() or overlay is not None:
         return KeyMask(mask, documents, overlay)
-    # Eager: the batch's layout, read here once for every layer.
-    if mask is not None and bool(mask.all()):
-        mask = None
-    layout = None
-    if mask is not None:  # one read of the mask for every layer (and one for mask.all())
-        layout = _padding_layout(mask)
-    elif documents is not None:
-        layout = SequenceLayout(cu_seqlens=_bounds(documents))
-    return KeyMask(mask, documents, overlay, layout)
+    # Eager: the batch's layout, read here once for every layer (and once for mask.all()).
+    if mask is not None and not bool(mask.all()):
+        return KeyMask(mask, documents, overlay, _padding_layout(mask))
+    layout = None if documents is None else SequenceLayout(cu_seqlens=_bounds(documents))
+    return KeyMask(None, documents, overlay, layout)
 
 
 def attention_forward(
@@ -311,14 +305,13 @@ def attention_forward(
             f"attn_implementation={NAME!r} does not combine with config.sliding_window "
             f"({window}); the dilation pattern bounds what a query sees"
         )
-    layout: dict[str, Any] = {}
     packed = kwargs.get("cu_seq_lens_k")
+    key_padding_mask: torch.Tensor | None = None
+    layout: SequenceLayout | None = None
     if isinstance(attention_mask, KeyMask) and attention_mask.layout is not None:
-        if packed is not None:  # transformers' own packed form takes precedence, as below
-            attention_mask = attention_mask._replace(layout=None, padding=None)
-        else:
-            layout["layout"] = attention_mask.layout
-    if attention_mask is not None and "layout" not in layout:
+        if packed is None:  # else transformers' own packed form takes precedence, as below
+            layout = attention_mask.layout
+    elif attention_mask is not None:
         if not isinstance(attention_mask, KeyMask):
             raise ValueError(
                 f"attn_implementation={NAME!r} expects the mask its own mask function makes, got "
@@ -333,11 +326,9 @@ def attention_forward(
                 f"one of them); transformers asked for {attention_mask.overlay}"
             )
         if attention_mask.padding is not None:
-            layout["key_padding_mask"] = attention_mask.padding.logical_not()
+            key_padding_mask = attention_mask.padding.logical_not()
         if packed is None and attention_mask.documents is not None:
             packed = _bounds(attention_mask.documents)  # packing transformers found
-    if packed is not None:
-        layout["cu_seqlens"] = packed
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     out = dilated_attention(
@@ -351,9 +342,9 @@ def attention_forward(
         scale=scaling,
         dropout_p=dropout,
         kernel=_setting(config, "kernel", "auto"),
-        cu_seqlens=layout.get("cu_seqlens"),
-        key_padding_mask=layout.get("key_padding_mask"),
-        layout=layout.get("layout"),
+        cu_seqlens=packed,
+        key_padding_mask=key_padding_mask,
+        layout=layout,
     )
     return out, None
 
