@@ -99,12 +99,11 @@ class Workers:
 
     def results(self, name: str, payload: Any) -> list[Any]:
         """Like :meth:`run`, raising if any rank failed."""
-        out = []
-        for rank, (ok, value) in enumerate(self.run(name, payload)):
+        outcomes = self.run(name, payload)
+        for rank, (ok, value) in enumerate(outcomes):
             if not ok:
                 raise AssertionError(f"rank {rank} failed: {value[0]}: {value[1]}\n{value[2]}")
-            out.append(value)
-        return out
+        return [value for _, value in outcomes]
 
     def close(self) -> None:
         for inbox in self._inboxes:

@@ -73,10 +73,5 @@ _FAILED_PLUGIN = re.compile(r"""^plugin ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
 
 def _failed_plugins(failures: tuple[str, ...]) -> list[str]:
     """The names (quoted) of the plugins in the registry's failure lines, once each, in order."""
-    names: list[str] = []
-    for failure in failures:
-        match = _FAILED_PLUGIN.match(failure)
-        name = match.group(1) if match else failure
-        if name not in names:
-            names.append(name)
-    return names
+    matches = ((_FAILED_PLUGIN.match(failure), failure) for failure in failures)
+    return list(dict.fromkeys(match.group(1) if match else failure for match, failure in matches))
