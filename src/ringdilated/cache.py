@@ -184,15 +184,11 @@ def _tables(
             first[kv, j, e, : run.capacity] = run.offset + run.r * torch.arange(run.capacity)
             member[kv, j, e] = True
             always[head] |= run.r == 1
-    return _Tables(
-        w=w.to(device),
-        r=r.to(device),
-        offset=offset.to(device),
-        start=start.to(device),
-        scratch=(start + span - 1).to(device),
-        first=first.to(device),
-        member=None if bool(always.all()) else member.to(device),
+    w, r, offset, start, scratch, first = (
+        t.to(device) for t in (w, r, offset, start, start + span - 1, first)
     )
+    member_on = None if bool(always.all()) else member.to(device)
+    return _Tables(w, r, offset, start, scratch, first, member_on)
 
 
 def _named(module: object) -> str:
@@ -328,11 +324,9 @@ class DilatedKVCache:
         return sum(t.untyped_storage().nbytes() for t in buffers)
 
     def reset(self) -> None:
-        """Start every row over at position 0. The buffers' storage is kept, zeroed in place (a
-        slot becomes visible only once written again, but a NaN or infinite value left from the
-        last sequence must not meet a zero probability in the next), and detached: the autograd
-        graph that writes under autograd recorded on them is released. The cache's module
-        (:attr:`owner`) stays."""
+        """Start every row over at position 0. The buffers' storage is kept, zeroed in place (no
+        NaN or infinity of the last sequence reaches the next) and detached, which releases the
+        autograd graph recorded on them. The cache's module (:attr:`owner`) stays."""
         if self._keys is not None and self._values is not None:
             self._keys = self._keys.detach().zero_()
             self._values = self._values.detach().zero_()
