@@ -181,10 +181,7 @@ class MultiheadDilatedAttention(nn.Module):
             self.norm.reset_parameters()
 
     _checked_call: tuple[object, ...] = ()
-    """``(cache, key_padding_mask, cu_seqlens, layout)`` that a caller (a
-    :class:`~ringdilated.DilatedTransformerBlock`) has just passed to :meth:`_check_cache` and
-    now passes to :meth:`forward`, which then skips the same check; set by
-    :meth:`_check_cache_first` for one call only."""
+    """What :meth:`_check_cache_first` has checked, which :meth:`forward` then does not check."""
 
     @contextlib.contextmanager
     def _check_cache_first(
@@ -226,28 +223,22 @@ class MultiheadDilatedAttention(nn.Module):
         ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
         each row's next tokens (the same ones, as in self-attention), which the cache adds before
         attending them over everything it has seen in that row; no ``cu_seqlens``, no process
-        group. ``key_padding_mask`` with a cache: on its first call only (a padded prompt batch;
-        each row then decodes at its own position). A one-token step reads nothing on the host.
-        Before any work, a cache that does not fit this module raises ``ValueError`` naming
-        each field that differs (pattern, mode, causality, scale, heads; the head dim, device
-        and dtype of a sequence it holds) or the other module it belongs to
-        (:meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`); so does a cache in
-        training mode with ``dropout > 0`` (a cache drops no attention probability: call
-        ``.eval()``). Decode under ``torch.no_grad()``: under autograd the cache keeps every
-        step's graph (see :class:`~ringdilated.DilatedKVCache`).
+        group, ``key_padding_mask`` on its first call only (a padded prompt batch). A one-token
+        step reads nothing on the host. A cache that does not fit this module (each field that
+        differs is named: :meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`), or
+        any cache while the module is in training mode with ``dropout > 0``, raises
+        ``ValueError`` before any work. Decode under ``torch.no_grad()``: under autograd the
+        cache keeps every step's graph (see :class:`~ringdilated.DilatedKVCache`).
 
         ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, the
         process layout, made once per batch for every layer), instead of ``key_padding_mask``
         and ``cu_seqlens``; rotary positions then come from it too.
         """
         try:
-            self._check_call(
-                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
-            )
-            if cache is not None and not _same(
-                self._checked_call, (cache, key_padding_mask, cu_seqlens, layout)
-            ):
-                self._check_cache(cache, key_padding_mask, cu_seqlens, layout)
+            self._check_call(query, key, value, need_weights, attn_mask, is_causal)
+            given = (cache, key_padding_mask, cu_seqlens, layout)
+            if cache is not None and not _same(self._checked_call, given):
+                self._check_cache(*given)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
@@ -277,7 +268,6 @@ class MultiheadDilatedAttention(nn.Module):
         query: object,
         key: object,
         value: object,
-        key_padding_mask: object,
         need_weights: bool,
         attn_mask: object,
         is_causal: bool,
