@@ -49,9 +49,6 @@ from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
-_INT64_MAX = 2**63 - 1
-_INT64_MIN = -(2**63)
-
 world_size = group_size
 """Ranks in a process group (``None``: one process);
 :func:`ringdilated.core.call.prepare.group_size`."""
@@ -85,18 +82,14 @@ def attend(
     ``lse_needed=False``: the caller discards ``lse`` (it may then come back ``None`` from a
     call that runs no backward).
 
-    ``layout``: the batch's :class:`~ringdilated.SequenceLayout`; a call with the signature of
-    an earlier call on it is not checked or agreed again (see
-    :mod:`ringdilated.core.call.sequence_layout`). Without one, a one-process call with neither
-    ``cu_seqlens`` nor ``key_padding_mask`` uses a process-wide layout of whole sequences (its
-    plans kept, so a steady-state call is planned once), and any other call builds its own.
-
-    ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
-    validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
-    on every rank). ``transfer_stats`` collects the bytes a sharded call moves. Under
-    ``torch.compile`` a one-process call with a named kernel validates, then runs as one custom
-    op (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the graph);
-    anything else runs eagerly behind a graph break.
+    Without a ``layout``, a one-process call with neither ``cu_seqlens`` nor
+    ``key_padding_mask`` uses a process-wide layout of whole sequences (its plans kept, so a
+    steady-state call is planned once), and any other call builds its own. ``pattern`` is a
+    :class:`DilationPattern` or its unvalidated arguments, which are then validated with
+    everything else, inside the ranks' agreement (a bad pattern on one rank raises on every
+    rank). A call that runs as an op (see the module docstring) returns ``plan=None`` under
+    ``torch.compile`` (the op resolves inside the graph). The other arguments are
+    :func:`dilated_attention`'s.
     """
     q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
     # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
@@ -134,7 +127,7 @@ def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list
         return None
     if not isinstance(mode, str):
         return None
-    if any(type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX for x in (*segments, *rates)):
+    if any(type(x) is not int or not -(2**63) <= x < 2**63 for x in (*segments, *rates)):  # int64
         return None
     return list(segments), list(rates), mode
 
@@ -178,7 +171,8 @@ def _attend_op(
     kernel, communicator = options["kernel"], options["communicator"]
     scale, dropout_p = options["scale"], options["dropout_p"]
     causal, return_lse = options["causal"], options["return_lse"]
-    documents = options["cu_seqlens"] is not None or options["key_padding_mask"] is not None
+    cu_seqlens, key_padding_mask = options["cu_seqlens"], options["key_padding_mask"]
+    documents = cu_seqlens is not None or key_padding_mask is not None
     if not (isinstance(kernel, str) and isinstance(communicator, str) and resolver is None):
         return None
     if type(causal) is not bool or type(return_lse) is not bool:
@@ -197,18 +191,16 @@ def _attend_op(
     dropout = float(dropout_p)  # type: ignore[arg-type]
     scale_value = None if scale is None else float(scale)  # type: ignore[arg-type]
     if layout is None and process_group is None and documents:
-        if not compiling:
+        given = (cu_seqlens, key_padding_mask)
+        if not compiling or any(x is not None and not isinstance(x, torch.Tensor) for x in given):
             return None
-        for name in ("cu_seqlens", "key_padding_mask"):
-            if options[name] is not None and not isinstance(options[name], torch.Tensor):
-                return None
         out, lse = dilated_attention_op(
             q,
             k,
             v,
             _seed(dropout),
-            options["cu_seqlens"],
-            options["key_padding_mask"],
+            cu_seqlens,
+            key_padding_mask,
             *fields,
             causal,
             effective_scale(scale_value, q.shape[-1]),

@@ -32,21 +32,18 @@ class DilatedAttention(nn.Module):
     """Dilated attention over given ``q``, ``k``, ``v``; no parameters.
 
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
-    semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens`` (packed
-    documents), ``key_padding_mask`` (``(B, L)`` bool, ``True`` = padding, one contiguous valid
-    run per row: the negation of a Hugging Face ``attention_mask``), ``layout`` (the batch's
-    :class:`~ringdilated.SequenceLayout`, made once for every layer; its process group must be
-    the module's) and a ``q`` shorter than ``k`` (a query suffix). ``dropout`` applies in
-    training mode only.
+    semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens``,
+    ``key_padding_mask``, ``layout`` (whose process group must be the module's) and query
+    suffix. ``dropout`` applies in training mode only.
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
     call's whole :class:`~ringdilated.core.call.prepare.CallPlan`; ``explain()`` shows both, with
-    what each communicator would move for the last call's shards. The kernel is chosen
-    for the tensors a call actually passes (device, dtype, head dim, whether gradients are
-    needed), and chosen again (a cached lookup) whenever they change, so a module built with a
-    GPU-only ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call
-    the forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
+    what each communicator would move for the last call's shards. The kernel is chosen for the
+    tensors a call actually passes (device, dtype, head dim, whether gradients are needed), and
+    chosen again (a cached lookup) whenever they change, so a module built with a GPU-only
+    ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call the
+    forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
     reasons. Construction checks only that ``kernel`` names a known backend (or ``"auto"``).
 
     Built with ``process_group=None`` in a process a launcher started as one of several ranks
