@@ -132,17 +132,9 @@ def _planned(
         "key_padding_mask": documents[1],
     }
     per_call = layout is WHOLE_SEQUENCES and any(groups)
-    return plan_for(
-        (list(segment_lengths), list(dilation_rates), mode),
-        q,
-        k,
-        v,
-        arguments,
-        default_resolver,
-        _process_layout(groups) if per_call else None,
-        None if per_call else layout,
-        backward=backward,
-    )
+    group, on = (_process_layout(groups), None) if per_call else (None, layout)
+    pattern = (list(segment_lengths), list(dilation_rates), mode)
+    return plan_for(pattern, q, k, v, arguments, default_resolver, group, on, backward=backward)
 
 
 def _counted(stats: TransferStats) -> TransferStats | None:
