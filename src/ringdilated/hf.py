@@ -83,15 +83,14 @@ def _setting(config: object, name: str, default: object = None) -> Any:
 
 
 class KeyMask(NamedTuple):
-    """What the mask function hands every layer, made once per model forward: the 2-D padding
-    mask over the keys (``True`` = token, transformers' convention; ``None`` when nothing is
-    padded); the packed-sequence ids transformers found in ``position_ids`` (``(B, L)``, one id
-    per document; ``None`` when not packed); ``overlay``, how transformers built a mask function
-    the adapter does not serve (windows, chunks, prefix or bidirectional overlays, anything it
-    does not recognise; ``None`` when it serves it), which every layer's call then reports; and,
-    in eager mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once
-    here, for every layer; under ``torch.compile`` each layer's op reads the tensors instead). A
-    named tuple, which ``torch.compile`` traces (a frozen attrs class it cannot build)."""
+    """What the mask function hands every layer, made once per model forward: the 2-D padding mask
+    over the keys (``True`` = token, transformers' convention; ``None`` when nothing is padded); the
+    packed-sequence ids transformers found in ``position_ids`` (``(B, L)``, one id per document;
+    ``None`` when not packed); ``overlay``, how transformers built a mask function the adapter does
+    not serve (``None`` when it serves it), which every layer's call then reports; and, in eager
+    mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once here, for every
+    layer; under ``torch.compile`` each layer's op reads the tensors instead). A named tuple, which
+    ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
@@ -155,11 +154,9 @@ def _describe(function: object, depth: int = 0) -> str:
 
 
 def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, str | None]:
-    """``(packed-sequence ids, overlay)`` of transformers' mask function. Served: plain causal or
-    bidirectional (``(None, None)``), or the same made packed-sequence compatible: the
-    intersection, in either order (5.23 puts the packed-sequence mask first, 5.24 second), of
-    ``packed_sequence_mask_function(ids)`` and ``remap_positions_for_packed_sequence`` over a
-    plain one (``(ids, None)``). Anything else: ``(None, how it was built)``."""
+    """``(packed-sequence ids, overlay)`` of transformers' mask function: ``(None, None)`` for
+    plain causal or bidirectional, ``(ids, None)`` for one made packed-sequence compatible (the
+    module docstring says how), anything else ``(None, how it was built)``."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
     plain = (causal_mask_function, bidirectional_mask_function)
