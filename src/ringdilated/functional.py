@@ -50,8 +50,7 @@ from ringdilated.registry import default_resolver
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
 world_size = group_size
-"""Ranks in a process group (``None``: one process);
-:func:`ringdilated.core.call.prepare.group_size`."""
+"""Ranks in a process group (``None``: one process): :func:`~ringdilated.core.call.group_size`."""
 
 
 def attend(
