@@ -120,9 +120,8 @@ def _runs(
     pattern: DilationPattern, num_heads: int, num_kv_heads: int
 ) -> tuple[tuple[_Run, ...], int, int]:
     """Every run of heads sharing a pattern and an offset (split where a key/value head
-    begins), and the buffer's layout: on every key/value head, ``entries`` ranges of ``span``
-    slots (the largest run's capacity, then one scratch slot); each run takes the first range
-    free on all of its key/value heads, so its slots start at the same place on each."""
+    begins), each in the first of the ``entries`` ranges of ``span`` slots free on all of its
+    key/value heads: ``(runs, entries, span)``, the buffers' layout of the module docstring."""
     group = num_heads // num_kv_heads
     placed: list[tuple[_Run, int]] = []  # each run at slot 0, and its entry
     taken = [0] * num_kv_heads
@@ -599,9 +598,8 @@ class DilatedKVCache:
     def _chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A later step of several tokens, planned on the host (one read of the positions):
-        rows at one position together, each run a rate-1 call over its compacted selected
-        positions; the buffers are written once every run succeeded (a step that raises leaves
+        """A later step of several tokens (see the module docstring), rows at one position
+        together; the buffers are written once every run succeeded (a step that raises leaves
         the cache as it was)."""
         batch, m, heads, dim = q.shape
         assert self._positions is not None
@@ -616,8 +614,7 @@ class DilatedKVCache:
             lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
             for position, members in groups.items():
                 rows = torch.tensor(members, device=q.device)
-                part, part_lse = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
-                out[rows], lse[rows] = part, part_lse
+                out[rows], lse[rows] = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
         self._write(k, v, [(b, p, 0, m) for b, p in enumerate(lengths)])
         self._positions.add_(m)
         return out, lse

@@ -74,7 +74,7 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
-        check_bool("causal", causal)
+        self.causal = check_bool("causal", causal)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
@@ -82,7 +82,6 @@ class DilatedAttention(nn.Module):
         group_size(process_group)  # a process group, or None
         if process_group is None:  # fixed now: dist.group.WORLD before init is None for good
             warn_if_launched_alone("this module runs every call")
-        self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)
         self.kernel = kernel

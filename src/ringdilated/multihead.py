@@ -214,11 +214,10 @@ class MultiheadDilatedAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
 
-        ``query`` may be shorter than ``key`` and ``value`` (its last positions: a query
-        suffix). ``key_padding_mask`` ``(B, L)``, ``True`` = padding, one contiguous valid run
-        per row, and ``cu_seqlens`` (packed documents) are
-        :func:`ringdilated.dilated_attention`'s. ``attn_mask`` and ``need_weights=True`` raise
-        (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
+        ``query`` may be a query suffix (shorter than ``key`` and ``value``); ``key_padding_mask``
+        ``(B, L)`` and ``cu_seqlens`` are :func:`ringdilated.dilated_attention`'s. ``attn_mask``
+        and ``need_weights=True`` raise (no arbitrary masks, no materialised weights); causality
+        is the module's ``causal``.
 
         ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
         each row's next tokens (the same ones, as in self-attention), which the cache adds before
