@@ -30,8 +30,7 @@ What the adapter does with transformers' arguments:
   transformers' own attention reads it. Each row's tokens must form one contiguous run (left or
   right padding), which is then its own document (positions counted from its first token, as
   transformers' ``position_ids`` count them).
-- ``cu_seq_lens_k`` (packed inputs, e.g. ``DataCollatorWithFlattening``) becomes
-  ``cu_seqlens``.
+- ``cu_seq_lens_k`` (packed inputs, e.g. ``DataCollatorWithFlattening``) becomes ``cu_seqlens``.
 - With transformers' KV cache, ``key`` and ``value`` hold every cached position and ``query``
   the newest ones: a query suffix, computed for the current segments only. (The cache itself is
   transformers' and stores every position; :class:`ringdilated.DilatedKVCache` is the bounded
@@ -219,17 +218,14 @@ def _padding_layout(mask: torch.Tensor) -> SequenceLayout:
     try:
         return SequenceLayout(key_padding_mask=mask.logical_not())
     except ValueError as error:  # a row of several runs (the shape fits: the mask is its own)
-        length = mask.shape[1]
-        positions = torch.arange(length, device=mask.device)
-        first = torch.where(mask, positions, length).amin(1)
-        last = torch.where(mask, positions, -1).amax(1)
-        runs = torch.stack([mask.sum(1), first, last], 1).tolist()
-        for row, (count, start, end) in enumerate(runs):
-            if count and end - start + 1 != count:
+        for row, tokens in enumerate(mask.tolist()):
+            columns = [column for column, token in enumerate(tokens) if token]
+            if columns and columns[-1] - columns[0] + 1 != len(columns):
                 raise ValueError(
                     f"attn_implementation={NAME!r} needs each attention_mask row's tokens (1 = "
                     "token, 0 = padding) in one contiguous run (left or right padding); row "
-                    f"{row} has {count} tokens between columns {start} and {end}"
+                    f"{row} has {len(columns)} tokens between columns {columns[0]} and "
+                    f"{columns[-1]}"
                 ) from error
         raise
 
