@@ -44,10 +44,9 @@ segment holds ``ceil((w - o) / r)`` positions, so a run is one rate-1 call on an
 ``longnet`` runs are merged by their log-sum-exp). Either then writes the last segment's selected
 keys into the buffers.
 
-**Rows of different lengths.** The first call's ``key_padding_mask``
-(:meth:`DilatedKVCache.attend`) puts each row's valid tokens at positions ``0..n_b - 1``; every
-later call gives each row its next tokens, at that row's own positions. A module checks a cache
-before any work (:meth:`DilatedKVCache.bind`); ownership, dropout and autograd: see the class.
+**Rows of different lengths.** A padded prompt (the first call's ``key_padding_mask``) puts each
+row's valid tokens at positions ``0..n_b - 1``; every later call gives each row its next tokens,
+at its own positions. Ownership, dropout and autograd: see :class:`DilatedKVCache`.
 
 Call flow::
 
@@ -104,15 +103,10 @@ class _Run:
     def selected(self, start: int, stop: int) -> list[int]:
         """The selected positions in ``[start, stop)``, in order (O(selected), not O(stop))."""
         positions: list[int] = []
-        segment = start // self.w
-        while segment * self.w < stop:
+        for segment in range(start // self.w, -(-stop // self.w)):  # the segments it meets
             base = segment * self.w + self.offset
             p = base + max(0, -(-(start - base) // self.r)) * self.r
-            end = min(stop, (segment + 1) * self.w)
-            while p < end:
-                positions.append(p)
-                p += self.r
-            segment += 1
+            positions.extend(range(p, min(stop, (segment + 1) * self.w), self.r))
         return positions
 
 
@@ -191,8 +185,7 @@ def _tables(
 
 
 def _named(module: object) -> str:
-    """A module in an error: its class and address (what ``named_modules()`` can be searched
-    for)."""
+    """A module in an error: its class and address (to search ``named_modules()`` for)."""
     return f"{type(module).__name__} at {id(module):#x}"
 
 
@@ -541,9 +534,8 @@ class DilatedKVCache:
         scores = torch.matmul(query, keys.to(work)).masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, -1)
         out = torch.matmul(probs, values.to(work))
-        # A head that sees no key (none of its runs selects the position) has a row of -inf
-        # scores, whose softmax is NaN: its output is 0 and its lse -inf. (No such head when
-        # each has a run of rate 1.)
+        # A head that sees no key (none of its runs selects the position; none has a run of rate
+        # 1) has a row of -inf scores, whose softmax is NaN: its output is 0 and its lse -inf.
         seen = None
         if t.member is not None:
             seen = (selects.unsqueeze(2) & t.member).any(-1, keepdim=True)
@@ -671,7 +663,7 @@ class DilatedKVCache:
         q: torch.Tensor,
         lse: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``longnet``: every head's runs merged by their log-sum-exp (float32 state)."""
+        """``longnet``: every head's runs merged by their log-sum-exp (in accumulation_dtype)."""
         batch, m, heads, dim = q.shape
         acc = accumulation_dtype(q.dtype)
         state = torch.full((len(parts), batch, heads, m), float("-inf"), dtype=acc, device=q.device)
