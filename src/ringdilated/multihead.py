@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -87,16 +88,14 @@ class MultiheadDilatedAttention(nn.Module):
     ``nn.MultiheadAttention`` accepts them); the attention then computes in the autocast dtype.
 
     ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: key and value project to
-    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` picks
-    :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
-    must then be in that dtype. The pattern arguments are keyword-only, so
-    ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` (the parameters' dtype)
+    picks :func:`ringdilated.recommended_dtype` for ``device``. The pattern arguments are
+    keyword-only, so ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
 
     ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
-    applied to ``q`` and ``k`` after the projections, with positions counted from each
-    document's start (padding and packed documents restart at 0; on a process group, global
-    positions; with a cache, from each row's position in it, on the device). See
-    :mod:`ringdilated.rotary`.
+    applied to ``q`` and ``k`` after the projections, with positions counted from each document's
+    start (padding and packed documents restart at 0; on a process group, global positions; with
+    a cache, from each row's position in it, on the device). See :mod:`ringdilated.rotary`.
     """
 
     def __init__(
@@ -170,11 +169,10 @@ class MultiheadDilatedAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """MAGNETO initialisation: Xavier-normal, gain ``gamma_init`` on value and output."""
-        nn.init.xavier_normal_(self.q_proj.weight)
-        nn.init.xavier_normal_(self.k_proj.weight)
-        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
-        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
+        gains = (1.0, 1.0, self.gamma_init, self.gamma_init)
+        for proj, gain in zip(projections, gains, strict=True):
+            nn.init.xavier_normal_(proj.weight, gain=gain)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
@@ -236,7 +234,8 @@ class MultiheadDilatedAttention(nn.Module):
         try:
             self._check_call(query, key, value, need_weights, attn_mask, is_causal)
             given = (cache, key_padding_mask, cu_seqlens, layout)
-            if cache is not None and not _same(self._checked_call, given):
+            checked = self._checked_call  # () or the very objects checked (identity, not equality)
+            if cache is not None and not (checked and all(map(operator.is_, checked, given))):
                 self._check_cache(*given)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
@@ -372,8 +371,7 @@ class MultiheadDilatedAttention(nn.Module):
     def _check_cache(
         self, cache: object, key_padding_mask: object, cu_seqlens: object, layout: object
     ) -> None:
-        """Raise unless ``cache`` can serve this call; then it is this module's (see
-        :meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`)."""
+        """Raise unless ``cache`` can serve this call, then bind it (:meth:`_bind_cache`)."""
         if not isinstance(cache, DilatedKVCache):
             raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
         if self.attention.training and self.attention.dropout > 0:
@@ -407,8 +405,3 @@ class MultiheadDilatedAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
         )
-
-
-def _same(checked: tuple[object, ...], given: tuple[object, ...]) -> bool:
-    """Whether ``given`` are the very objects a caller has checked (identity, not equality)."""
-    return len(checked) == len(given) and all(a is b for a, b in zip(checked, given, strict=True))

@@ -91,19 +91,13 @@ class DilatedTransformerBlock(nn.Module):
         for layer in (up, down):
             nn.init.xavier_normal_(layer.weight, gain=gamma_init)
             nn.init.zeros_(layer.bias)
-        self.ffn = nn.Sequential(
-            up,
-            nn.GELU(),
-            nn.Dropout(dropout),
-            nn.LayerNorm(ffn_dim, eps=layer_norm_eps, **factory),
-            down,
-        )
+        sub_norm = nn.LayerNorm(ffn_dim, eps=layer_norm_eps, **factory)
+        self.ffn = nn.Sequential(up, nn.GELU(), nn.Dropout(dropout), sub_norm, down)
         self.dropout = nn.Dropout(dropout)
 
     def make_cache(self) -> DilatedKVCache:
-        """An empty cache for decoding with this block (its attention's
-        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`, which it belongs to: make
-        one per block)."""
+        """An empty cache for decoding with this block, which belongs to its attention
+        (:meth:`~ringdilated.MultiheadDilatedAttention.make_cache`): make one per block."""
         return self.attn.make_cache()
 
     def forward(
