@@ -58,6 +58,7 @@ bidirectional overlays, or one it does not recognise: the error names how it was
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -116,10 +117,8 @@ def _captured(function: object) -> dict[str, object]:
         return {}
     captured: dict[str, object] = {}
     for name, cell in zip(code.co_freevars, cells, strict=True):
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell
             captured[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
     return captured
 
 
@@ -241,14 +240,11 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> KeyMask:
-    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`).
-
-    ``attention_mask``: as the module docstring says, one column per key (the first one the
-    oldest; any nonzero value is a token). Raises ``ValueError`` for a mask of any other length,
-    for a row whose tokens are not one contiguous run (eager mode; compiled calls check it in
-    the layer's op), and for a cache layout whose queries are not the last positions of the keys
-    (a static or sliding cache), which ringdilated's query suffix cannot place. A mask function
-    it does not serve is reported in :attr:`KeyMask.overlay`, for the attention call to raise."""
+    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`): raises the
+    ``ValueError`` the module docstring names for an ``attention_mask`` (any nonzero value is a
+    token) or a cache layout it refuses (a row's tokens not in one run: in eager mode; compiled
+    calls check it in the layer's op). A mask function it does not serve is reported in
+    :attr:`KeyMask.overlay`, for the attention call to raise."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
     keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
     if attention_mask is not None and (
