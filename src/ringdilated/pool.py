@@ -38,11 +38,7 @@ def _worker(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
-        while True:
-            task = inbox.get()
-            if task is None:
-                break
-            name, payload = task
+        for name, payload in iter(inbox.get, None):  # None: close
             try:
                 module, _, function = name.partition(":")
                 task_fn = getattr(importlib.import_module(module), function)
