@@ -329,9 +329,7 @@ class DilatedKVCache:
     def __getstate__(self) -> dict[str, object]:
         """Pickling keeps everything but the owner, a weak reference (see the class docstring;
         ``copy.copy`` and ``copy.deepcopy`` keep it)."""
-        state = dict(self.__dict__)
-        state["_owner"], state["_owner_name"] = None, ""
-        return state
+        return {**self.__dict__, "_owner": None, "_owner_name": ""}
 
     def __copy__(self) -> DilatedKVCache:
         """A shallow copy shares this cache's buffers, so it keeps its owner too: only the same
