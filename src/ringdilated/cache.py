@@ -44,25 +44,9 @@ segment holds ``ceil((w - o) / r)`` positions, so a run is one rate-1 call on an
 ``longnet`` runs are merged by their log-sum-exp). Either then writes the last segment's selected
 keys into the buffers.
 
-**Rows of different lengths.** The first call may take a ``key_padding_mask`` ``(B, m)`` (``True``
-= padding, one contiguous valid run per row, left or right padding): each row's valid tokens are
-its prompt, at positions ``0..n_b - 1``; padded positions give ``out = 0``. After it, every call
-gives each row its next tokens, at that row's own positions.
-
-**One cache, one module.** A module (:class:`~ringdilated.MultiheadDilatedAttention`, and
-:class:`~ringdilated.DilatedTransformerBlock` through it) calls :meth:`DilatedKVCache.bind` before
-any work: a cache made for another pattern, mode, causality, scale or head counts, or holding a
-sequence of another head dim, dtype or device, is refused with every field that differs; so is a
-cache that belongs to another module, even one of identical configuration (per-layer caches
-swapped: its buffers hold that module's keys). A cache belongs to the module whose
-``make_cache()`` made it, or else to the first module it is passed to, for its whole life.
-``copy.deepcopy`` keeps that: a cache copied with its module (``deepcopy((model, caches))``)
-belongs to the module's copy, one copied alone (a branch of a decode) to the same module. A
-pickled cache (``torch.save``) loads without one and belongs to the first module it reaches.
-
-**No dropout, no gradient truncation.** :meth:`DilatedKVCache.attend` drops nothing; a module in
-training mode with attention dropout refuses a cache. Under autograd the buffers record every
-write, so decoding without ``torch.no_grad()`` keeps every step's graph (see the class).
+**Rows of different lengths.** A padded prompt (the first call's ``key_padding_mask``) puts each
+row's valid tokens at positions ``0..n_b - 1``; every later call gives each row its next tokens,
+at its own positions. Ownership, dropout and autograd: see :class:`DilatedKVCache`.
 
 Call flow::
 
@@ -81,7 +65,7 @@ from typing import Any
 import attrs
 import torch
 
-from ringdilated.core import DilationPattern, HeadRun, Kernel, Mode
+from ringdilated.core import DilationPattern, HeadRun, Kernel, Mode, accumulation_dtype
 from ringdilated.core.call import check_bool, check_options
 from ringdilated.core.plan import check_readable, read_padding, split_by_kv
 from ringdilated.core.run import effective_scale
@@ -119,15 +103,10 @@ class _Run:
     def selected(self, start: int, stop: int) -> list[int]:
         """The selected positions in ``[start, stop)``, in order (O(selected), not O(stop))."""
         positions: list[int] = []
-        segment = start // self.w
-        while segment * self.w < stop:
+        for segment in range(start // self.w, -(-stop // self.w)):  # the segments it meets
             base = segment * self.w + self.offset
             p = base + max(0, -(-(start - base) // self.r)) * self.r
-            end = min(stop, (segment + 1) * self.w)
-            while p < end:
-                positions.append(p)
-                p += self.r
-            segment += 1
+            positions.extend(range(p, min(stop, (segment + 1) * self.w), self.r))
         return positions
 
 
@@ -135,11 +114,10 @@ def _runs(
     pattern: DilationPattern, num_heads: int, num_kv_heads: int
 ) -> tuple[tuple[_Run, ...], int, int]:
     """Every run of heads sharing a pattern and an offset (split where a key/value head
-    begins), and the buffer's layout: on every key/value head, ``entries`` ranges of ``span``
-    slots (the largest run's capacity, then one scratch slot); each run takes the first range
-    free on all of its key/value heads, so its slots start at the same place on each."""
+    begins), each in the first of the ``entries`` ranges of ``span`` slots free on all of its
+    key/value heads: ``(runs, entries, span)``, the buffers' layout of the module docstring."""
     group = num_heads // num_kv_heads
-    placed: list[tuple[int, HeadRun, int, int, int, int]] = []
+    placed: list[tuple[_Run, int]] = []  # each run at slot 0, and its entry
     taken = [0] * num_kv_heads
     for index, offset, first, stop in pattern.head_offsets(num_heads):
         w, r = pattern.segment_lengths[index], pattern.dilation_rates[index]
@@ -148,12 +126,9 @@ def _runs(
             entry = max(taken[h] for h in kv)
             for h in kv:
                 taken[h] = entry + 1
-            placed.append((index, heads, w, r, offset, entry))
-    span = max(-(-(w - offset) // r) for _, _, w, r, offset, _ in placed) + 1
-    runs = tuple(
-        _Run(index, heads, w, r, offset, entry * span)
-        for index, heads, w, r, offset, entry in placed
-    )
+            placed.append((_Run(index, heads, w, r, offset, 0), entry))
+    span = max(run.capacity for run, _ in placed) + 1
+    runs = tuple(attrs.evolve(run, start=entry * span) for run, entry in placed)
     return runs, max(taken), span
 
 
@@ -202,20 +177,15 @@ def _tables(
             first[kv, j, e, : run.capacity] = run.offset + run.r * torch.arange(run.capacity)
             member[kv, j, e] = True
             always[head] |= run.r == 1
-    return _Tables(
-        w=w.to(device),
-        r=r.to(device),
-        offset=offset.to(device),
-        start=start.to(device),
-        scratch=(start + span - 1).to(device),
-        first=first.to(device),
-        member=None if bool(always.all()) else member.to(device),
+    w, r, offset, start, scratch, first = (
+        t.to(device) for t in (w, r, offset, start, start + span - 1, first)
     )
+    member_on = None if bool(always.all()) else member.to(device)
+    return _Tables(w, r, offset, start, scratch, first, member_on)
 
 
 def _named(module: object) -> str:
-    """A module in an error: its class and address (what ``named_modules()`` can be searched
-    for)."""
+    """A module in an error: its class and address (to search ``named_modules()`` for)."""
     return f"{type(module).__name__} at {id(module):#x}"
 
 
@@ -340,18 +310,15 @@ class DilatedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value buffers (fixed from the first call: on each key/value
-        head, a range of slots per run reading it, as long as the largest run's capacity, plus a
-        scratch slot each)."""
+        """Bytes of the key and value buffers, fixed from the first call (their layout: see the
+        module docstring)."""
         buffers = [t for t in (self._keys, self._values) if t is not None]
         return sum(t.untyped_storage().nbytes() for t in buffers)
 
     def reset(self) -> None:
-        """Start every row over at position 0. The buffers' storage is kept, zeroed in place (a
-        slot becomes visible only once written again, but a NaN or infinite value left from the
-        last sequence must not meet a zero probability in the next), and detached: the autograd
-        graph that writes under autograd recorded on them is released. The cache's module
-        (:attr:`owner`) stays."""
+        """Start every row over at position 0. The buffers' storage is kept, zeroed in place (no
+        NaN or infinity of the last sequence reaches the next) and detached, which releases the
+        autograd graph recorded on them. The cache's module (:attr:`owner`) stays."""
         if self._keys is not None and self._values is not None:
             self._keys = self._keys.detach().zero_()
             self._values = self._values.detach().zero_()
@@ -360,12 +327,9 @@ class DilatedKVCache:
         self._started = False
 
     def __getstate__(self) -> dict[str, object]:
-        """Pickling keeps everything but the owner (a weak reference): a saved and loaded cache
-        belongs to no module until one is passed it (:meth:`bind`). ``copy.copy`` and
-        ``copy.deepcopy`` keep the owner (:meth:`__copy__`, :meth:`__deepcopy__`)."""
-        state = dict(self.__dict__)
-        state["_owner"], state["_owner_name"] = None, ""
-        return state
+        """Pickling keeps everything but the owner, a weak reference (see the class docstring;
+        ``copy.copy`` and ``copy.deepcopy`` keep it)."""
+        return {**self.__dict__, "_owner": None, "_owner_name": ""}
 
     def __copy__(self) -> DilatedKVCache:
         """A shallow copy shares this cache's buffers, so it keeps its owner too: only the same
@@ -375,10 +339,8 @@ class DilatedKVCache:
         return copied
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DilatedKVCache:
-        """A copy of every buffer that belongs to the owner's copy when this ``deepcopy`` has
-        copied the owner already (``memo`` holds it: ``copy.deepcopy((model, caches))``), else
-        to the same owner as this cache (a branch of a decode): never to the first module it
-        reaches, which would let swapped copies pass."""
+        """A copy of every buffer, owned by the owner's copy when ``memo`` holds one, else by
+        the same owner (see the class docstring): never by the first module it reaches."""
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         for name, value in self.__getstate__().items():
@@ -549,8 +511,7 @@ class DilatedKVCache:
         slot = torch.where(selects, t.start + inside // t.r, t.scratch)
         seen_to = torch.where(selects, inside, -1)
         # Write first (the token sees itself); a step that raises later leaves only its own
-        # slot written, which no query sees before this position is written again. Keys are
-        # held transposed, (B, Hkv, D, S), the layout the score product reads fastest.
+        # slot written, which no query sees before this position is written again.
         keys.scatter_(
             3,
             slot.unsqueeze(2).expand(batch, kv_heads, dim, width),
@@ -571,9 +532,8 @@ class DilatedKVCache:
         scores = torch.matmul(query, keys.to(work)).masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, -1)
         out = torch.matmul(probs, values.to(work))
-        # A head that sees no key (none of its runs selects the position) has a row of -inf
-        # scores, whose softmax is NaN: its output is 0 and its lse -inf. (No such head when
-        # each has a run of rate 1.)
+        # A head that sees no key (none of its runs selects the position; none has a run of rate
+        # 1) has a row of -inf scores, whose softmax is NaN: its output is 0 and its lse -inf.
         seen = None
         if t.member is not None:
             seen = (selects.unsqueeze(2) & t.member).any(-1, keepdim=True)
@@ -599,7 +559,7 @@ class DilatedKVCache:
         """The first call: the prompt attended with the real pattern, then its last segments
         written into the buffers."""
         batch, m = q.shape[:2]
-        self._allocate(q, k)
+        self._allocate(k)
         assert self._positions is not None
         out, lse, _ = attend(
             self.pattern,
@@ -621,17 +581,15 @@ class DilatedKVCache:
                 start, stop = rows.documents[0] if rows.documents else (0, 0)
                 prompts.extend((b, 0, start, stop - start) for b in range(rows.start, rows.stop))
         self._write(k, v, prompts)
-        lengths = tuple(n for _, _, _, n in prompts)
-        self._positions.copy_(torch.tensor(lengths, dtype=torch.int64))
+        self._positions.copy_(torch.tensor([n for _, _, _, n in prompts], dtype=torch.int64))
         self._started = True
         return out, lse
 
     def _chunk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A later step of several tokens, planned on the host (one read of the positions):
-        rows at one position together, each run a rate-1 call over its compacted selected
-        positions; the buffers are written once every run succeeded (a step that raises leaves
+        """A later step of several tokens (see the module docstring), rows at one position
+        together; the buffers are written once every run succeeded (a step that raises leaves
         the cache as it was)."""
         batch, m, heads, dim = q.shape
         assert self._positions is not None
@@ -646,8 +604,7 @@ class DilatedKVCache:
             lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
             for position, members in groups.items():
                 rows = torch.tensor(members, device=q.device)
-                part, part_lse = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
-                out[rows], lse[rows] = part, part_lse
+                out[rows], lse[rows] = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
         self._write(k, v, [(b, p, 0, m) for b, p in enumerate(lengths)])
         self._positions.add_(m)
         return out, lse
@@ -663,29 +620,18 @@ class DilatedKVCache:
         """Rows ``rows`` of the buffers, all at position ``start``: their next tokens' attention."""
         assert self._keys is not None and self._values is not None
         batch, m, heads, dim = q.shape
-        stop = start + m
-        exclusive = self.pattern.mode == "head_groups"
-        out = q.new_zeros(batch, m, heads, dim) if exclusive else None
         lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
         parts: list[tuple[_Run, list[int], torch.Tensor, torch.Tensor]] = []
         for run in self._runs:
-            new = run.selected(start, stop)
+            new = [p - start for p in run.selected(start, start + m)]  # columns of q, k, v
             if not new:
                 continue
-            at = torch.tensor([p - start for p in new], dtype=torch.long, device=q.device)
+            at = torch.tensor(new, dtype=torch.long, device=q.device)
             h, kv = run.heads, slice(run.heads.kv_start, run.heads.kv_stop)
             held = slice(run.start, run.start + run.held(start))
-            keys = torch.cat(
-                [
-                    self._keys[rows, kv, :, held].permute(0, 3, 1, 2),
-                    k[:, :, kv].index_select(1, at),
-                ],
-                1,
-            )
-            values = torch.cat(
-                [self._values[rows, kv, held].transpose(1, 2), v[:, :, kv].index_select(1, at)],
-                1,
-            )
+            new_k, new_v = (x[:, :, kv].index_select(1, at) for x in (k, v))
+            keys = torch.cat([self._keys[rows, kv, :, held].permute(0, 3, 1, 2), new_k], 1)
+            values = torch.cat([self._values[rows, kv, held].transpose(1, 2), new_v], 1)
             queries = q[:, :, h.q_start : h.q_stop].index_select(1, at)
             run_out, run_lse, _ = attend(
                 ((run.capacity,), (1,), "head_groups"),
@@ -699,15 +645,15 @@ class DilatedKVCache:
                 return_lse=True,  # read, and differentiated through the merge below
                 full_precision_lse=True,  # longnet merges it further
             )
-            parts.append((run, [p - start for p in new], run_out, run_lse))
-        if exclusive:
-            assert out is not None
-            for run, at_list, run_out, run_lse in parts:
-                h = run.heads
-                out[:, at_list, h.q_start : h.q_stop] = run_out
-                lse[:, h.q_start : h.q_stop, at_list] = run_lse.float()
-            return out, lse
-        return self._merge(parts, q, lse)
+            parts.append((run, new, run_out, run_lse))
+        if self.pattern.mode == "longnet":
+            return self._merge(parts, q, lse)
+        out = q.new_zeros(batch, m, heads, dim)
+        for run, columns, run_out, run_lse in parts:
+            h = run.heads
+            out[:, columns, h.q_start : h.q_stop] = run_out
+            lse[:, h.q_start : h.q_stop, columns] = run_lse.float()
+        return out, lse
 
     @staticmethod
     def _merge(
@@ -715,9 +661,9 @@ class DilatedKVCache:
         q: torch.Tensor,
         lse: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``longnet``: every head's runs merged by their log-sum-exp (float32 state)."""
+        """``longnet``: every head's runs merged by their log-sum-exp (in accumulation_dtype)."""
         batch, m, heads, dim = q.shape
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(q.dtype)
         state = torch.full((len(parts), batch, heads, m), float("-inf"), dtype=acc, device=q.device)
         outs = q.new_zeros((len(parts), batch, m, heads, dim), dtype=acc)
         for j, (run, at, run_out, run_lse) in enumerate(parts):
@@ -749,29 +695,30 @@ class DilatedKVCache:
             if not batch_index:
                 continue
             at_b, at_c, at_s = (
-                torch.tensor(x, dtype=torch.long, device=device)
+                torch.tensor(x, dtype=torch.long, device=device).unsqueeze(1)
                 for x in (batch_index, columns, slots)
             )
             kv = torch.arange(run.heads.kv_start, run.heads.kv_stop, device=device)
-            index = (at_b.unsqueeze(1), kv.unsqueeze(0), at_s.unsqueeze(1))
-            self._keys.transpose(2, 3).index_put_(
-                index, k[at_b.unsqueeze(1), at_c.unsqueeze(1), kv]
-            )
-            self._values.index_put_(index, v[at_b.unsqueeze(1), at_c.unsqueeze(1), kv])
+            self._keys.transpose(2, 3).index_put_((at_b, kv, at_s), k[at_b, at_c, kv])
+            self._values.index_put_((at_b, kv, at_s), v[at_b, at_c, kv])
 
     # -- allocation and checks -------------------------------------------------------------------
 
-    def _allocate(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        """The buffers and tables, unless the ones held fit ``k``'s batch, dim, dtype, device."""
-        batch, _, kv_heads, dim = k.shape
+    def _fits(self, k: torch.Tensor) -> bool:
+        """Whether buffers are held, in ``k``'s batch, head dim, dtype and device."""
         held = self._values
-        if (
+        return (
             held is not None
-            and held.shape[0] == batch
-            and held.shape[3] == dim
+            and held.shape[0] == k.shape[0]
+            and held.shape[3] == k.shape[3]
             and held.dtype == k.dtype
             and held.device == k.device
-        ):
+        )
+
+    def _allocate(self, k: torch.Tensor) -> None:
+        """The buffers and tables, unless the ones held fit ``k`` (:meth:`_fits`)."""
+        batch, _, kv_heads, dim = k.shape
+        if self._fits(k):
             assert self._positions is not None
             self._positions.zero_()
             return
@@ -780,12 +727,11 @@ class DilatedKVCache:
         )
         slots = self._entries * self._span
         # Zeros, not empty: an unwritten slot's value meets probability 0, and 0 * NaN is NaN.
-        # Keys transposed (B, Hkv, D, S), values (B, Hkv, S, D): what the two products read.
         self._keys = torch.zeros((batch, kv_heads, dim, slots), dtype=k.dtype, device=k.device)
         self._values = torch.zeros((batch, kv_heads, slots, dim), dtype=k.dtype, device=k.device)
         self._positions = torch.zeros(batch, dtype=torch.int64, device=k.device)
         self._dtype, self._device = k.dtype, k.device
-        self._work = torch.float64 if k.dtype == torch.float64 else torch.float32
+        self._work = accumulation_dtype(k.dtype)
         self._scale = effective_scale(self.scale, dim)
         self._step_shapes = (
             torch.Size((batch, 1, self.num_heads, dim)),
@@ -821,29 +767,17 @@ class DilatedKVCache:
         if q.shape[1] < 1:
             raise ValueError(f"a step must add at least one token, got q {tuple(q.shape)}")
         held = self._values
-        if (
-            self._started
-            and held is not None
-            and (
-                held.shape[0] != k.shape[0]
-                or held.shape[3] != k.shape[3]
-                or held.dtype != k.dtype
-                or held.device != k.device
-            )
-        ):
+        if self._started and held is not None and not self._fits(k):
             raise ValueError(
                 f"this cache holds batch {held.shape[0]}, head dim {held.shape[3]}, "
                 f"{held.dtype} on {held.device}; got k {tuple(k.shape)} {k.dtype} on "
                 f"{k.device} (call reset() to start another sequence)"
             )
         if key_padding_mask is not None and self._started:
+            lengths = self.lengths
+            shown = ", ".join(map(str, lengths[:4])) + (", ..." if len(lengths) > 4 else "")
             raise ValueError(
                 "key_padding_mask is taken by the first call only (the prompt; afterwards every "
                 f"row gets its next tokens at its own position), but the rows are at "
-                f"{self._brief_lengths()}: pass key_padding_mask=None, or reset() first"
+                f"positions ({shown}): pass key_padding_mask=None, or reset() first"
             )
-
-    def _brief_lengths(self) -> str:
-        lengths = self.lengths
-        shown = ", ".join(map(str, lengths[:4]))
-        return f"positions ({shown}{', ...' if len(lengths) > 4 else ''})"

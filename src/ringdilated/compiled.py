@@ -4,13 +4,13 @@ selective activation checkpointing and for CUDA graphs.
 - ``ringdilated::attention`` (backward: ``ringdilated::attention_backward``): a call on a
   :class:`~ringdilated.SequenceLayout`, which the op takes as an opaque argument
   (:mod:`ringdilated.core.support.opaque`): a new layout per batch reuses the compiled graph. The
-  op finds the call's plan on the layout (made, and agreed on a process group, at the layout's first
-  call
-  with that signature) and runs it: on a layout in steady state it reads nothing on the host, so
-  CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a selective
-  activation-checkpointing policy can keep its output by name (``torch.ops.ringdilated.
-  attention.default``) instead of running its exchanges again. A sharded call without a layout
-  passes the names of its process groups instead, and the op plans (and agrees on) each call.
+  op finds the call's plan on the layout (made, and agreed on a process group, at the layout's
+  first call with that signature) and runs it: on a layout in steady state it reads nothing on
+  the host, so CUDA graphs may capture it. Sharded calls take this op in eager mode too, so a
+  selective activation-checkpointing policy can keep its output by name
+  (``torch.ops.ringdilated.attention.default``) instead of running its exchanges again. A sharded
+  call without a layout passes the names of its process groups instead, and the op plans (and
+  agrees on) each call.
 - ``ringdilated::dilated_attention`` (backward: ``ringdilated::dilated_attention_backward``): a
   one-process call given ``cu_seqlens`` or ``key_padding_mask`` tensors under ``torch.compile``;
   it reads their values on the host every call (tagged ``torch.Tag.cudagraph_unsafe``): pass a
@@ -93,9 +93,7 @@ def _planned(
     layout: SequenceLayout | None,
     stats: TransferStats,
     groups: Sequence[str],
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    mode: str,
+    pattern: tuple[Sequence[int], Sequence[int], str],
     causal: bool,
     scale: float | None,
     dropout_p: float,
@@ -105,12 +103,10 @@ def _planned(
     backward: bool,
     documents: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> CallPlan:
-    """The plan of an op's call (see :func:`~ringdilated.core.call.prepare.plan_for`): on
-    ``layout``, or, for the process-wide layout of whole sequences given process groups, a call
-    that plans (and agrees) by itself; ``layout=None``: a one-process call given ``documents``
-    (``cu_seqlens``, ``key_padding_mask``), planned anew every call (re-validating costs
-    microseconds; the resolution is a cached lookup). Process groups named with another layout
-    must be its own (``ValueError`` otherwise, at once, on this rank)."""
+    """The plan of an op's call (:func:`~ringdilated.core.call.prepare.plan_for`) on ``layout``,
+    made (and agreed) anew every call for a one-process call given ``documents`` (``layout=None``)
+    or a sharded one on the process-wide layout of whole sequences. Process groups named with
+    another layout must be its own (``ValueError`` otherwise, at once, on this rank)."""
     from ringdilated.registry import default_resolver
 
     if layout is not None and layout is not WHOLE_SEQUENCES and any(groups):
@@ -132,17 +128,9 @@ def _planned(
         "key_padding_mask": documents[1],
     }
     per_call = layout is WHOLE_SEQUENCES and any(groups)
-    return plan_for(
-        (list(segment_lengths), list(dilation_rates), mode),
-        q,
-        k,
-        v,
-        arguments,
-        default_resolver,
-        _process_layout(groups) if per_call else None,
-        None if per_call else layout,
-        backward=backward,
-    )
+    group, on = (_process_layout(groups), None) if per_call else (None, layout)
+    as_lists = (list(pattern[0]), list(pattern[1]), pattern[2])
+    return plan_for(as_lists, q, k, v, arguments, default_resolver, group, on, backward=backward)
 
 
 def _counted(stats: TransferStats) -> TransferStats | None:
@@ -228,7 +216,7 @@ def _attention(
     """``(out (B, Lq, H, D), lse (B, H, Lq))`` of one call on ``layout`` (see the module
     docstring); everything is checked as an eager call checks it, on every rank."""
     _last.plan = plan = _planned(
-        q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+        q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
         causal, scale, dropout_p, kernel, communicator, return_lse, backward,
     )  # fmt: skip
     return execute(plan, q, k, v, _counted(stats), seed=seed)
@@ -259,7 +247,7 @@ def _attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`_attention` (the same plan, the same masks)."""
     plan = _planned(
-        q, k, v, layout, stats, (group, inner_group), segment_lengths, dilation_rates, mode,
+        q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
         causal, scale, dropout_p, kernel, communicator, return_lse, True,
     )  # fmt: skip
     dlse = dlse if return_lse else None
@@ -305,9 +293,6 @@ def shard_positions(
     return layout.shard_positions(device, shard_length)
 
 
-# The one-process op of calls given cu_seqlens / key_padding_mask tensors under torch.compile.
-
-
 def _dilated_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -328,8 +313,8 @@ def _dilated_attention(
     padding, which need their values, are read and checked here (before any work), every call,
     as in an eager call without a layout."""
     plan = _planned(
-        q, k, v, None, NO_STATS, ("", ""), segment_lengths, dilation_rates, mode, causal, scale,
-        dropout_p, kernel, "auto", False, backward, (cu_seqlens, key_padding_mask),
+        q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
+        scale, dropout_p, kernel, "auto", False, backward, (cu_seqlens, key_padding_mask),
     )  # fmt: skip
     return execute(plan, q, k, v, seed=seed)
 
@@ -359,8 +344,8 @@ def _dilated_attention_backward(
     the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
     only when ``dlse`` has a nonzero entry (read on the host: this op reads it anyway)."""
     plan = _planned(
-        q, k, v, None, NO_STATS, ("", ""), segment_lengths, dilation_rates, mode, causal, scale,
-        dropout_p, kernel, "auto", False, True, (cu_seqlens, key_padding_mask),
+        q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
+        scale, dropout_p, kernel, "auto", False, True, (cu_seqlens, key_padding_mask),
     )  # fmt: skip
     dlse = dlse if dlse is not None and bool(dlse.any()) else None
     return execute_backward(plan, dout, dlse, q, k, v, out, lse, seed)

@@ -49,12 +49,8 @@ from ringdilated.registry import default_resolver
 
 __all__ = ["attend", "default_resolver", "dilated_attention", "world_size"]
 
-_INT64_MAX = 2**63 - 1
-_INT64_MIN = -(2**63)
-
 world_size = group_size
-"""Ranks in a process group (``None``: one process);
-:func:`ringdilated.core.call.prepare.group_size`."""
+"""Ranks in a process group (``None``: one process): :func:`~ringdilated.core.call.group_size`."""
 
 
 def attend(
@@ -85,18 +81,14 @@ def attend(
     ``lse_needed=False``: the caller discards ``lse`` (it may then come back ``None`` from a
     call that runs no backward).
 
-    ``layout``: the batch's :class:`~ringdilated.SequenceLayout`; a call with the signature of
-    an earlier call on it is not checked or agreed again (see
-    :mod:`ringdilated.core.call.sequence_layout`). Without one, a one-process call with neither
-    ``cu_seqlens`` nor ``key_padding_mask`` uses a process-wide layout of whole sequences (its
-    plans kept, so a steady-state call is planned once), and any other call builds its own.
-
-    ``pattern`` is a :class:`DilationPattern` or its unvalidated arguments, which are then
-    validated with everything else, inside the ranks' agreement (a bad pattern on one rank raises
-    on every rank). ``transfer_stats`` collects the bytes a sharded call moves. Under
-    ``torch.compile`` a one-process call with a named kernel validates, then runs as one custom
-    op (:mod:`ringdilated.compiled`) and returns ``plan=None`` (the op resolves inside the graph);
-    anything else runs eagerly behind a graph break.
+    Without a ``layout``, a one-process call with neither ``cu_seqlens`` nor
+    ``key_padding_mask`` uses a process-wide layout of whole sequences (its plans kept, so a
+    steady-state call is planned once), and any other call builds its own. ``pattern`` is a
+    :class:`DilationPattern` or its unvalidated arguments, which are then validated with
+    everything else, inside the ranks' agreement (a bad pattern on one rank raises on every
+    rank). A call that runs as an op (see the module docstring) returns ``plan=None`` under
+    ``torch.compile`` (the op resolves inside the graph). The other arguments are
+    :func:`dilated_attention`'s.
     """
     q, k, v = autocast_inputs(q, k, v)  # type: ignore[assignment]
     # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
@@ -112,13 +104,11 @@ def attend(
         key_padding_mask=key_padding_mask,
     )
     compiling = torch.compiler.is_compiling()
+    routed = None
     if compiling or process_group is not None or getattr(layout, "world_size", 1) > 1:
         # Under torch.compile, and for a sharded call in eager mode too: one registered op.
         routed = _attend_op(pattern, q, k, v, options, resolver, process_group, layout, compiling)
-        if routed is not None:
-            out, lse, plan = routed
-            return out, lse if full_precision_lse else lse.float(), plan
-    out, lse, plan = _attend_eager(
+    out, lse, plan = routed or _attend_eager(
         pattern, q, k, v, options, resolver, process_group, layout, lse_needed
     )
     return out, lse if full_precision_lse or lse is None else lse.float(), plan
@@ -127,20 +117,17 @@ def attend(
 def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list[int], str] | None:
     """The pattern as the ops take it (``int[]``, ``int[]``, ``str``), or ``None`` where it does
     not fit their schema (the eager path then rejects it with its own message)."""
-    segments: object
-    rates: object
-    mode: object
-    if isinstance(pattern, DilationPattern):
-        segments, rates, mode = pattern.segment_lengths, pattern.dilation_rates, pattern.mode
-    else:
-        segments, rates, mode = pattern
+    segments, rates, mode = (
+        (pattern.segment_lengths, pattern.dilation_rates, pattern.mode)
+        if isinstance(pattern, DilationPattern)
+        else pattern
+    )
     if not (isinstance(segments, (list, tuple)) and isinstance(rates, (list, tuple))):
         return None
     if not isinstance(mode, str):
         return None
-    for x in (*segments, *rates):
-        if type(x) is not int or not _INT64_MIN <= x <= _INT64_MAX:
-            return None
+    if any(type(x) is not int or not -(2**63) <= x < 2**63 for x in (*segments, *rates)):  # int64
+        return None
     return list(segments), list(rates), mode
 
 
@@ -183,7 +170,8 @@ def _attend_op(
     kernel, communicator = options["kernel"], options["communicator"]
     scale, dropout_p = options["scale"], options["dropout_p"]
     causal, return_lse = options["causal"], options["return_lse"]
-    documents = options["cu_seqlens"] is not None or options["key_padding_mask"] is not None
+    cu_seqlens, key_padding_mask = options["cu_seqlens"], options["key_padding_mask"]
+    documents = cu_seqlens is not None or key_padding_mask is not None
     if not (isinstance(kernel, str) and isinstance(communicator, str) and resolver is None):
         return None
     if type(causal) is not bool or type(return_lse) is not bool:
@@ -202,18 +190,16 @@ def _attend_op(
     dropout = float(dropout_p)  # type: ignore[arg-type]
     scale_value = None if scale is None else float(scale)  # type: ignore[arg-type]
     if layout is None and process_group is None and documents:
-        if not compiling:
+        given = (cu_seqlens, key_padding_mask)
+        if not compiling or any(x is not None and not isinstance(x, torch.Tensor) for x in given):
             return None
-        for name in ("cu_seqlens", "key_padding_mask"):
-            if options[name] is not None and not isinstance(options[name], torch.Tensor):
-                return None
         out, lse = dilated_attention_op(
             q,
             k,
             v,
             _seed(dropout),
-            options["cu_seqlens"],
-            options["key_padding_mask"],
+            cu_seqlens,
+            key_padding_mask,
             *fields,
             causal,
             effective_scale(scale_value, q.shape[-1]),
@@ -222,12 +208,10 @@ def _attend_op(
             backward,
         )
         return out, lse, None
-    if attention_op is None or (documents and layout is not None):
+    # Documents with a layout, or a sharded call's: its own layout, read per call (eager).
+    if attention_op is None or documents:
         return None
-    if layout is None:
-        if documents:  # a sharded call's documents: its own layout, read per call (eager)
-            return None
-        layout = WHOLE_SEQUENCES
+    layout = WHOLE_SEQUENCES if layout is None else layout
     if not isinstance(layout, SequenceLayout):
         return None
     group = as_process_group(process_group)
@@ -236,7 +220,6 @@ def _attend_op(
     if not compiling and group is not None and not isinstance(group, (dist.ProcessGroup, Grid)):
         return None  # the eager path names what it is instead
     # The op checks a process group passed with a layout against the layout's own.
-    groups = group_names(group)
     out, lse = attention_op(
         q,
         k,
@@ -244,7 +227,7 @@ def _attend_op(
         _seed(dropout),
         layout,
         stats if stats is not None else NO_STATS,
-        *groups,
+        *group_names(group),
         *fields,
         causal,
         scale_value,
@@ -257,7 +240,8 @@ def _attend_op(
     return out, lse, None if compiling else last_plan()
 
 
-def _attend_planned(
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _attend_eager(
     pattern: DilationPattern | PatternArgs,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -266,22 +250,18 @@ def _attend_planned(
     resolver: Resolver | None,
     process_group: object,
     layout: object,
-    lse_needed: bool = True,
+    lse_needed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan]:
     """The eager path: the call's plan (found on its layout, or made), then its kernels and
-    exchanges, under one autograd node."""
+    exchanges, under one autograd node. Never traced by dynamo (the resolver, the plan and the
+    process group are Python state), so from inside a compiled region it is a graph break; and
+    never entered by dynamo's frame callback either, which a compiled region's eager fallback
+    would otherwise run on every function it calls."""
     plan = plan_for(
         pattern, q, k, v, arguments, resolver or default_resolver, process_group, layout
     )
     out, lse = execute(plan, q, k, v, arguments["transfer_stats"], lse_needed=lse_needed)
     return out, lse, plan
-
-
-_attend_eager = torch.compiler.disable(_attend_planned)  # type: ignore[no-untyped-call]
-"""The eager path as every caller reaches it: never traced by dynamo (the resolver, the plan and
-the process group are Python state), so from inside a compiled region it is a graph break; and
-never entered by dynamo's frame callback either, which a compiled region's eager fallback
-would otherwise run on every function it calls."""
 
 
 @overload
@@ -394,24 +374,22 @@ def dilated_attention(
       :class:`~ringdilated.core.Kernel` instance, used as it is.
     - ``process_group``: ``None`` (one process) or a ``torch.distributed`` group whose ranks each
       pass their contiguous shard ``(B, n_r, H, D)`` of the sequence, in rank order (lengths may
-      differ; they are exchanged in the ranks' agreement), and get back their slice of
-      the single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one
-      dimension of a larger mesh (its existing group; nothing is created). ``communicator``:
-      ``"auto"`` (the least modelled exchange time, see docs/choosing.md), a name
-      (``"ringpass"``, ``"allgather"``) or a
-      :class:`~ringdilated.core.contract.communicator.Communicator` instance (described by the
-      registered spec whose factory builds its class). Inputs are checked on
-      every rank and a rejection raises on every rank; every shard must
-      hold at least one position (an empty one raises on every rank, naming its rank).
+      differ; they are exchanged in the ranks' agreement), and get back their slice of the
+      single-process result. Also a 1-D ``DeviceMesh``, or ``(mesh, "cp")`` for one dimension
+      of a larger mesh (its existing group; nothing is created). ``communicator``: ``"auto"``
+      (the least modelled exchange time, see docs/choosing.md), a name (``"ringpass"``,
+      ``"allgather"``) or a :class:`~ringdilated.core.contract.communicator.Communicator`
+      instance (described by the registered spec whose factory builds its class). Inputs are
+      checked on every rank and a rejection raises on every rank; every shard must hold at
+      least one position (an empty one raises on every rank, naming its rank).
       ``dist.group.WORLD`` is ``None`` until ``torch.distributed.init_process_group()``: passed
       before it, the call runs as one process over the rank's own shard. A one-process call in
       a process whose environment says ``WORLD_SIZE > 1`` (a launcher such as ``torchrun``)
       while ``torch.distributed`` is not initialised warns with
       :class:`~ringdilated.DistributedNotInitializedWarning`, once per process.
-    - ``transfer_stats``: a :class:`~ringdilated.core.contract.communicator.TransferStats` to which
-    a
-      sharded call adds the bytes this rank sends and receives (forward, and backward when it
-      runs).
+    - ``transfer_stats``: a :class:`~ringdilated.core.contract.communicator.TransferStats` to
+      which a sharded call adds the bytes this rank sends and receives (forward, and backward
+      when it runs).
 
     Raises ``TypeError``/``ValueError`` naming the offending value before any work starts.
     """

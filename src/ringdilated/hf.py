@@ -30,8 +30,7 @@ What the adapter does with transformers' arguments:
   transformers' own attention reads it. Each row's tokens must form one contiguous run (left or
   right padding), which is then its own document (positions counted from its first token, as
   transformers' ``position_ids`` count them).
-- ``cu_seq_lens_k`` (packed inputs, e.g. ``DataCollatorWithFlattening``) becomes
-  ``cu_seqlens``.
+- ``cu_seq_lens_k`` (packed inputs, e.g. ``DataCollatorWithFlattening``) becomes ``cu_seqlens``.
 - With transformers' KV cache, ``key`` and ``value`` hold every cached position and ``query``
   the newest ones: a query suffix, computed for the current segments only. (The cache itself is
   transformers' and stores every position; :class:`ringdilated.DilatedKVCache` is the bounded
@@ -59,6 +58,7 @@ bidirectional overlays, or one it does not recognise: the error names how it was
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
@@ -83,15 +83,14 @@ def _setting(config: object, name: str, default: object = None) -> Any:
 
 
 class KeyMask(NamedTuple):
-    """What the mask function hands every layer, made once per model forward: the 2-D padding
-    mask over the keys (``True`` = token, transformers' convention; ``None`` when nothing is
-    padded); the packed-sequence ids transformers found in ``position_ids`` (``(B, L)``, one id
-    per document; ``None`` when not packed); ``overlay``, how transformers built a mask function
-    the adapter does not serve (windows, chunks, prefix or bidirectional overlays, anything it
-    does not recognise; ``None`` when it serves it), which every layer's call then reports; and,
-    in eager mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once
-    here, for every layer; under ``torch.compile`` each layer's op reads the tensors instead). A
-    named tuple, which ``torch.compile`` traces (a frozen attrs class it cannot build)."""
+    """What the mask function hands every layer, made once per model forward: the 2-D padding mask
+    over the keys (``True`` = token, transformers' convention; ``None`` when nothing is padded); the
+    packed-sequence ids transformers found in ``position_ids`` (``(B, L)``, one id per document;
+    ``None`` when not packed); ``overlay``, how transformers built a mask function the adapter does
+    not serve (``None`` when it serves it), which every layer's call then reports; and, in eager
+    mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once here, for every
+    layer; under ``torch.compile`` each layer's op reads the tensors instead). A named tuple, which
+    ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
@@ -118,10 +117,8 @@ def _captured(function: object) -> dict[str, object]:
         return {}
     captured: dict[str, object] = {}
     for name, cell in zip(code.co_freevars, cells, strict=True):
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell
             captured[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
     return captured
 
 
@@ -155,11 +152,9 @@ def _describe(function: object, depth: int = 0) -> str:
 
 
 def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, str | None]:
-    """``(packed-sequence ids, overlay)`` of transformers' mask function. Served: plain causal or
-    bidirectional (``(None, None)``), or the same made packed-sequence compatible: the
-    intersection, in either order (5.23 puts the packed-sequence mask first, 5.24 second), of
-    ``packed_sequence_mask_function(ids)`` and ``remap_positions_for_packed_sequence`` over a
-    plain one (``(ids, None)``). Anything else: ``(None, how it was built)``."""
+    """``(packed-sequence ids, overlay)`` of transformers' mask function: ``(None, None)`` for
+    plain causal or bidirectional, ``(ids, None)`` for one made packed-sequence compatible (the
+    module docstring says how), anything else ``(None, how it was built)``."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
     plain = (causal_mask_function, bidirectional_mask_function)
@@ -222,17 +217,14 @@ def _padding_layout(mask: torch.Tensor) -> SequenceLayout:
     try:
         return SequenceLayout(key_padding_mask=mask.logical_not())
     except ValueError as error:  # a row of several runs (the shape fits: the mask is its own)
-        length = mask.shape[1]
-        positions = torch.arange(length, device=mask.device)
-        first = torch.where(mask, positions, length).amin(1)
-        last = torch.where(mask, positions, -1).amax(1)
-        runs = torch.stack([mask.sum(1), first, last], 1).tolist()
-        for row, (count, start, end) in enumerate(runs):
-            if count and end - start + 1 != count:
+        for row, tokens in enumerate(mask.tolist()):
+            columns = [column for column, token in enumerate(tokens) if token]
+            if columns and columns[-1] - columns[0] + 1 != len(columns):
                 raise ValueError(
                     f"attn_implementation={NAME!r} needs each attention_mask row's tokens (1 = "
                     "token, 0 = padding) in one contiguous run (left or right padding); row "
-                    f"{row} has {count} tokens between columns {start} and {end}"
+                    f"{row} has {len(columns)} tokens between columns {columns[0]} and "
+                    f"{columns[-1]}"
                 ) from error
         raise
 
@@ -248,16 +240,11 @@ def padding_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: object,
 ) -> KeyMask:
-    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`).
-
-    ``attention_mask`` is transformers' 2-D padding mask, ``1`` = token, ``0`` = padding (any
-    nonzero value is a token), of shape ``(batch, cached + new positions)``: one column per key,
-    the first one the oldest. Raises ``ValueError`` for a mask of any other length (it is never
-    cut to its last columns nor taken as no padding), for a row whose tokens are not one
-    contiguous run (eager mode; compiled calls check it in the layer's op), and for a cache
-    layout whose queries are not the last positions of the keys (a static or sliding cache),
-    which ringdilated's query suffix cannot place. A mask function it does not serve is
-    reported in :attr:`KeyMask.overlay`, for the attention call to raise."""
+    """transformers' mask function for ``"ringdilated"`` (see :class:`KeyMask`): raises the
+    ``ValueError`` the module docstring names for an ``attention_mask`` (any nonzero value is a
+    token) or a cache layout it refuses (a row's tokens not in one run: in eager mode; compiled
+    calls check it in the layer's op). A mask function it does not serve is reported in
+    :attr:`KeyMask.overlay`, for the attention call to raise."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
     keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
     if attention_mask is not None and (
@@ -278,15 +265,11 @@ def padding_mask(
     mask = None if attention_mask is None else attention_mask.bool()
     if torch.compiler.is_compiling() or overlay is not None:
         return KeyMask(mask, documents, overlay)
-    # Eager: the batch's layout, read here once for every layer.
-    if mask is not None and bool(mask.all()):
-        mask = None
-    layout = None
-    if mask is not None:  # one read of the mask for every layer (and one for mask.all())
-        layout = _padding_layout(mask)
-    elif documents is not None:
-        layout = SequenceLayout(cu_seqlens=_bounds(documents))
-    return KeyMask(mask, documents, overlay, layout)
+    # Eager: the batch's layout, read here once for every layer (and once for mask.all()).
+    if mask is not None and not bool(mask.all()):
+        return KeyMask(mask, documents, overlay, _padding_layout(mask))
+    layout = None if documents is None else SequenceLayout(cu_seqlens=_bounds(documents))
+    return KeyMask(None, documents, overlay, layout)
 
 
 def attention_forward(
@@ -311,14 +294,13 @@ def attention_forward(
             f"attn_implementation={NAME!r} does not combine with config.sliding_window "
             f"({window}); the dilation pattern bounds what a query sees"
         )
-    layout: dict[str, Any] = {}
     packed = kwargs.get("cu_seq_lens_k")
+    key_padding_mask: torch.Tensor | None = None
+    layout: SequenceLayout | None = None
     if isinstance(attention_mask, KeyMask) and attention_mask.layout is not None:
-        if packed is not None:  # transformers' own packed form takes precedence, as below
-            attention_mask = attention_mask._replace(layout=None, padding=None)
-        else:
-            layout["layout"] = attention_mask.layout
-    if attention_mask is not None and "layout" not in layout:
+        if packed is None:  # else transformers' own packed form takes precedence, as below
+            layout = attention_mask.layout
+    elif attention_mask is not None:
         if not isinstance(attention_mask, KeyMask):
             raise ValueError(
                 f"attn_implementation={NAME!r} expects the mask its own mask function makes, got "
@@ -333,11 +315,9 @@ def attention_forward(
                 f"one of them); transformers asked for {attention_mask.overlay}"
             )
         if attention_mask.padding is not None:
-            layout["key_padding_mask"] = attention_mask.padding.logical_not()
+            key_padding_mask = attention_mask.padding.logical_not()
         if packed is None and attention_mask.documents is not None:
             packed = _bounds(attention_mask.documents)  # packing transformers found
-    if packed is not None:
-        layout["cu_seqlens"] = packed
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     out = dilated_attention(
@@ -351,9 +331,9 @@ def attention_forward(
         scale=scaling,
         dropout_p=dropout,
         kernel=_setting(config, "kernel", "auto"),
-        cu_seqlens=layout.get("cu_seqlens"),
-        key_padding_mask=layout.get("key_padding_mask"),
-        layout=layout.get("layout"),
+        cu_seqlens=packed,
+        key_padding_mask=key_padding_mask,
+        layout=layout,
     )
     return out, None
 

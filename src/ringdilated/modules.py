@@ -17,6 +17,7 @@ from ringdilated.core.call import (
     agree,
     agreed,
     as_process_group,
+    check_bool,
     check_options,
     group_size,
     warn_if_launched_alone,
@@ -31,21 +32,18 @@ class DilatedAttention(nn.Module):
     """Dilated attention over given ``q``, ``k``, ``v``; no parameters.
 
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
-    semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens`` (packed
-    documents), ``key_padding_mask`` (``(B, L)`` bool, ``True`` = padding, one contiguous valid
-    run per row: the negation of a Hugging Face ``attention_mask``), ``layout`` (the batch's
-    :class:`~ringdilated.SequenceLayout`, made once for every layer; its process group must be
-    the module's) and a ``q`` shorter than ``k`` (a query suffix). ``dropout`` applies in
-    training mode only.
+    semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens``,
+    ``key_padding_mask``, ``layout`` (whose process group must be the module's) and query
+    suffix. ``dropout`` applies in training mode only.
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
     call's whole :class:`~ringdilated.core.call.prepare.CallPlan`; ``explain()`` shows both, with
-    what each communicator would move for the last call's shards. The kernel is chosen
-    for the tensors a call actually passes (device, dtype, head dim, whether gradients are
-    needed), and chosen again (a cached lookup) whenever they change, so a module built with a
-    GPU-only ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call
-    the forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
+    what each communicator would move for the last call's shards. The kernel is chosen for the
+    tensors a call actually passes (device, dtype, head dim, whether gradients are needed), and
+    chosen again (a cached lookup) whenever they change, so a module built with a GPU-only
+    ``kernel="flash"`` is constructed anywhere and serves CUDA bfloat16 inputs; a call the
+    forced kernel cannot serve raises :class:`~ringdilated.core.ResolutionError` with its
     reasons. Construction checks only that ``kernel`` names a known backend (or ``"auto"``).
 
     Built with ``process_group=None`` in a process a launcher started as one of several ranks
@@ -76,8 +74,7 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        self.causal = check_bool("causal", causal)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
@@ -85,7 +82,6 @@ class DilatedAttention(nn.Module):
         group_size(process_group)  # a process group, or None
         if process_group is None:  # fixed now: dist.group.WORLD before init is None for good
             warn_if_launched_alone("this module runs every call")
-        self.causal = causal
         self.scale = scale
         self.dropout = float(dropout)
         self.kernel = kernel
@@ -136,9 +132,8 @@ class DilatedAttention(nn.Module):
         ``ValueError`` naming this rank's error. An error that came out of an agreement already
         (:func:`~ringdilated.core.call.agreement.agreed`) is raised as it is. On a ``layout`` that
         has planned any call (not checked every call) the error is raised at once, on this rank
-        only:
-        its peers may be in a planned call's data exchange, which an agreement here would pair
-        with (undefined results), or in a new signature's agreement, which the backend's
+        only: its peers may be in a planned call's data exchange, which an agreement here would
+        pair with (undefined results), or in a new signature's agreement, which the backend's
         timeout then ends. Only on a layout that has planned nothing are the peers surely in
         their first call's agreement."""
         steady = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -27,7 +28,13 @@ from ringdilated.core.select import autocast_enabled, recommended_dtype
 from ringdilated.modules import DilatedAttention
 from ringdilated.rotary import Rotary
 
-__all__ = ["MultiheadDilatedAttention", "positive_float", "positive_int", "resolve_dtype"]
+__all__ = [
+    "MultiheadDilatedAttention",
+    "check_tokens",
+    "positive_float",
+    "positive_int",
+    "resolve_dtype",
+]
 
 
 def resolve_dtype(
@@ -62,6 +69,18 @@ def positive_float(name: str, value: object) -> float:
     return float(value)
 
 
+def check_tokens(name: str, x: object, embed_dim: int) -> None:
+    """Raise, naming ``name``, unless ``x`` is a dense ``(batch, seq_len, embed_dim)`` tensor."""
+    if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got "
+            f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}"
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
+
+
 class MultiheadDilatedAttention(nn.Module):
     """Multi-head dilated attention with its own projections.
 
@@ -69,16 +88,14 @@ class MultiheadDilatedAttention(nn.Module):
     ``nn.MultiheadAttention`` accepts them); the attention then computes in the autocast dtype.
 
     ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: key and value project to
-    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` picks
-    :func:`ringdilated.recommended_dtype` for ``device`` and creates the parameters in it; inputs
-    must then be in that dtype. The pattern arguments are keyword-only, so
-    ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` (the parameters' dtype)
+    picks :func:`ringdilated.recommended_dtype` for ``device``. The pattern arguments are
+    keyword-only, so ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
 
     ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
-    applied to ``q`` and ``k`` after the projections, with positions counted from each
-    document's start (padding and packed documents restart at 0; on a process group, global
-    positions; with a cache, from each row's position in it, on the device). See
-    :mod:`ringdilated.rotary`.
+    applied to ``q`` and ``k`` after the projections, with positions counted from each document's
+    start (padding and packed documents restart at 0; on a process group, global positions; with
+    a cache, from each row's position in it, on the device). See :mod:`ringdilated.rotary`.
     """
 
     def __init__(
@@ -152,21 +169,17 @@ class MultiheadDilatedAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """MAGNETO initialisation: Xavier-normal, gain ``gamma_init`` on value and output."""
-        nn.init.xavier_normal_(self.q_proj.weight)
-        nn.init.xavier_normal_(self.k_proj.weight)
-        nn.init.xavier_normal_(self.v_proj.weight, gain=self.gamma_init)
-        nn.init.xavier_normal_(self.out_proj.weight, gain=self.gamma_init)
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.out_proj)
+        gains = (1.0, 1.0, self.gamma_init, self.gamma_init)
+        for proj, gain in zip(projections, gains, strict=True):
+            nn.init.xavier_normal_(proj.weight, gain=gain)
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
             self.norm.reset_parameters()
 
     _checked_call: tuple[object, ...] = ()
-    """``(cache, key_padding_mask, cu_seqlens, layout)`` that a caller (a
-    :class:`~ringdilated.DilatedTransformerBlock`) has just passed to :meth:`_check_cache` and
-    now passes to :meth:`forward`, which then skips the same check; set by
-    :meth:`_check_cache_first` for one call only."""
+    """What :meth:`_check_cache_first` has checked, which :meth:`forward` then does not check."""
 
     @contextlib.contextmanager
     def _check_cache_first(
@@ -199,37 +212,31 @@ class MultiheadDilatedAttention(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         """``(out (B, Lq, embed_dim), None)``, ``torch.nn.MultiheadAttention``'s signature.
 
-        ``query`` may be shorter than ``key`` and ``value`` (its last positions: a query
-        suffix). ``key_padding_mask`` ``(B, L)``, ``True`` = padding, one contiguous valid run
-        per row, and ``cu_seqlens`` (packed documents) are
-        :func:`ringdilated.dilated_attention`'s. ``attn_mask`` and ``need_weights=True`` raise
-        (no arbitrary masks, no materialised weights); causality is the module's ``causal``.
+        ``query`` may be a query suffix (shorter than ``key`` and ``value``); ``key_padding_mask``
+        ``(B, L)`` and ``cu_seqlens`` are :func:`ringdilated.dilated_attention`'s. ``attn_mask``
+        and ``need_weights=True`` raise (no arbitrary masks, no materialised weights); causality
+        is the module's ``causal``.
 
         ``cache`` (from :meth:`make_cache`): decoding. ``query``, ``key`` and ``value`` are then
         each row's next tokens (the same ones, as in self-attention), which the cache adds before
         attending them over everything it has seen in that row; no ``cu_seqlens``, no process
-        group. ``key_padding_mask`` with a cache: on its first call only (a padded prompt batch;
-        each row then decodes at its own position). A one-token step reads nothing on the host.
-        Before any work, a cache that does not fit this module raises ``ValueError`` naming
-        each field that differs (pattern, mode, causality, scale, heads; the head dim, device
-        and dtype of a sequence it holds) or the other module it belongs to
-        (:meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`); so does a cache in
-        training mode with ``dropout > 0`` (a cache drops no attention probability: call
-        ``.eval()``). Decode under ``torch.no_grad()``: under autograd the cache keeps every
-        step's graph (see :class:`~ringdilated.DilatedKVCache`).
+        group, ``key_padding_mask`` on its first call only (a padded prompt batch). A one-token
+        step reads nothing on the host. A cache that does not fit this module (each field that
+        differs is named: :meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`), or
+        any cache while the module is in training mode with ``dropout > 0``, raises
+        ``ValueError`` before any work. Decode under ``torch.no_grad()``: under autograd the
+        cache keeps every step's graph (see :class:`~ringdilated.DilatedKVCache`).
 
         ``layout``: the batch's :class:`~ringdilated.SequenceLayout` (documents, padding, the
         process layout, made once per batch for every layer), instead of ``key_padding_mask``
         and ``cu_seqlens``; rotary positions then come from it too.
         """
         try:
-            self._check_call(
-                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
-            )
-            if cache is not None and not _same(
-                self._checked_call, (cache, key_padding_mask, cu_seqlens, layout)
-            ):
-                self._check_cache(cache, key_padding_mask, cu_seqlens, layout)
+            self._check_call(query, key, value, need_weights, attn_mask, is_causal)
+            given = (cache, key_padding_mask, cu_seqlens, layout)
+            checked = self._checked_call  # () or the very objects checked (identity, not equality)
+            if cache is not None and not (checked and all(map(operator.is_, checked, given))):
+                self._check_cache(*given)
             b, length, _ = query.shape
             q = self.q_proj(query).view(b, length, self.num_heads, self.head_dim)
             kv_shape = (self.num_kv_heads, self.head_dim)
@@ -244,7 +251,6 @@ class MultiheadDilatedAttention(nn.Module):
             self.attention.reject(error, layout)
         if cache is not None:
             out = cache.attend(q, k, v, key_padding_mask=key_padding_mask)
-            assert isinstance(out, torch.Tensor)
         else:
             out = self.attention(
                 q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask, layout=layout
@@ -260,7 +266,6 @@ class MultiheadDilatedAttention(nn.Module):
         query: object,
         key: object,
         value: object,
-        key_padding_mask: object,
         need_weights: bool,
         attn_mask: object,
         is_causal: bool,
@@ -282,16 +287,8 @@ class MultiheadDilatedAttention(nn.Module):
                 "construction)"
             )
         for name, x in (("query", query), ("key", key), ("value", value)):
-            if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
-                raise TypeError(
-                    f"{name} must be a dense (strided) tensor, got "
-                    f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}"
-                )
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(
-                    f"{name} must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}"
-                )
+            check_tokens(name, x, self.embed_dim)
+            assert isinstance(x, torch.Tensor)
             kind = x.device.type
             autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
             if x.dtype != self.dtype and not autocast:
@@ -317,21 +314,19 @@ class MultiheadDilatedAttention(nn.Module):
             mask = key_padding_mask if isinstance(key_padding_mask, torch.Tensor) else None
             positions = cache.rotary_positions(q_len, q.device, mask)
             return self.rotary(q, positions), self.rotary(k, positions)
+        group = self.attention.process_group
         if layout is not None:  # made once per layout, device and shard length
             positions = shard_positions(layout, q.shape[0], length, q.device)
-            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
-        group = self.attention.process_group
-        if group is None and cu_seqlens is None and key_padding_mask is None:
+        elif group is None and cu_seqlens is None and key_padding_mask is None:
             positions = torch.arange(length, device=q.device).unsqueeze(0)  # traceable
-            return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
-        start, total = 0, length
-        if group is not None:  # where this rank's shard starts: shards may differ in length
-            assert isinstance(group, (dist.ProcessGroup, Grid))
-            lengths = shard_lengths(group, length)
-            rank = grid.rank(group)
-            start, total = sum(lengths[:rank]), sum(lengths)
-        documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
-        positions = documents.positions(q.device)[:, start : start + length]
+        else:
+            start, total = 0, length
+            if group is not None:  # where this rank's shard starts: shards may differ in length
+                assert isinstance(group, (dist.ProcessGroup, Grid))
+                lengths = shard_lengths(group, length)
+                start, total = sum(lengths[: grid.rank(group)]), sum(lengths)
+            documents = read_layout(q, k, cu_seqlens, key_padding_mask, length=total)
+            positions = documents.positions(q.device)[:, start : start + length]
         return self.rotary(q, positions[:, length - q_len :]), self.rotary(k, positions)
 
     def make_cache(self) -> DilatedKVCache:
@@ -376,8 +371,7 @@ class MultiheadDilatedAttention(nn.Module):
     def _check_cache(
         self, cache: object, key_padding_mask: object, cu_seqlens: object, layout: object
     ) -> None:
-        """Raise unless ``cache`` can serve this call; then it is this module's (see
-        :meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>`)."""
+        """Raise unless ``cache`` can serve this call, then bind it (:meth:`_bind_cache`)."""
         if not isinstance(cache, DilatedKVCache):
             raise TypeError(f"cache must be a DilatedKVCache, got {type(cache).__name__}")
         if self.attention.training and self.attention.dropout > 0:
@@ -411,8 +405,3 @@ class MultiheadDilatedAttention(nn.Module):
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
         )
-
-
-def _same(checked: tuple[object, ...], given: tuple[object, ...]) -> bool:
-    """Whether ``given`` are the very objects a caller has checked (identity, not equality)."""
-    return len(checked) == len(given) and all(a is b for a, b in zip(checked, given, strict=True))

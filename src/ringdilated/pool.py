@@ -38,11 +38,7 @@ def _worker(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
-        while True:
-            task = inbox.get()
-            if task is None:
-                break
-            name, payload = task
+        for name, payload in iter(inbox.get, None):  # None: close
             try:
                 module, _, function = name.partition(":")
                 task_fn = getattr(importlib.import_module(module), function)
@@ -99,12 +95,11 @@ class Workers:
 
     def results(self, name: str, payload: Any) -> list[Any]:
         """Like :meth:`run`, raising if any rank failed."""
-        out = []
-        for rank, (ok, value) in enumerate(self.run(name, payload)):
+        outcomes = self.run(name, payload)
+        for rank, (ok, value) in enumerate(outcomes):
             if not ok:
                 raise AssertionError(f"rank {rank} failed: {value[0]}: {value[1]}\n{value[2]}")
-            out.append(value)
-        return out
+        return [value for _, value in outcomes]
 
     def close(self) -> None:
         for inbox in self._inboxes:

@@ -21,6 +21,8 @@ from ringdilated.plugins.manager import PluginRegistry, PluginWarning, load_regi
 
 __all__ = ["default_resolver"]
 
+_FAILED_PLUGIN = re.compile(r"""^plugin ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
 
 @functools.lru_cache(maxsize=1)
 def default_resolver() -> Resolver:
@@ -56,7 +58,9 @@ def _check_packages(env: Environment, registry: PluginRegistry) -> None:
     if not unknown:
         return
     message = unknown_names(PACKAGES_ENV_VAR, unknown, known, "a package a kernel requires")
-    failed = _failed_plugins(registry.failures)
+    # The failed plugins' names (quoted) from the registry's failure lines, once each, in order.
+    matches = ((_FAILED_PLUGIN.match(failure), failure) for failure in registry.failures)
+    failed = list(dict.fromkeys(match.group(1) if match else failure for match, failure in matches))
     if failed:
         message += (
             f"; plugins that failed to load, whose kernels' packages are unknown, may require "
@@ -66,17 +70,3 @@ def _check_packages(env: Environment, registry: PluginRegistry) -> None:
         warnings.warn(message, PluginWarning, stacklevel=user_stacklevel())
         return
     raise ValueError(message)
-
-
-_FAILED_PLUGIN = re.compile(r"""^plugin ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
-
-
-def _failed_plugins(failures: tuple[str, ...]) -> list[str]:
-    """The names (quoted) of the plugins in the registry's failure lines, once each, in order."""
-    names: list[str] = []
-    for failure in failures:
-        match = _FAILED_PLUGIN.match(failure)
-        name = match.group(1) if match else failure
-        if name not in names:
-            names.append(name)
-    return names

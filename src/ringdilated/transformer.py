@@ -20,6 +20,7 @@ from ringdilated.core import Communicator, Kernel, Mode
 from ringdilated.core.call import SequenceLayout
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
+    check_tokens,
     positive_float,
     positive_int,
     resolve_dtype,
@@ -90,19 +91,13 @@ class DilatedTransformerBlock(nn.Module):
         for layer in (up, down):
             nn.init.xavier_normal_(layer.weight, gain=gamma_init)
             nn.init.zeros_(layer.bias)
-        self.ffn = nn.Sequential(
-            up,
-            nn.GELU(),
-            nn.Dropout(dropout),
-            nn.LayerNorm(ffn_dim, eps=layer_norm_eps, **factory),
-            down,
-        )
+        sub_norm = nn.LayerNorm(ffn_dim, eps=layer_norm_eps, **factory)
+        self.ffn = nn.Sequential(up, nn.GELU(), nn.Dropout(dropout), sub_norm, down)
         self.dropout = nn.Dropout(dropout)
 
     def make_cache(self) -> DilatedKVCache:
-        """An empty cache for decoding with this block (its attention's
-        :meth:`~ringdilated.MultiheadDilatedAttention.make_cache`, which it belongs to: make
-        one per block)."""
+        """An empty cache for decoding with this block, which belongs to its attention
+        (:meth:`~ringdilated.MultiheadDilatedAttention.make_cache`): make one per block."""
         return self.attn.make_cache()
 
     def forward(
@@ -114,34 +109,20 @@ class DilatedTransformerBlock(nn.Module):
         cache: DilatedKVCache | None = None,
         layout: SequenceLayout | None = None,
     ) -> torch.Tensor:
-        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens`` and
-        ``key_padding_mask`` are :func:`ringdilated.dilated_attention`'s (packed documents,
-        padded rows: padded positions come out of the attention as 0 and pass through the
-        block's residual and feed-forward like any position; mask them in your loss), or
-        ``layout``, the batch's :class:`~ringdilated.SequenceLayout` made once for every block.
-        ``cache`` (from :meth:`make_cache`): decoding, ``x`` holding each row's next tokens
-        (with ``key_padding_mask`` on the cache's first call only: a padded prompt batch, whose
-        rows then decode at their own positions); a one-token step reads nothing on the host.
-        A cache that does not fit this block's attention, or belongs to another block, or a
-        block in training mode with ``dropout > 0``, raises before any work (see
-        :meth:`MultiheadDilatedAttention.forward <ringdilated.MultiheadDilatedAttention.forward>`).
-        Decode under ``torch.no_grad()``: under autograd the cache keeps every step's graph."""
-        embed_dim = self.attn.embed_dim
+        """``x`` ``(B, L, embed_dim)`` to the block's output, same shape. ``cu_seqlens``,
+        ``key_padding_mask``, ``cache`` (from :meth:`make_cache`: ``x`` then holds each row's
+        next tokens) and ``layout`` are those of :meth:`MultiheadDilatedAttention.forward
+        <ringdilated.MultiheadDilatedAttention.forward>`, which states what each takes and when
+        a cache is refused (before any work; one that belongs to another block too). Padded
+        positions come out of the attention as 0 and pass through the block's residual and
+        feed-forward like any position: mask them in your loss."""
         with contextlib.ExitStack() as checked:
             try:
                 if cache is not None:  # checked before the norm, once: the attention skips it
                     checked.enter_context(
                         self.attn._check_cache_first(cache, key_padding_mask, cu_seqlens, layout)
                     )
-                if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
-                    raise TypeError(
-                        "x must be a dense (strided) tensor, got a nested or sparse one"
-                    )
-                if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != embed_dim:
-                    shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                    raise ValueError(
-                        f"x must be (batch, seq_len, embed_dim={embed_dim}), got {shape}"
-                    )
+                check_tokens("x", x, self.attn.embed_dim)
                 h = self.attn_norm(x)
             except Exception as error:
                 # Before the attention's agreement: on a process group, every rank raises.
