@@ -114,8 +114,10 @@ class Communicator(Protocol):
         plans and the call's key window, once per planned call (when a call signature is first
         planned on a layout, or per call without a layout), before its first exchange; later calls
         of the plan exchange without it. A hybrid's parts are prepared alike, each on its own group.
-        It must not create process groups: ``dist.new_group`` is a collective over the whole default
-        group, which independent groups (those of a mesh) reach at different times."""
+        One instance serves every plan (each layer, each group of padded rows), so what it keeps
+        must hold for all of them: ``exchange`` is never told which plan it serves. It must not
+        create process groups: ``dist.new_group`` is a collective over the whole default group,
+        which independent groups (those of a mesh) reach at different times."""
         ...
 
     def exchange(
