@@ -10,8 +10,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from ringdilated.core import CAUSAL, FULL, BlockOptions, KeyWindow, ShardPlan
+from ringdilated.core import CAUSAL, FULL, BlockOptions, DilationPattern, KeyWindow, ShardPlan
 from ringdilated.core.contract.communicator import mask_argument
+from ringdilated.core.plan.shards import payload, shard_plan
 from ringdilated.core.plan.window import as_window
 
 WINDOWS = [FULL, CAUSAL, KeyWindow(None, 2), KeyWindow(None, -3), KeyWindow(1, 0), KeyWindow(2, 1)]
@@ -91,3 +92,24 @@ def test_dilated_counts_selected_keys(window: KeyWindow, rate: int) -> None:
     keys = window.dilated(rate)
     for i, j in itertools.product(range(6), range(6)):
         assert _visible(keys, i, j) == _visible(window, rate * i, rate * j), (i, j)
+
+
+def test_a_window_is_no_flag_and_holds_ints() -> None:
+    with pytest.raises(TypeError, match="no causal flag"):
+        bool(CAUSAL)
+    for bad in ("x", 1.5, True):
+        with pytest.raises(TypeError, match="must be an int or None"):
+            KeyWindow(None, bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pass one"):
+        BlockOptions(0.5, CAUSAL, causal_offset=None)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        KeyWindow(2, 0).visible_rows_start()
+
+
+def test_a_0_1_communicator_forwarding_its_bool_to_the_payloads_still_works() -> None:
+    plans = [shard_plan(DilationPattern([16], [2]), 16, 2, 2, r, 2) for r in range(2)]
+    for flag, window in ((True, CAUSAL), (False, FULL)):
+        for src, dst in ((0, 1), (1, 0)):
+            new = payload(plans[src], src, dst, window)
+            assert payload(plans[src], src, dst, flag) == new
+    assert payload(plans[0], 0, 1, True) and not payload(plans[1], 1, 0, True)

@@ -161,7 +161,7 @@ class BottomRightKernel:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return self.native_forward(q, k, v, causal, options.scale)
 
-        return forward_in_pieces(native, q, k, v, options.window.right)
+        return forward_in_pieces(native, q, k, v, _right(options))
 
     def backward(
         self,
@@ -181,5 +181,12 @@ class BottomRightKernel:
             v,
             out,
             lse,
-            options.window.right,
+            _right(options),
         )
+
+
+def _right(options: BlockOptions) -> int | None:
+    """The window's right bound: all a bottom-right mask can serve (no left bound)."""
+    if options.window.left is not None:
+        raise NotImplementedError(f"{options.window!r}: bottom-right masks serve no left bound")
+    return options.window.right

@@ -127,9 +127,10 @@ class BlockOptions:
         causal_offset: object = _UNSET,
     ) -> None:
         if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
+            if causal_offset is not _UNSET and window != FULL:
+                raise TypeError(f"BlockOptions got window={window!r} and causal_offset: pass one")
             _deprecated_offset()
-            offset = window if causal_offset is _UNSET else causal_offset
-            window = KeyWindow(None, offset)  # type: ignore[arg-type]
+            window = KeyWindow(None, window if causal_offset is _UNSET else causal_offset)  # type: ignore[arg-type]
         self.__attrs_init__(scale, window, dropout_p, dropout_seed, finite)
 
     @property

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import attrs
 
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
-from ringdilated.core.plan.window import KeyWindow
+from ringdilated.core.plan.window import KeyWindow, as_window
 
 __all__ = [
     "Crossing",
@@ -64,12 +64,12 @@ class Crossing:
     def piece(self, rank: int) -> Piece | None:
         return next((piece for piece in self.pieces if piece.rank == rank), None)
 
-    def sends(self, src: int, dst: int, window: KeyWindow) -> bool:
+    def sends(self, src: int, dst: int, window: KeyWindow | bool) -> bool:
         """Whether ``src``'s piece goes to ``dst``: both take part, and ``window``'s send rule
         (:meth:`~ringdilated.core.plan.window.KeyWindow.sends`) lets it."""
         if src == dst or self.piece(src) is None or self.piece(dst) is None:
             return False
-        return window.sends(src, dst)
+        return as_window(window).sends(src, dst)  # a 0.1 caller's bool: causal or not
 
 
 @attrs.frozen(cache_hash=True)

@@ -20,13 +20,21 @@ import attrs
 __all__ = ["CAUSAL", "FULL", "KeyWindow", "as_window"]
 
 
+def _check_bound(name: str, value: object) -> None:
+    if value is not None and (type(value) is bool or not isinstance(value, int)):
+        raise TypeError(f"KeyWindow.{name} must be an int or None, got {value!r}")
+
+
 @attrs.frozen
 class KeyWindow:
     """``(left, right)``: key ``j`` visible to query ``i`` iff ``i - left <= j <= i + right``
     (``None``: unbounded on that side)."""
 
-    left: int | None = None
-    right: int | None = None
+    left: int | None = attrs.field(default=None, validator=lambda _, a, v: _check_bound(a.name, v))
+    right: int | None = attrs.field(default=None, validator=lambda _, a, v: _check_bound(a.name, v))
+
+    def __bool__(self) -> bool:
+        raise TypeError("a KeyWindow is no causal flag: test window.hides_later_keys")
 
     @property
     def hides_later_keys(self) -> bool:
@@ -57,7 +65,10 @@ class KeyWindow:
         )
 
     def visible_rows_start(self) -> int:
-        """First query row of a block that can see key 0 or later (rows before it see no key)."""
+        """First query row of a block that can see key 0 or later (rows before it see no key).
+        Raises ``NotImplementedError`` for a left bound (rows at the end may see no key)."""
+        if self.left is not None:
+            raise NotImplementedError(f"{self!r}: a left bound (a sliding window) is not served")
         return 0 if self.right is None else max(0, -self.right)
 
     def needs_mask(self, q_len: int, k_len: int) -> bool:
