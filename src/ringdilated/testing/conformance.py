@@ -110,13 +110,10 @@ def _within(
 ) -> None:
     """The tolerance rule (:func:`~ringdilated.testing.allowed_error`) as a conformance check.
 
-    ``baseline`` may be several plain dense computations from inputs in ``dtype`` (for
-    gradients: autograd through dense attention in ``dtype``, and the contract's backward formula
-    in ``dtype``'s accumulation dtype, as fused kernels compute it); the rule takes the least
-    accurate. ``inherent`` (gradients only) is the contract's backward evaluated exactly on the
-    exact ``out`` and ``lse`` rounded as the contract stores them: its distance from
-    ``expected`` is what that rounding costs any kernel (the float32 ``lse`` above all), allowed
-    on top (see :func:`_contract_terms`).
+    ``baseline``: one or several plain dense computations in ``dtype``, the rule taking the least
+    accurate (for gradients, the baseline and formula of :func:`_reference_gradients`).
+    ``inherent`` (gradients only): the ``given`` term of :func:`_contract_terms`; its distance
+    from ``expected``, what the contract's rounding costs any kernel, is allowed on top.
     """
     error = max_error(actual, expected)
     extra = 0.0 if inherent is None else max_error(inherent, expected)
@@ -144,6 +141,38 @@ def _contract_terms(
         contract_backward(*args, offset),
         contract_backward(*args, offset, dtype=accumulation_dtype(q.dtype)),
     )
+
+
+def _dout(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """A float64 upstream gradient shaped like ``q``, drawn from ``seed``."""
+    return torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _reference_gradients(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: KernelCase
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """``(expected, baseline, given, formula)``, each ``(dq, dk, dv)`` of ``sum(out * dout)``
+    (``dout`` float64): float64 autograd through dense attention, autograd through dense
+    attention in ``q``'s dtype, and the two :func:`_contract_terms`."""
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
+    expected = torch.autograd.grad((expected_out * dout).sum(), exact)
+    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
+    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
+    return (expected, baseline, *_contract_terms(dout, q, k, v, case))
+
+
+def _check_gradient_layout(
+    check: str, grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """Each of ``dq``, ``dk``, ``dv`` shaped and typed as its input, per the kernel contract."""
+    for name, grad, x in zip(("dq", "dk", "dv"), grads, inputs, strict=True):
+        if grad.shape != x.shape or grad.dtype != x.dtype:
+            raise ConformanceError(
+                check,
+                f"{name} is {tuple(grad.shape)} {grad.dtype}, expected {tuple(x.shape)} {x.dtype}",
+            )
 
 
 def _check_layout(check: str, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -174,26 +203,13 @@ def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> 
 def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=torch.float64
-    )
+    dout = _dout(q, case.seed + 2)
     lay_out = case.lay_out  # out, dout and lse arrive as strided views too, as in the driver
     grads = kernel.backward(
         lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), case.options()
     )
-    for name, grad, x in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
-        if grad.shape != x.shape or grad.dtype != x.dtype:
-            raise ConformanceError(
-                "gradients",
-                f"{name} is {tuple(grad.shape)} {grad.dtype}, expected {tuple(x.shape)} {x.dtype}",
-            )
-    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
-    expected = torch.autograd.grad((expected_out * dout).sum(), exact)
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    given, formula = _contract_terms(dout, q, k, v, case)
+    _check_gradient_layout("gradients", grads, (q, k, v))
+    expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
@@ -258,27 +274,16 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
             f"merged lse differs from the whole block's by {max_error(lse, whole_lse):.3e} "
             f"for {case}",
         )
-    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
-    expected_out, _ = dense(qr, kr, vr, case.scale, case.causal_offset)
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64
-    )
-    expected = torch.autograd.grad((expected_out * dout).sum(), (qr, kr, vr))
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    dq = torch.zeros_like(q, dtype=torch.float64)
-    dk = torch.zeros_like(k, dtype=torch.float64)
-    dv = torch.zeros_like(v, dtype=torch.float64)
-    merged_out = out.to(q.dtype)
-    given, formula = _contract_terms(dout, q, k, v, case)
+    dout = _dout(q, case.seed + 1)
+    expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v))
     for start, stop in parts:
         gq, gk, gv = kernel.backward(
             case.lay_out(dout.to(q.dtype)),
             q,
             k[:, :, start:stop],
             v[:, :, start:stop],
-            case.lay_out(merged_out),
+            case.lay_out(out.to(q.dtype)),
             case.lay_out(lse),
             opts(start),
         )
@@ -288,16 +293,8 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), (dq, dk, dv), expected, baseline, formula, given, strict=True
     ):
-        _within(
-            "split-merge",
-            f"{name} from two blocks with the merged out/lse",
-            actual.to(q.dtype),
-            exp,
-            (b, f),
-            q.dtype,
-            case,
-            inherent,
-        )
+        what = f"{name} from two blocks with the merged out/lse"
+        _within("split-merge", what, actual.to(q.dtype), exp, (b, f), q.dtype, case, inherent)
 
 
 def _check_no_mutation(kernel: Kernel, case: KernelCase, backward: bool) -> None:
@@ -354,15 +351,17 @@ def _forward_nan_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 
 def _backward_nan_allowed(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``((N, H), (N, Hkv))``: the problems any of whose inputs (``q``, ``k``, ``v``, ``dout``)
-    is non-finite, by query head and by key/value head: NaN may reach all their gradients."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``dq``, ``dk``, ``dv``: ``(N, H, 1, 1)``, ``(N, Hkv, 1, 1)`` twice: the problems any
+    of whose inputs (``q``, ``k``, ``v``, ``dout``) is non-finite, by query head and by key/value
+    head: NaN may reach all their gradients."""
     n, heads = q.shape[:2]
     kv_heads = k.shape[1]
     per_head = _not_finite(q, (-2, -1)) | _not_finite(dout, (-2, -1))
     problem = _not_finite(k, (-2, -1)) | _not_finite(v, (-2, -1))
     problem = problem | per_head.view(n, kv_heads, heads // kv_heads).any(-1)
-    return _per_query_head(problem, heads), problem
+    by_kv_head = problem[..., None, None]
+    return _per_query_head(problem, heads)[..., None, None], by_kv_head, by_kv_head
 
 
 def _non_finite_rule(
@@ -400,47 +399,18 @@ def _check_non_finite(kernel: Kernel, case: KernelCase) -> None:
 
 def _check_non_finite_gradients(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=torch.float64
-    ).to(q.dtype)
-    q, k, v, dout = _corrupt(case, [q, k, v, dout], salt=1)
+    q, k, v, dout = _corrupt(case, [q, k, v, _dout(q, case.seed + 2).to(q.dtype)], salt=1)
     out, lse = kernel.forward(q, k, v, case.options())
     lay_out = case.lay_out
     grads = kernel.backward(lay_out(dout), q, k, v, lay_out(out), lay_out(lse), case.options())
-    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
-    expected = torch.autograd.grad((expected_out * dout.double()).sum(), exact)
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout).sum(), base)
-    given, formula = _contract_terms(dout.double(), q, k, v, case)
-    by_head, by_kv_head = _backward_nan_allowed(dout, q, k, v)
+    _check_gradient_layout("non-finite-gradients", grads, (q, k, v))
+    expected, baseline, given, formula = _reference_gradients(dout.double(), q, k, v, case)
+    may_be_nan = _backward_nan_allowed(dout, q, k, v)
     for name, actual, exp, b, f, inherent, may in zip(
-        ("dq", "dk", "dv"),
-        grads,
-        expected,
-        baseline,
-        formula,
-        given,
-        (by_head, by_kv_head, by_kv_head),
-        strict=True,
+        ("dq", "dk", "dv"), grads, expected, baseline, formula, given, may_be_nan, strict=True
     ):
-        if actual.shape != exp.shape or actual.dtype != q.dtype:
-            raise ConformanceError(
-                "non-finite-gradients",
-                f"{name} is {tuple(actual.shape)} {actual.dtype}, expected "
-                f"{tuple(exp.shape)} {q.dtype}",
-            )
         _non_finite_rule(
-            "non-finite-gradients",
-            name,
-            actual,
-            exp,
-            (b, f),
-            may[..., None, None],
-            q.dtype,
-            case,
-            (inherent,),
+            "non-finite-gradients", name, actual, exp, (b, f), may, q.dtype, case, (inherent,)
         )
     _check_merged_non_finite(kernel, case)
 
