@@ -174,6 +174,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
     from ringdilated.core.select.resolver import ResolutionError
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = _layout(case["communicator"], world)
     q, k, v, dout, dlse = case_inputs(case)
     shard = shard_slice(case, rank, world)
     q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
@@ -184,7 +185,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
             q,
             k,
             v,
-            process_group=_layout(case["communicator"], world),
+            process_group=layout,
             communicator=case["communicator"],
             transfer_stats=stats,
         )
@@ -254,17 +255,11 @@ def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
         **case_layout(case),
     )
     truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
-    sharded = {
-        name: torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
-        for name in ("out", "lse", "dq", "dk", "dv")
-    }
-    names = ("out", "lse", "dq", "dk", "dv")
-    expected = dict(zip(names, [x.detach() for x in (*truth, *truth_grads)], strict=True))
-    single = dict(zip(names, [x.detach() for x in (*local, *local_grads)], strict=True))
-    dtype = q.dtype
-    for name, actual in sharded.items():
-        allowed = allowed_error(expected[name], single[name], dtype)
-        error = max_error(actual, expected[name])
+    references = zip((*truth, *truth_grads), (*local, *local_grads), strict=True)  # exact, local
+    for name, (expected, single) in zip(("out", "lse", "dq", "dk", "dv"), references, strict=True):
+        actual = torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
+        allowed = allowed_error(expected, single, q.dtype)
+        error = max_error(actual, expected)
         if not error <= allowed:
             raise ConformanceError(
                 "matches-local",
