@@ -23,15 +23,13 @@ results are repaired on the device, with no host read, each path by what its op 
   ``P @ v``, where ``0 * inf`` is NaN even at zero weight; a row with some finite scores through
   ``exp(NaN - max)``). Both failures need a non-finite query row or a non-finite key in the
   problem (or finite scores that overflow float32 to ``-inf``, which no repair here detects:
-  dense attention in that dtype overflows too), so the forward adds to ``out`` and ``lse`` a
-  sum of ``q - q`` over the row and of ``k - k`` over the problem: 0 where they are finite, NaN
-  in the query's own row or the whole problem otherwise, as the rule allows
+  dense attention in that dtype overflows too), so the forward makes NaN the query's own row
+  where it is non-finite and the whole problem where a key is, as the rule allows
   (:func:`_mark_rows_seeing_non_finite`; ``v`` is not read). The op's backward recomputes
-  ``P = exp(s - lse)`` for every row and key it visits, so handing it NaN for a merged ``lse``
-  that is NaN or ``+inf`` (``+inf`` would give zero weight and finite gradients) spreads the NaN
-  to that row's ``dq`` and to the ``dk``, ``dv`` of the keys it sees; a non-finite ``dout``
-  spreads by the same arithmetic. That is the backward's whole repair (:func:`_cpu_lse`, the
-  one pass over the lse the op needs anyway).
+  ``P = exp(s - lse)`` for every row and key it visits, so a merged ``lse`` handed over as NaN
+  (:func:`_cpu_lse`, the one pass over the lse the op needs anyway) spreads the NaN to that
+  row's ``dq`` and to the ``dk``, ``dv`` of the keys it sees; a non-finite ``dout`` spreads by
+  the same arithmetic. That is the backward's whole repair.
 - The memory-efficient CUDA kernel zeroes such rows too (``s_prime == 0`` in torch's
   ``epilogue_rescale_output.h``); not yet run on hardware, it keeps the general repair
   (:func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`,
@@ -67,17 +65,7 @@ from ringdilated.core import (
 __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
 _aten = torch.ops.aten
-_NEG_INF = float("-inf")
 _NAN = float("nan")
-
-
-def _additive_mask(
-    q_len: int, k_len: int, offset: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    visible = _dense.visible_keys(q_len, k_len, offset, device)
-    assert visible is not None
-    mask = torch.zeros(q_len, k_len, dtype=dtype, device=device)
-    return mask.masked_fill_(visible.logical_not(), _NEG_INF)  # (~ has no fake-CUDA kernel)
 
 
 def _mask_args(
@@ -89,8 +77,12 @@ def _mask_args(
         return False, None
     if options.window.right == 0:
         return True, None
-    assert options.window.right is not None
-    return False, _additive_mask(q_len, k_len, options.window.right, q.dtype, q.device)
+    visible = _dense.visible_keys(q_len, k_len, options.window.right, q.device)
+    assert visible is not None
+    mask = torch.zeros(q_len, k_len, dtype=q.dtype, device=q.device)
+    return False, mask.masked_fill_(
+        visible.logical_not(), float("-inf")
+    )  # (~: no fake-CUDA kernel)
 
 
 def _mark_rows_seeing_non_finite(
@@ -151,17 +143,9 @@ class CpuFlashAttention:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
+        lse = _cpu_lse(lse, accumulation_dtype(q.dtype))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            _cpu_lse(lse, accumulation_dtype(q.dtype)),
-            0.0,
-            is_causal,
-            attn_mask=mask,
-            scale=options.scale,
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
         return dq, dk, dv
 
@@ -207,16 +191,9 @@ class EfficientAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        heads = q.shape[1]
+        kd, vd = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         out, lse, _, _ = self._forward(
-            q,
-            repeat_kv(k, heads),
-            repeat_kv(v, heads),
-            padded_bias(mask, q),
-            True,
-            0.0,
-            is_causal,
-            scale=options.scale,
+            q, kd, vd, padded_bias(mask, q), True, 0.0, is_causal, scale=options.scale
         )
         lse = lse.narrow(-1, 0, q.shape[-2])
         mark_non_finite_rows(out, lse, q, k, v, options)
