@@ -23,16 +23,8 @@ both backends, which is ``ringpass`` with less overlap. The padding is at most t
 between the largest and a rank's payload, and is counted.
 
 CPU tensors (gloo) move point to point instead, the same payload to every peer (what gloo's ring
-``all_gather`` sends too): gloo runs a collective on a worker thread that keeps its tensors until
-it drops its handle, just after the wait returns, and a process exiting then aborted
-("terminate called without an active exception", issue 21; see
-:mod:`ringdilated.backends.ulysses`). Point-to-point works hold their tensors only in the
-caller's handles.
-
-The all_gather runs on the call's own group: no process group is ever created here. Creating one
-inside a call (``dist.new_group`` is a collective over the whole default group) deadlocks
-independent groups, such as the context-parallel groups of a data-parallel x context-parallel
-mesh, which reach it with different members at different times.
+``all_gather`` sends too), never through a gloo worker thread (issue 21; see
+:mod:`ringdilated.backends.ulysses`).
 """
 
 from __future__ import annotations

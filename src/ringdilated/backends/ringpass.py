@@ -64,9 +64,7 @@ def point_to_point(
 
     ops = [dist.P2POp(dist.isend, t, global_rank(p), group=pg) for p, t in sends.items()]
     ops += [dist.P2POp(dist.irecv, t, global_rank(p), group=pg) for p, t in recvs.items()]
-    if not ops:
-        return Works(())
-    return Works(tuple(dist.batch_isend_irecv(ops)))
+    return Works(tuple(dist.batch_isend_irecv(ops)) if ops else ())
 
 
 RINGPASS_SPEC = CommunicatorSpec(
