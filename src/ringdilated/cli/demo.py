@@ -56,17 +56,10 @@ def _inputs(config: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
 
 
-def _attend(config: dict[str, Any], q: Any, k: Any, v: Any, **kw: Any) -> torch.Tensor:
-    import ringdilated
-
-    out: torch.Tensor = ringdilated.dilated_attention(
-        q, k, v, config["segments"], config["rates"], causal=True, **kw
-    )
-    return out
-
-
 def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> dict[str, Any]:
     import torch.distributed as dist
+
+    import ringdilated
 
     q, k, v, dout = _inputs(config, dtype)
     if group is not None:
@@ -79,7 +72,9 @@ def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> 
     if group is not None:
         kw = {"process_group": group, "communicator": "ringpass", "transfer_stats": stats}
     start = time.perf_counter()
-    out = _attend(config, *leaves, **kw)
+    out = ringdilated.dilated_attention(
+        leaves[0], leaves[1], leaves[2], config["segments"], config["rates"], causal=True, **kw
+    )
     forward_s = time.perf_counter() - start
     torch.autograd.backward(out, dout)
     total_s = time.perf_counter() - start

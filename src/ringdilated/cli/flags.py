@@ -92,15 +92,12 @@ def int_list(minimum: int = 1) -> Callable[[str], list[int]]:
     """A ``type=`` callable: comma-separated integers, at least one, each ``>= minimum``."""
 
     def parse(text: str) -> list[int]:
-        items = [item for item in text.split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         try:
-            values = [int(item.strip()) for item in items]
+            values = [int(item) for item in text.split(",") if item.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers, got {text!r}"
-            ) from None
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         low = [v for v in values if v < minimum]
         if low:
             where = f" in {text!r}" if len(values) > 1 else ""

@@ -55,7 +55,7 @@ def _kernel_row(name: str, spec: Any, args: argparse.Namespace) -> tuple[str, st
 
 
 def _communicator_row(
-    name: str, spec: Any, sizes: list[int], pools: dict[int, Any], args: Any
+    name: str, spec: Any, pools: dict[int, Any], args: argparse.Namespace
 ) -> tuple[str, str, str]:
     from ringdilated.testing import ConformanceError, check_communicator
 
@@ -65,7 +65,7 @@ def _communicator_row(
         return ("skipped", "checked on gloo (CPU) groups: run with --device cpu", "")
     try:
         report = check_communicator(
-            name, world_sizes=sizes, pools=pools, max_examples=args.max_examples
+            name, world_sizes=args.world_sizes, pools=pools, max_examples=args.max_examples
         )
     except ConformanceError as exc:
         return ("FAIL", str(exc).splitlines()[0][:160], "")
@@ -81,7 +81,6 @@ def run(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
     except ModuleNotFoundError:
         raise RuntimeError("verify needs the test extra: pip install -e '.[test]'") from None
-    sizes = args.world_sizes
     from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
@@ -111,10 +110,10 @@ def run(args: argparse.Namespace) -> int:
                 rows.append((kind, name, *_kernel_row(name, spec, args)))
                 continue
             if spec.distributed and args.device == "cpu":
-                for size in sizes:
+                for size in args.world_sizes:
                     if size not in pools:
                         pools[size] = Workers(size)
-            rows.append((kind, name, *_communicator_row(name, spec, sizes, pools, args)))
+            rows.append((kind, name, *_communicator_row(name, spec, pools, args)))
     finally:
         for pool in pools.values():
             pool.close()
