@@ -1,13 +1,10 @@
 """PyTorch's own fused attention kernels, called through their aten ops so the lse comes back.
 
-- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
-  float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which read every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
   reports ``-inf`` as the contract says.
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
-  (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
-  8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
-  hands the ops follows torch's kernel source (see :class:`EfficientAttention`) and is checked on
+  (:class:`EfficientAttention`). Not yet run on GPU hardware by this project: it is checked on
   FakeTensor ``cuda`` tensors and against a stand-in that reads memory the way the kernel does.
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
@@ -157,19 +154,12 @@ EfficientBackward = Callable[..., tuple[Any, Any, Any, Any]]
 class EfficientAttention:
     """The CUDA path: ``aten._scaled_dot_product_efficient_attention`` and its backward.
 
-    What the ops get, from torch's ``mem_eff_attention`` kernels (``kernel_backward.h``,
-    ``attention_backward.cu``), not from their docs:
-
-    - ``out`` in the backward: the kernel reads it with a hard-coded row stride
-      (``o_strideM() = head_dim_value * num_heads``) when computing ``rowsum(dout * out)`` in half
-      precision, so it must be laid out as contiguous ``(N, L, H, D)``, which is what the forward
-      returns. The driver's ``out`` is a strided selection, so it is packed here
-      (:func:`packed_bmhk`).
-    - ``lse`` in the backward: float32, contiguous in the row dimension (there is no lse row
-      stride), read up to a multiple of 32 rows: :func:`padded_lse`.
-    - ``dout``: the op makes it contiguous itself. ``q``, ``k``, ``v``: read through their
-      strides; only the last dimension must be contiguous (it is, in the kernel contract).
-    - the bias: 4-D, last dimension contiguous, rows aligned, pad zeroed: :func:`padded_bias`.
+    What the ops get follows torch's ``mem_eff_attention`` kernels (``kernel_backward.h``,
+    ``attention_backward.cu``), not their docs: the backward reads ``out`` with a hard-coded row
+    stride (``o_strideM() = head_dim_value * num_heads``), so the driver's strided ``out`` is
+    packed (:func:`packed_bmhk`); the lse and the bias are laid out by :func:`padded_lse` and
+    :func:`padded_bias`; the op makes ``dout`` contiguous itself, and reads ``q``, ``k``, ``v``
+    through their strides (the kernel contract keeps their last dimension contiguous).
 
     ``forward_op`` and ``backward_op`` default to the aten ops; tests pass stand-ins that read
     memory as the CUDA kernels do.

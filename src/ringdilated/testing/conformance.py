@@ -473,18 +473,16 @@ def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
             )
 
 
-_RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
+_RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {  # (kernel, case, backward)
     "capabilities": _check_capabilities,
-    "forward": lambda kernel, case, backward: _check_forward(kernel, case),
-    "causal": lambda kernel, case, backward: _check_forward(kernel, case, "causal"),
-    "empty-rows": lambda kernel, case, backward: _check_empty_rows(kernel, case),
-    "gradients": lambda kernel, case, backward: _check_gradients(kernel, case),
-    "split-merge": lambda kernel, case, backward: _check_split_merge(kernel, case),
+    "forward": lambda kernel, case, _: _check_forward(kernel, case),
+    "causal": lambda kernel, case, _: _check_forward(kernel, case, "causal"),
+    "empty-rows": lambda kernel, case, _: _check_empty_rows(kernel, case),
+    "gradients": lambda kernel, case, _: _check_gradients(kernel, case),
+    "split-merge": lambda kernel, case, _: _check_split_merge(kernel, case),
     "no-mutation": _check_no_mutation,
-    "non-finite": lambda kernel, case, backward: _check_non_finite(kernel, case),
-    "non-finite-gradients": lambda kernel, case, backward: _check_non_finite_gradients(
-        kernel, case
-    ),
+    "non-finite": lambda kernel, case, _: _check_non_finite(kernel, case),
+    "non-finite-gradients": lambda kernel, case, _: _check_non_finite_gradients(kernel, case),
 }
 _CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
 

@@ -102,11 +102,7 @@ _EXCHANGE_MODULES = ("ringdilated.core.run.exchange", "ringdilated.core.run.head
 
 
 def _devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.device]:
-    found = set()
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor):
-            found.add(x.device)
-    return found
+    return {x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
 
 
 @attrs.define

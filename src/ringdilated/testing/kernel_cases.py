@@ -99,11 +99,8 @@ class KernelCase:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed)
-        shapes = (
-            (self.n, self.heads, self.q_len, self.head_dim),
-            (self.n, self.kv_heads, self.k_len, self.head_dim),
-            (self.n, self.kv_heads, self.k_len, self.head_dim),
-        )
+        kv_shape = (self.n, self.kv_heads, self.k_len, self.head_dim)
+        shapes = ((self.n, self.heads, self.q_len, self.head_dim), kv_shape, kv_shape)
         q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
         return tuple(self.lay_out(x.to(self.device, self.dtype)) for x in (q, k, v))  # type: ignore[return-value]
 
