@@ -99,15 +99,8 @@ class PluginRegistry:
         rows = [("plugin", "source", "distribution", "kernels", "communicators")]
         for p in self.plugins:
             where = f"{p.distribution} {p.version}" if p.distribution else "-"
-            rows.append(
-                (
-                    p.name,
-                    p.source,
-                    where,
-                    ", ".join(p.kernels) or "-",
-                    ", ".join(p.communicators) or "-",
-                )
-            )
+            backends = (", ".join(p.kernels) or "-", ", ".join(p.communicators) or "-")
+            rows.append((p.name, p.source, where, *backends))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -225,8 +218,7 @@ def build_registry(
     that is not installed here).
     """
     builtins = tuple(builtins)
-    if autoload is None:
-        autoload = not env_flag(AUTOLOAD_ENV_VAR)
+    autoload = not env_flag(AUTOLOAD_ENV_VAR) if autoload is None else autoload
     strict = env_flag(STRICT_ENV_VAR) if strict is None else strict
     allow_env = env_names(ALLOW_ENV_VAR) if allowed is None else None
     block_env = env_names(BLOCK_ENV_VAR) if blocked is None else None

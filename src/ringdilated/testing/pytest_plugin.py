@@ -226,18 +226,14 @@ def _params(metafunc: pytest.Metafunc, option: str, kind: str) -> list[Parameter
     names = [str(n) for n in metafunc.config.getini(option)]
     if names:
         offered = sorted(registry.kernels if kind == "kernels" else registry.communicators)
-        params: list[ParameterSet] = []
-        for name in names:
-            if name in offered:
-                params.append(pytest.param(name, id=name))
-                continue
-            reason = (
-                f"{kind[:-1]} {name!r} (ini option {option}) is not loaded; loaded {kind}: "
-                f"{', '.join(offered) or 'none'}; plugin failures: "
-                f"{'; '.join(registry.failures) or 'none'}"
-            )
-            params.append(pytest.param(Unusable(reason), id=name))
-        return params
+        not_loaded = (
+            f"(ini option {option}) is not loaded; loaded {kind}: {', '.join(offered) or 'none'}; "
+            f"plugin failures: {'; '.join(registry.failures) or 'none'}"
+        )
+        return [
+            pytest.param(n if n in offered else Unusable(f"{kind[:-1]} {n!r} {not_loaded}"), id=n)
+            for n in names
+        ]
     package = _package_under_test(metafunc)
     if isinstance(package, Unusable):
         return [pytest.param(package, id="no-package-under-test")]
