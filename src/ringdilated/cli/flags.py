@@ -63,19 +63,14 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _integer(text: str) -> int:
-    """``text`` as an int (``_`` separators allowed), or ``ArgumentTypeError`` quoting it."""
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
 def at_least(minimum: int) -> Callable[[str], int]:
-    """A ``type=`` callable: an integer of at least ``minimum``."""
+    """A ``type=`` callable: an integer (``_`` separators allowed) of at least ``minimum``."""
 
     def parse(text: str) -> int:
-        value = _integer(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
