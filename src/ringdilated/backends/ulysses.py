@@ -58,9 +58,7 @@ def all_to_all(
     worker thread."""
     pg = process_group(group)
     world = dist.get_world_size(pg)
-    sample = next(iter(sends.values()), None)
-    if sample is None:
-        sample = next(iter(recvs.values()))
+    sample = next(iter((*sends.values(), *recvs.values())))
     if sample.device.type == "cpu":
         return _point_to_point(pg, sends, recvs)
     empty = sample.new_empty(0)
