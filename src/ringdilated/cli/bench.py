@@ -264,20 +264,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    base = {
-        "segments": args.segments,
-        "rates": args.rates,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "dtype": args.dtype,
-        "causal": args.causal,
-        "backward": args.backward,
-        "kernel": args.kernel,
-        "repeats": args.repeats,
-        "device": args.device,
-        "dense": args.dense,
-        "threads": torch.get_num_threads() // args.world_size,
-    }
+    names = ["segments", "rates", "heads", "head_dim", "dtype", "causal", "backward", "kernel"]
+    names += ["repeats", "device", "dense"]
+    base = {name: getattr(args, name) for name in names}  # every rank's measure() reads them
+    base["threads"] = torch.get_num_threads() // args.world_size
     pool = None
     if args.world_size > 1:
         from ringdilated.pool import Workers

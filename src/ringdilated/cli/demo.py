@@ -107,13 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     config = {
-        "length": args.length,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "segments": args.segments,
-        "rates": args.rates,
-        "threads": max(1, torch.get_num_threads() // args.world_size),
+        name: getattr(args, name) for name in ("length", "heads", "head_dim", "segments", "rates")
     }
+    config["threads"] = max(1, torch.get_num_threads() // args.world_size)
     pattern = DilationPattern(config["segments"], config["rates"])
     print(
         f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "

@@ -177,7 +177,6 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
     from ringdilated.core.select.resolver import ResolutionError
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = _layout(case["communicator"], world)
     q, k, v, dout, dlse = case_inputs(case)
     shard = shard_slice(case, rank, world)
     q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
@@ -188,7 +187,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
             q,
             k,
             v,
-            process_group=layout,
+            process_group=_layout(case["communicator"], world),
             communicator=case["communicator"],
             transfer_stats=stats,
         )
