@@ -111,9 +111,9 @@ def _within(
     """The tolerance rule (:func:`~ringdilated.testing.allowed_error`) as a conformance check.
 
     ``baseline``: one or several plain dense computations in ``dtype``, the rule taking the least
-    accurate (for gradients, the baseline and formula of :func:`_reference_gradients`).
-    ``inherent`` (gradients only): the ``given`` term of :func:`_contract_terms`; its distance
-    from ``expected``, what the contract's rounding costs any kernel, is allowed on top.
+    accurate. For gradients (:func:`_reference_gradients`) they are its baseline and formula, and
+    ``inherent`` is its ``given``, whose distance from ``expected`` (what the contract's rounding
+    costs any kernel) is allowed on top.
     """
     error = max_error(actual, expected)
     extra = 0.0 if inherent is None else max_error(inherent, expected)
@@ -122,25 +122,6 @@ def _within(
         raise ConformanceError(
             check, f"{what}: max error {error:.3e} vs float64 exceeds {allowed:.3e} for {case}"
         )
-
-
-def _contract_terms(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: KernelCase
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """``(given, formula)`` for the gradient checks: the contract's backward on the exact
-    ``out`` and ``lse`` rounded as the contract stores them (``out`` to the input dtype, ``lse``
-    to float32, or float64 for float64 inputs), evaluated exactly (``given``: what that rounding
-    alone costs any kernel) and in the accumulation dtype (``formula``: the plain dense
-    computation a fused kernel makes). Built from the exact forward, never from the kernel's
-    own, so a wrong forward cannot widen its own allowance."""
-    exact_out, exact_lse = dense(q, k, v, case.scale, case.causal_offset)
-    stored_lse = exact_lse.to(accumulation_dtype(q.dtype))
-    args = (dout.to(q.dtype), q, k, v, exact_out.to(q.dtype), stored_lse, case.scale)
-    offset = case.causal_offset
-    return (
-        contract_backward(*args, offset),
-        contract_backward(*args, offset, dtype=accumulation_dtype(q.dtype)),
-    )
 
 
 def _dout(q: torch.Tensor, seed: int) -> torch.Tensor:
@@ -152,15 +133,23 @@ def _reference_gradients(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: KernelCase
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
     """``(expected, baseline, given, formula)``, each ``(dq, dk, dv)`` of ``sum(out * dout)``
-    (``dout`` float64): float64 autograd through dense attention, autograd through dense
-    attention in ``q``'s dtype, and the two :func:`_contract_terms`."""
+    (``dout`` float64): float64 autograd through dense attention; autograd through dense
+    attention in ``q``'s dtype; and the contract's backward on the exact ``out`` and ``lse``
+    rounded as the contract stores them (``out`` to the input dtype, ``lse`` to float32, or
+    float64 for float64 inputs), evaluated exactly (``given``: what that rounding alone costs
+    any kernel) and in the accumulation dtype (``formula``: the plain dense computation a fused
+    kernel makes). All from the exact forward, never from the kernel's own, so a wrong forward
+    cannot widen its own allowance."""
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
-    expected = torch.autograd.grad((expected_out * dout).sum(), exact)
+    exact_out, exact_lse = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
+    expected = torch.autograd.grad((exact_out * dout).sum(), exact)
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    return (expected, baseline, *_contract_terms(dout, q, k, v, case))
+    stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
+    given = contract_backward(*args)
+    return expected, baseline, given, contract_backward(*args, dtype=accumulation_dtype(q.dtype))
 
 
 def _check_gradient_layout(
