@@ -55,10 +55,10 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line on stderr, exit status 2."""
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``PROG: error: MESSAGE (see PROG --help)``, and exit status 2 (argparse's usage status)."""
 
     def error(self, message: str) -> NoReturn:
-        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2 (argparse's usage status)."""
         message = " ".join(message.split())  # argparse's own messages may wrap
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 

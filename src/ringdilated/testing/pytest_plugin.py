@@ -19,15 +19,12 @@ Which backends (each fixture's value is a backend name):
   ``ringdilated_distribution``, else the ``[project] name`` of the nearest ``pyproject.toml``
   above the test file (so a plugin's own tests, run from anywhere, test that plugin).
 
-A test never skips because something is broken. It fails at setup, with the reason, when a
-named backend is not loaded (the registry's failures quoted: an import error, say), when one of
-the package's plugins failed (its import error, its hook's exception, a malformed spec, as the
-registry reported it), when the package under test is not installed, declares no ``ringdilated``
-entry point, or its plugin was not loaded (autoloading off, blocked or not allowed), when its
-plugins all load but offer no backend of either kind (a hook returning ``[]``, a misspelt hook
-name, a module without hooks), and when no package under test can be found. Only a package that
-offers backends of the other kind skips the fixture's kind (a kernel plugin's communicator
-test), saying so. Nothing here imports torch until a test asks for a fixture.
+A test never skips because something is broken: it fails at setup, with the reason (the
+registry's failures quoted), for a named backend that is not loaded, for a plugin of the package
+under test that failed or was not loaded, and for a package under test that cannot be found, is
+not installed, declares no ``ringdilated`` entry point or offers no backend of either kind. Only
+a package that offers backends of the other kind skips the fixture's kind (a kernel plugin's
+communicator test), saying so. Nothing here imports torch until a test asks for a fixture.
 """
 
 from __future__ import annotations
