@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
     GRID_LIMIT,
     BatchLimit,
@@ -53,14 +54,6 @@ __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords
 MIN_VERSION = (2, 6)
 #: The first version whose backward takes ``window_size_left`` / ``window_size_right``.
 SPLIT_WINDOW_VERSION = (2, 7)
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in part if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
@@ -85,7 +78,7 @@ class FlashKernel(GuardedBottomRightKernel):
     def __init__(self) -> None:
         package = importlib.import_module("flash_attn")
         text = str(getattr(package, "__version__", "0"))
-        version = _version(text)
+        version = version_tuple(text, 2)
         if version < MIN_VERSION:
             wanted = ".".join(map(str, MIN_VERSION))
             raise ImportError(f"flash-attn {text} is older than the {wanted} this kernel needs")
@@ -154,9 +147,9 @@ def _installed_version() -> tuple[int, ...] | None:
     """flash-attn's version without importing it (its CUDA extension loads on import)."""
     module = sys.modules.get("flash_attn")
     if module is not None:
-        return _version(str(getattr(module, "__version__", "0")))
+        return version_tuple(str(getattr(module, "__version__", "0")), 2)
     try:
-        return _version(importlib.metadata.version("flash-attn"))
+        return version_tuple(importlib.metadata.version("flash-attn"), 2)
     except importlib.metadata.PackageNotFoundError:
         return None
 
