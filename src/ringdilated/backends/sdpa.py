@@ -77,9 +77,8 @@ def _mask_args(
     visible = _dense.visible_keys(q_len, k_len, options.window.right, q.device)
     assert visible is not None
     mask = torch.zeros(q_len, k_len, dtype=q.dtype, device=q.device)
-    return False, mask.masked_fill_(
-        visible.logical_not(), float("-inf")
-    )  # (~: no fake-CUDA kernel)
+    hidden = visible.logical_not()  # (~ has no fake-CUDA kernel)
+    return False, mask.masked_fill_(hidden, float("-inf"))
 
 
 def _mark_rows_seeing_non_finite(
