@@ -84,10 +84,8 @@ def run(args: argparse.Namespace) -> int:
     from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
-    backends: list[tuple[str, str, Any]] = [
-        ("kernel", n, s) for n, s in sorted(resolver.specs.items())
-    ]
-    backends += [("communicator", n, s) for n, s in sorted(resolver.communicator_specs.items())]
+    backends: list[tuple[str, str, Any]] = [("kernel", *i) for i in sorted(resolver.specs.items())]
+    backends += [("communicator", *i) for i in sorted(resolver.communicator_specs.items())]
     unknown = set(args.only) - {name for _, name, _ in backends}
     if unknown:
         raise ValueError(f"--only names unknown backends: {', '.join(sorted(unknown))}")

@@ -249,20 +249,14 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     )
     whole_out, whole_lse = kernel.forward(q, k, v, case.options())
     tol = 1e-9 if q.dtype == torch.float64 else 50 * FLOORS[q.dtype]
-    if max_error(out, whole_out) > tol * max(1.0, float(whole_out.abs().max())):
-        raise ConformanceError(
-            "split-merge",
-            f"merged forward differs from the whole block by {max_error(out, whole_out):.3e} "
-            f"for {case}",
-        )
-    if max_error(lse, whole_lse) > tol * max(
-        1.0, float(whole_lse.masked_fill(torch.isneginf(whole_lse), 0).abs().max())
+    finite_lse = whole_lse.masked_fill(torch.isneginf(whole_lse), 0)  # for its magnitude
+    for what, merged, whole, magnitude in (
+        ("forward differs from the whole block", out, whole_out, whole_out),
+        ("lse differs from the whole block's", lse, whole_lse, finite_lse),
     ):
-        raise ConformanceError(
-            "split-merge",
-            f"merged lse differs from the whole block's by {max_error(lse, whole_lse):.3e} "
-            f"for {case}",
-        )
+        error = max_error(merged, whole)
+        if error > tol * max(1.0, float(magnitude.abs().max())):
+            raise ConformanceError("split-merge", f"merged {what} by {error:.3e} for {case}")
     dout = _dout(q, case.seed + 1)
     expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
     dq, dk, dv = (torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v))
