@@ -29,33 +29,22 @@ CPU tensors (gloo) move point to point instead, the same payload to every peer (
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core import (
-    CommunicatorSpec,
-    KeyWindow,
-    Pending,
-    ShardPlan,
-    every_peer_at_once,
-    process_group,
-)
+from ringdilated.backends.ringpass import NothingToPrepare, Works, point_to_point
+from ringdilated.core import CommunicatorSpec, Pending, every_peer_at_once, process_group
 
 __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 
 
-class AllGatherCommunicator:
+class AllGatherCommunicator(NothingToPrepare):
     """One ``all_gather`` of broadcast payloads for pieces; point to point for gradients."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        """Nothing to set up: the all_gather runs on the call's own group."""
-        return None
 
     def exchange(
         self,

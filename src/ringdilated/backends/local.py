@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
-from ringdilated.backends.ringpass import Works
-from ringdilated.core import CommunicatorSpec, KeyWindow, ShardPlan
+from ringdilated.backends.ringpass import NothingToPrepare, Works
+from ringdilated.core import CommunicatorSpec
 
 __all__ = ["LOCAL_SPEC", "LocalCommunicator"]
 
 
-class LocalCommunicator:
+class LocalCommunicator(NothingToPrepare):
     """The communicator of a single process: no steps, no peers."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return ()
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        return None
 
     def exchange(
         self,
