@@ -18,11 +18,10 @@ rather than on the first backward. ``flash_api.cpp`` reads ``softmax_lse`` as a 
 needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
 causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
 
-Declared: CUDA compute capability 8.0 or newer (2.6.x: 8.x and 9.0 only, as its
-``flash_api.cpp`` checks), float16 and bfloat16, head dims that are multiples of 8 up to 256,
-grouped-query heads natively, at most 65535 problems a call (the batch is ``gridDim.y``), no
-dropout (flash-attn draws its own dropout mask, which a backward cannot regenerate from the
-contract's seed). Not yet run on GPU hardware by this project.
+Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
+capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``; no
+dropout, as flash-attn draws its own dropout mask, which a backward cannot regenerate from the
+contract's seed. Not yet run on GPU hardware by this project.
 """
 
 from __future__ import annotations

@@ -26,10 +26,8 @@ silently runs the unfused eager path, which materialises every score. So:
 
 Declared, not discovered:
 
-- CUDA (compute capability 8.0+, float16/bfloat16/float32, head dims multiples of 16 up to 256):
-  the compiled kernel, forward and backward. At most 65535 problems a call, and 65535 problems
-  times key/value heads (the decoding kernel's ``gridDim.y``). Not yet run on GPU hardware by
-  this project.
+- CUDA: the compiled kernel, forward and backward; the limit on problems times key/value heads
+  is the decoding kernel's ``gridDim.y``. Not yet run on GPU hardware by this project.
 - CPU: forward only, eager and unfused (FlexAttention on CPU has no backward, and no lse under
   ``torch.compile``): ``explain()`` shows the target's note. Its priority is below the reference
   kernel; it exists so that inference can force it and so its forward is tested here.

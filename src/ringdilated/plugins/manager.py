@@ -272,8 +272,7 @@ def build_registry(
     for builtin in builtins:
         if builtin.name in blocked_builtins:
             continue
-        dist, version = _distribution_of(builtin.name)
-        register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
+        register(builtin, PluginInfo(builtin.name, "built-in", *_distribution_of(builtin.name)))
     if autoload:
         for ep in listed:
             try:

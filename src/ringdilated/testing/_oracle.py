@@ -7,11 +7,9 @@ which is summed term by term: keep such tests short). Pattern mixing is a softma
 multiset union of the patterns' keys, so the dense form adds ``log(count)`` to each score of a
 key the query sees (one pattern's key adds ``log 1 = 0``).
 
-Exact for non-finite inputs, forward and backward: :func:`masked_attention`, the one dense
-computation (:func:`dense_attention` calls it with the pattern's mask, the kernel conformance
-kit's :func:`ringdilated.testing.kernel_cases.dense` with a causal-offset mask). Kernels may be
-coarser (docs/spec.md allows NaN through a non-finite value in a query's own kernel block):
-:func:`nan_allowed` says where, for a pattern.
+Exact for non-finite inputs, forward and backward (:func:`masked_attention`, the one dense
+computation). Kernels may be coarser (docs/spec.md allows NaN through a non-finite value in a
+query's own kernel block): :func:`nan_allowed` says where, for a pattern.
 """
 
 from __future__ import annotations

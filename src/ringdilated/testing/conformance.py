@@ -33,8 +33,7 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
 
 Checks that need a feature the backend does not declare on the device (``causal``,
 ``empty-rows`` without causal masking; ``gradients``, ``split-merge``, ``non-finite-gradients``
-on a forward-only target)
-are reported as not applicable, never as passed.
+on a forward-only target) are reported as not applicable, never as passed.
 
 A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error.
 """

@@ -167,9 +167,7 @@ class HotPathCounter:
             ) -> Any:
                 kwargs = kwargs or {}
                 implementation = IMPLEMENTATIONS.get(func.name())
-                if implementation is not None:
-                    # A mode is off inside its own dispatch: ringdilated's ops would hide every
-                    # op they run. Run their implementation with the mode on again instead.
+                if implementation is not None:  # counted through (module docstring)
                     with self:
                         return implementation(*args, **kwargs)
                 if func in _READS:
