@@ -43,6 +43,11 @@ def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _bmhk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """``q``, ``k``, ``v`` in xformers' ``(N, L, H, D)``, key/value heads repeated to ``q``'s."""
+    return [_bmhk(q), *(_bmhk(repeat_kv(x, q.shape[1])) for x in (k, v))]
+
+
 #: The xformers whose ``fmha`` this wrapper was written against (its ``cutlass`` operators are
 #: torch's own kernels from 0.0.35 on).
 MIN_VERSION = (0, 0, 35)
@@ -89,14 +94,8 @@ class XformersKernel(GuardedBottomRightKernel):
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = q.shape[1]
         out, lse = self._fmha.memory_efficient_attention_forward_requires_grad(
-            _bmhk(q),
-            _bmhk(repeat_kv(k, h)),
-            _bmhk(repeat_kv(v, h)),
-            attn_bias=self._bias(causal),
-            scale=scale,
-            op=self._cutlass.FwOp,
+            *_bmhk_inputs(q, k, v), attn_bias=self._bias(causal), scale=scale, op=self._cutlass.FwOp
         )
         return _bmhk(out), lse[..., : q.shape[-2]]
 
@@ -111,14 +110,11 @@ class XformersKernel(GuardedBottomRightKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = q.shape[1]
         dq, dk, dv = self._fmha.memory_efficient_attention_backward(
             _bmhk(dout),
             _bmhk(packed_bmhk(out)),
             padded_lse(lse),
-            _bmhk(q),
-            _bmhk(repeat_kv(k, h)),
-            _bmhk(repeat_kv(v, h)),
+            *_bmhk_inputs(q, k, v),
             attn_bias=self._bias(causal),
             scale=scale,
             op=self._cutlass.BwOp,

@@ -174,6 +174,8 @@ def _package_params(
             f"in the 'ringdilated' group ([project.entry-points.ringdilated] in pyproject.toml)"
         )
         return [pytest.param(Unusable(reason), id=f"{distribution}-no-entry-point")]
+    package = _normalize(dist.metadata["Name"] or "")
+    ours = [p for p in registry.plugins if _normalize(p.distribution or "") == package]
     params: list[ParameterSet] = []
     offered_any = False
     for name in entry_points:
@@ -184,13 +186,7 @@ def _package_params(
                 + "; ".join(failures)
             )
             params.append(pytest.param(Unusable(reason), id=f"{name}-plugin-failed"))
-        infos = [
-            p
-            for p in registry.plugins
-            if p.name == name
-            and p.source == "entry point"
-            and _normalize(p.distribution or "") == _normalize(dist.metadata["Name"] or "")
-        ]
+        infos = [p for p in ours if p.name == name and p.source == "entry point"]
         if not infos and not failures:
             reason = (
                 f"plugin {name!r} of the package under test, {distribution!r}, was not loaded: "
