@@ -96,14 +96,9 @@ class FlashKernel(GuardedBottomRightKernel):
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         out, lse, _ = self._forward(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            return_attn_probs=True,
+            qt, kt, vt, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
         )
         return out.transpose(1, 2), lse
 
