@@ -30,13 +30,7 @@ from ringdilated.core import (
     mark_non_finite_rows,
 )
 
-__all__ = [
-    "TILE_ELEMENTS",
-    "GuardedBottomRightKernel",
-    "backward",
-    "forward",
-    "visible_keys",
-]
+__all__ = ["TILE_ELEMENTS", "GuardedBottomRightKernel", "backward", "forward", "visible_keys"]
 
 #: Score elements (problems x heads x rows x keys) computed at once.
 TILE_ELEMENTS = 1 << 24

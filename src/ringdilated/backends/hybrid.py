@@ -10,8 +10,7 @@ So only crossing pieces travel over the outer links, which are typically the slo
 (between nodes), and the all-to-all stays on the fast inner ones.
 
 The spec says all of it: ``parallelism="hybrid"`` and ``parts=("ulysses", "ringpass")``, which
-the resolver resolves by name (as forced names are) and the run prepares and uses. The
-instance its factory builds moves nothing itself.
+the resolver resolves by name (as forced names are) and the run prepares and uses.
 """
 
 from __future__ import annotations

@@ -82,11 +82,7 @@ def _mask_args(
 
 
 def _mark_rows_seeing_non_finite(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    options: BlockOptions,
+    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, options: BlockOptions
 ) -> None:
     """The CPU flash op's forward repair (module docstring), in place: ``x - x`` is 0 for a
     finite ``x`` and NaN otherwise, and a sum of zeros is exact, so ``(q - q)`` summed over each

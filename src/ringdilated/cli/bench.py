@@ -145,10 +145,7 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
     def dense() -> torch.Tensor:
         with torch.no_grad():
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=config["causal"],
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=config["causal"]
             )
 
     calls: dict[str, Callable[[], object]] = {"forward": forward}
@@ -323,8 +320,7 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         _plot(rows, args.plot)
 
 
-#: The plotted series: (time column, peak memory column, legend label), each drawn when the
-#: rows hold it.
+#: The plotted series: (time column, peak memory column, legend label).
 SERIES = (
     ("forward_s", "forward_peak_mib", "forward"),
     ("fwd_bwd_s", "fwd_bwd_peak_mib", "forward+backward"),

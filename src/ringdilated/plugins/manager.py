@@ -340,8 +340,7 @@ def _attribute(obj: object, name: str) -> object:
 
 
 def _entry_points_safely(
-    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]],
-    fail: _Fail,
+    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]], fail: _Fail
 ) -> Sequence[importlib.metadata.EntryPoint]:
     try:
         return tuple(entry_points())
