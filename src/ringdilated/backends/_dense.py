@@ -1,11 +1,10 @@
 """Dense softmax attention for one block, in bounded memory: the ``reference`` kernel's math.
 
 Semantics, for every query row (the kernel contract, :mod:`ringdilated.core.contract.kernel`;
-docs/spec.md,
-section 4): attention runs over the row's *visible* keys. A hidden key's score is replaced by
-``-inf`` before the softmax (``torch.where``, so a NaN score of a hidden key goes too). A row with
-no visible key gives ``out = 0`` and ``lse = -inf``; a row whose visible scores are all ``-inf``
-(infinite inputs) gives what softmax gives, NaN, with ``lse = -inf``.
+docs/spec.md, section 4): attention runs over the row's *visible* keys. A hidden key's score is
+replaced by ``-inf`` before the softmax (``torch.where``, so a NaN score of a hidden key goes
+too). A row with no visible key gives ``out = 0`` and ``lse = -inf``; a row whose visible scores
+are all ``-inf`` (infinite inputs) gives what softmax gives, NaN, with ``lse = -inf``.
 
 Non-finite inputs: plain masked math, with no host read. It never turns NaN or infinity into a
 finite number: what the exact math makes non-finite is non-finite here. The one place it is
@@ -31,13 +30,7 @@ from ringdilated.core import (
     mark_non_finite_rows,
 )
 
-__all__ = [
-    "TILE_ELEMENTS",
-    "GuardedBottomRightKernel",
-    "backward",
-    "forward",
-    "visible_keys",
-]
+__all__ = ["TILE_ELEMENTS", "GuardedBottomRightKernel", "backward", "forward", "visible_keys"]
 
 #: Score elements (problems x heads x rows x keys) computed at once.
 TILE_ELEMENTS = 1 << 24
@@ -154,9 +147,8 @@ class GuardedBottomRightKernel(BottomRightKernel):
     for a row whose scores are all ``-inf`` (flash-attn's ``softmax.h``: a zero row sum gives
     ``inv_sum = 1``; torch's memory-efficient epilogue: ``s_prime == 0`` gives ``1``), which an
     infinite query or key produces. :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`
-    and
-    :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and problems
-    that hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
+    and :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and
+    problems that hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions

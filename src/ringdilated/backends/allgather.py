@@ -23,47 +23,28 @@ both backends, which is ``ringpass`` with less overlap. The padding is at most t
 between the largest and a rank's payload, and is counted.
 
 CPU tensors (gloo) move point to point instead, the same payload to every peer (what gloo's ring
-``all_gather`` sends too): gloo runs a collective on a worker thread that keeps its tensors until
-it drops its handle, just after the wait returns, and a process exiting then aborted
-("terminate called without an active exception", issue 21; see
-:mod:`ringdilated.backends.ulysses`). Point-to-point works hold their tensors only in the
-caller's handles.
-
-The all_gather runs on the call's own group: no process group is ever created here. Creating one
-inside a call (``dist.new_group`` is a collective over the whole default group) deadlocks
-independent groups, such as the context-parallel groups of a data-parallel x context-parallel
-mesh, which reach it with different members at different times.
+``all_gather`` sends too), never through a gloo worker thread (issue 21; see
+:mod:`ringdilated.backends.ulysses`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
-from ringdilated.backends.ringpass import Works, point_to_point
-from ringdilated.core import (
-    CommunicatorSpec,
-    KeyWindow,
-    Pending,
-    ShardPlan,
-    every_peer_at_once,
-    process_group,
-)
+from ringdilated.backends.ringpass import NothingToPrepare, Works, point_to_point
+from ringdilated.core import CommunicatorSpec, Pending, every_peer_at_once, process_group
 
 __all__ = ["ALLGATHER_SPEC", "AllGatherCommunicator"]
 
 
-class AllGatherCommunicator:
+class AllGatherCommunicator(NothingToPrepare):
     """One ``all_gather`` of broadcast payloads for pieces; point to point for gradients."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        """Nothing to set up: the all_gather runs on the call's own group."""
-        return None
 
     def exchange(
         self,

@@ -18,11 +18,10 @@ rather than on the first backward. ``flash_api.cpp`` reads ``softmax_lse`` as a 
 needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
 causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
 
-Declared: CUDA compute capability 8.0 or newer (2.6.x: 8.x and 9.0 only, as its
-``flash_api.cpp`` checks), float16 and bfloat16, head dims that are multiples of 8 up to 256,
-grouped-query heads natively, at most 65535 problems a call (the batch is ``gridDim.y``), no
-dropout (flash-attn draws its own dropout mask, which a backward cannot regenerate from the
-contract's seed). Not yet run on GPU hardware by this project.
+Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
+capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``; no
+dropout, as flash-attn draws its own dropout mask, which a backward cannot regenerate from the
+contract's seed. Not yet run on GPU hardware by this project.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
     GRID_LIMIT,
     BatchLimit,
@@ -53,14 +53,6 @@ __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords
 MIN_VERSION = (2, 6)
 #: The first version whose backward takes ``window_size_left`` / ``window_size_right``.
 SPLIT_WINDOW_VERSION = (2, 7)
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split("+")[0].split(".")[:2]:
-        digits = "".join(c for c in part if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
@@ -85,7 +77,7 @@ class FlashKernel(GuardedBottomRightKernel):
     def __init__(self) -> None:
         package = importlib.import_module("flash_attn")
         text = str(getattr(package, "__version__", "0"))
-        version = _version(text)
+        version = version_tuple(text, 2)
         if version < MIN_VERSION:
             wanted = ".".join(map(str, MIN_VERSION))
             raise ImportError(f"flash-attn {text} is older than the {wanted} this kernel needs")
@@ -104,14 +96,9 @@ class FlashKernel(GuardedBottomRightKernel):
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         out, lse, _ = self._forward(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            return_attn_probs=True,
+            qt, kt, vt, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
         )
         return out.transpose(1, 2), lse
 
@@ -154,9 +141,9 @@ def _installed_version() -> tuple[int, ...] | None:
     """flash-attn's version without importing it (its CUDA extension loads on import)."""
     module = sys.modules.get("flash_attn")
     if module is not None:
-        return _version(str(getattr(module, "__version__", "0")))
+        return version_tuple(str(getattr(module, "__version__", "0")), 2)
     try:
-        return _version(importlib.metadata.version("flash-attn"))
+        return version_tuple(importlib.metadata.version("flash-attn"), 2)
     except importlib.metadata.PackageNotFoundError:
         return None
 

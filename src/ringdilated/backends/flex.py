@@ -26,10 +26,8 @@ silently runs the unfused eager path, which materialises every score. So:
 
 Declared, not discovered:
 
-- CUDA (compute capability 8.0+, float16/bfloat16/float32, head dims multiples of 16 up to 256):
-  the compiled kernel, forward and backward. At most 65535 problems a call, and 65535 problems
-  times key/value heads (the decoding kernel's ``gridDim.y``). Not yet run on GPU hardware by
-  this project.
+- CUDA: the compiled kernel, forward and backward; the limit on problems times key/value heads
+  is the decoding kernel's ``gridDim.y``. Not yet run on GPU hardware by this project.
 - CPU: forward only, eager and unfused (FlexAttention on CPU has no backward, and no lse under
   ``torch.compile``): ``explain()`` shows the target's note. Its priority is below the reference
   kernel; it exists so that inference can force it and so its forward is tested here.
@@ -138,19 +136,19 @@ class FlexKernel:
         self._compiled: Attention | None = None
         self.uncompiled_calls = 0
 
-    def _call(self, device: torch.device, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    def _call(self, q: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
         with warnings.catch_warnings():
             # Eager FlexAttention warns that it is unfused: the CPU target declares it, and a
             # compiled target's fallback gets its own warning below.
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch")
-            if device.type in self._compiled_devices:
+            if q.device.type in self._compiled_devices:
                 if self._compiled is None:
                     self._compiled = self._compile(self._eager)
                 try:
-                    return self._compiled(*args, **kwargs)
+                    return self._compiled(q, *args, **kwargs)
                 except _recompile_limit_errors() as error:
                     self._fell_back(error)
-            return self._eager(*args, **kwargs)
+            return self._eager(q, *args, **kwargs)
 
     def _fell_back(self, error: BaseException) -> None:
         if not self.uncompiled_calls:
@@ -170,15 +168,9 @@ class FlexKernel:
         if options.needs_mask(q_len, k_len):
             assert options.window.right is not None
             mask = _block_mask(q_len, k_len, options.window.right, str(q.device))
+        gqa = q.shape[1] != k.shape[1]
         out, aux = self._call(
-            q.device,
-            q,
-            k,
-            v,
-            block_mask=mask,
-            scale=options.scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            return_aux=self._aux,
+            q, k, v, block_mask=mask, scale=options.scale, enable_gqa=gqa, return_aux=self._aux
         )
         return out, aux.lse
 

@@ -10,31 +10,27 @@ So only crossing pieces travel over the outer links, which are typically the slo
 (between nodes), and the all-to-all stays on the fast inner ones.
 
 The spec says all of it: ``parallelism="hybrid"`` and ``parts=("ulysses", "ringpass")``, which
-the resolver resolves by name (as forced names are) and the run prepares and uses. The
-instance its factory builds moves nothing itself.
+the resolver resolves by name (as forced names are) and the run prepares and uses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
-from ringdilated.backends.ringpass import RingPassCommunicator, point_to_point
-from ringdilated.core import CommunicatorSpec, KeyWindow, Pending, ShardPlan
+from ringdilated.backends.ringpass import NothingToPrepare, RingPassCommunicator, point_to_point
+from ringdilated.core import CommunicatorSpec, Pending
 
 __all__ = ["HYBRID_SPEC", "HybridCommunicator"]
 
 
-class HybridCommunicator:
+class HybridCommunicator(NothingToPrepare):
     """What ``hybrid``'s factory builds: the run exchanges through the spec's parts, never
     through this (it would move point to point, on ``ringpass``'s schedule)."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return RingPassCommunicator().schedule(rank, world_size)
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        return None
 
     def exchange(
         self,

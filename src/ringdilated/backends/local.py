@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
-from ringdilated.core import CommunicatorSpec, KeyWindow, ShardPlan
+from ringdilated.backends.ringpass import NothingToPrepare, Works
+from ringdilated.core import CommunicatorSpec
 
 __all__ = ["LOCAL_SPEC", "LocalCommunicator"]
 
 
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
-class LocalCommunicator:
+class LocalCommunicator(NothingToPrepare):
     """The communicator of a single process: no steps, no peers."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return ()
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        return None
 
     def exchange(
         self,
@@ -31,12 +24,12 @@ class LocalCommunicator:
         sends: Mapping[int, torch.Tensor],
         recvs: Mapping[int, torch.Tensor],
         uniform: bool = False,
-    ) -> _Done:
+    ) -> Works:
         if sends or recvs:
             raise RuntimeError(
                 f"local communicator asked to move data to/from ranks {sorted({*sends, *recvs})}"
             )
-        return _Done()
+        return Works(())
 
 
 LOCAL_SPEC = CommunicatorSpec(

@@ -49,8 +49,7 @@ class ReferenceKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        drop = _dropout_scale(q, k, options)
-        return _dense.backward(dout, q, k, v, out, lse, options, drop)
+        return _dense.backward(dout, q, k, v, out, lse, options, _dropout_scale(q, k, options))
 
 
 REFERENCE_SPEC = KernelSpec(

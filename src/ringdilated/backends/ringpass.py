@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ringdilated.core import CommunicatorSpec, KeyWindow, ShardPlan, process_group
 
-__all__ = ["RINGPASS_SPEC", "RingPassCommunicator", "Works", "point_to_point"]
+__all__ = ["RINGPASS_SPEC", "NothingToPrepare", "RingPassCommunicator", "Works", "point_to_point"]
 
 
 @attrs.frozen
@@ -31,7 +31,15 @@ class Works:
             work.wait()  # type: ignore[attr-defined]
 
 
-class RingPassCommunicator:
+class NothingToPrepare:
+    """Base of the built-in communicators, which have nothing to set up before a planned call's
+    first exchange: they move bytes on the group they are handed, as given."""
+
+    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
+        return None
+
+
+class RingPassCommunicator(NothingToPrepare):
     """Point-to-point exchange with partners at growing distance."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
@@ -39,9 +47,6 @@ class RingPassCommunicator:
         for t in range(1, world_size):
             steps.append(tuple(p for p in (rank + t, rank - t) if 0 <= p < world_size))
         return tuple(s for s in steps if s)
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        return None
 
     def exchange(
         self,
@@ -64,9 +69,7 @@ def point_to_point(
 
     ops = [dist.P2POp(dist.isend, t, global_rank(p), group=pg) for p, t in sends.items()]
     ops += [dist.P2POp(dist.irecv, t, global_rank(p), group=pg) for p, t in recvs.items()]
-    if not ops:
-        return Works(())
-    return Works(tuple(dist.batch_isend_irecv(ops)))
+    return Works(tuple(dist.batch_isend_irecv(ops)) if ops else ())
 
 
 RINGPASS_SPEC = CommunicatorSpec(

@@ -1,13 +1,10 @@
 """PyTorch's own fused attention kernels, called through their aten ops so the lse comes back.
 
-- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (float16, bfloat16,
-  float32, float64; any head dim; grouped-query heads natively; no dropout). The op reads every
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which read every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
   reports ``-inf`` as the contract says.
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
-  (:class:`EfficientAttention`; float32 and float16 from compute capability 5.0, bfloat16 from
-  8.0; head dims that are multiples of 8). Not yet run on GPU hardware by this project: what it
-  hands the ops follows torch's kernel source (see :class:`EfficientAttention`) and is checked on
+  (:class:`EfficientAttention`). Not yet run on GPU hardware by this project: it is checked on
   FakeTensor ``cuda`` tensors and against a stand-in that reads memory the way the kernel does.
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
@@ -23,15 +20,13 @@ results are repaired on the device, with no host read, each path by what its op 
   ``P @ v``, where ``0 * inf`` is NaN even at zero weight; a row with some finite scores through
   ``exp(NaN - max)``). Both failures need a non-finite query row or a non-finite key in the
   problem (or finite scores that overflow float32 to ``-inf``, which no repair here detects:
-  dense attention in that dtype overflows too), so the forward adds to ``out`` and ``lse`` a
-  sum of ``q - q`` over the row and of ``k - k`` over the problem: 0 where they are finite, NaN
-  in the query's own row or the whole problem otherwise, as the rule allows
+  dense attention in that dtype overflows too), so the forward makes NaN the query's own row
+  where it is non-finite and the whole problem where a key is, as the rule allows
   (:func:`_mark_rows_seeing_non_finite`; ``v`` is not read). The op's backward recomputes
-  ``P = exp(s - lse)`` for every row and key it visits, so handing it NaN for a merged ``lse``
-  that is NaN or ``+inf`` (``+inf`` would give zero weight and finite gradients) spreads the NaN
-  to that row's ``dq`` and to the ``dk``, ``dv`` of the keys it sees; a non-finite ``dout``
-  spreads by the same arithmetic. That is the backward's whole repair (:func:`_cpu_lse`, the
-  one pass over the lse the op needs anyway).
+  ``P = exp(s - lse)`` for every row and key it visits, so a merged ``lse`` handed over as NaN
+  (:func:`_cpu_lse`, the one pass over the lse the op needs anyway) spreads the NaN to that
+  row's ``dq`` and to the ``dk``, ``dv`` of the keys it sees; a non-finite ``dout`` spreads by
+  the same arithmetic. That is the backward's whole repair.
 - The memory-efficient CUDA kernel zeroes such rows too (``s_prime == 0`` in torch's
   ``epilogue_rescale_output.h``); not yet run on hardware, it keeps the general repair
   (:func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`,
@@ -67,17 +62,7 @@ from ringdilated.core import (
 __all__ = ["SDPA_SPEC", "CpuFlashAttention", "EfficientAttention", "SdpaKernel"]
 
 _aten = torch.ops.aten
-_NEG_INF = float("-inf")
 _NAN = float("nan")
-
-
-def _additive_mask(
-    q_len: int, k_len: int, offset: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    visible = _dense.visible_keys(q_len, k_len, offset, device)
-    assert visible is not None
-    mask = torch.zeros(q_len, k_len, dtype=dtype, device=device)
-    return mask.masked_fill_(visible.logical_not(), _NEG_INF)  # (~ has no fake-CUDA kernel)
 
 
 def _mask_args(
@@ -89,16 +74,15 @@ def _mask_args(
         return False, None
     if options.window.right == 0:
         return True, None
-    assert options.window.right is not None
-    return False, _additive_mask(q_len, k_len, options.window.right, q.dtype, q.device)
+    visible = _dense.visible_keys(q_len, k_len, options.window.right, q.device)
+    assert visible is not None
+    mask = torch.zeros(q_len, k_len, dtype=q.dtype, device=q.device)
+    hidden = visible.logical_not()  # (~ has no fake-CUDA kernel)
+    return False, mask.masked_fill_(hidden, float("-inf"))
 
 
 def _mark_rows_seeing_non_finite(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    options: BlockOptions,
+    out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, options: BlockOptions
 ) -> None:
     """The CPU flash op's forward repair (module docstring), in place: ``x - x`` is 0 for a
     finite ``x`` and NaN otherwise, and a sum of zeros is exact, so ``(q - q)`` summed over each
@@ -151,17 +135,9 @@ class CpuFlashAttention:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
+        lse = _cpu_lse(lse, accumulation_dtype(q.dtype))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            _cpu_lse(lse, accumulation_dtype(q.dtype)),
-            0.0,
-            is_causal,
-            attn_mask=mask,
-            scale=options.scale,
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
         return dq, dk, dv
 
@@ -173,19 +149,12 @@ EfficientBackward = Callable[..., tuple[Any, Any, Any, Any]]
 class EfficientAttention:
     """The CUDA path: ``aten._scaled_dot_product_efficient_attention`` and its backward.
 
-    What the ops get, from torch's ``mem_eff_attention`` kernels (``kernel_backward.h``,
-    ``attention_backward.cu``), not from their docs:
-
-    - ``out`` in the backward: the kernel reads it with a hard-coded row stride
-      (``o_strideM() = head_dim_value * num_heads``) when computing ``rowsum(dout * out)`` in half
-      precision, so it must be laid out as contiguous ``(N, L, H, D)``, which is what the forward
-      returns. The driver's ``out`` is a strided selection, so it is packed here
-      (:func:`packed_bmhk`).
-    - ``lse`` in the backward: float32, contiguous in the row dimension (there is no lse row
-      stride), read up to a multiple of 32 rows: :func:`padded_lse`.
-    - ``dout``: the op makes it contiguous itself. ``q``, ``k``, ``v``: read through their
-      strides; only the last dimension must be contiguous (it is, in the kernel contract).
-    - the bias: 4-D, last dimension contiguous, rows aligned, pad zeroed: :func:`padded_bias`.
+    What the ops get follows torch's ``mem_eff_attention`` kernels (``kernel_backward.h``,
+    ``attention_backward.cu``), not their docs: the backward reads ``out`` with a hard-coded row
+    stride (``o_strideM() = head_dim_value * num_heads``), so the driver's strided ``out`` is
+    packed (:func:`packed_bmhk`); the lse and the bias are laid out by :func:`padded_lse` and
+    :func:`padded_bias`; the op makes ``dout`` contiguous itself, and reads ``q``, ``k``, ``v``
+    through their strides (the kernel contract keeps their last dimension contiguous).
 
     ``forward_op`` and ``backward_op`` default to the aten ops; tests pass stand-ins that read
     memory as the CUDA kernels do.
@@ -207,16 +176,9 @@ class EfficientAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        heads = q.shape[1]
+        kd, vd = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         out, lse, _, _ = self._forward(
-            q,
-            repeat_kv(k, heads),
-            repeat_kv(v, heads),
-            padded_bias(mask, q),
-            True,
-            0.0,
-            is_causal,
-            scale=options.scale,
+            q, kd, vd, padded_bias(mask, q), True, 0.0, is_causal, scale=options.scale
         )
         lse = lse.narrow(-1, 0, q.shape[-2])
         mark_non_finite_rows(out, lse, q, k, v, options)

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ringdilated.backends.ringpass import Works, point_to_point
+from ringdilated.backends.ringpass import NothingToPrepare, Works, point_to_point
 from ringdilated.core import (
     CommunicatorSpec,
     KeyWindow,
@@ -58,9 +58,7 @@ def all_to_all(
     worker thread."""
     pg = process_group(group)
     world = dist.get_world_size(pg)
-    sample = next(iter(sends.values()), None)
-    if sample is None:
-        sample = next(iter(recvs.values()))
+    sample = next(iter((*sends.values(), *recvs.values())))
     if sample.device.type == "cpu":
         return _point_to_point(pg, sends, recvs)
     empty = sample.new_empty(0)
@@ -92,15 +90,12 @@ def _point_to_point(
     return point_to_point(pg, peers_sends, peers_recvs)
 
 
-class UlyssesCommunicator:
+class UlyssesCommunicator(NothingToPrepare):
     """Head parallelism (its spec's ``parallelism="heads"``): every peer in one step, moved by
     one all_to_all."""
 
     def schedule(self, rank: int, world_size: int) -> tuple[tuple[int, ...], ...]:
         return every_peer_at_once(rank, world_size)
-
-    def prepare(self, group: object, plans: Sequence[ShardPlan], window: KeyWindow) -> None:
-        return None
 
     def exchange(
         self,

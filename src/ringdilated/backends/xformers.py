@@ -2,10 +2,9 @@
 
 Forward is ``xformers.ops.fmha.memory_efficient_attention_forward_requires_grad`` (``(out,
 lse)``), backward ``memory_efficient_attention_backward`` fed the final merged ``out`` and
-``lse``; both with the ``cutlass`` operators forced, so what this kernel declares is what those
-operators declare: CUDA compute capability 5.0 to 9.0, float16 and float32 (bfloat16 from 8.0),
-head dims that are multiples of 8. Read against xformers 0.0.35, whose ``cutlass`` operators are
-torch's own ``aten._efficient_attention_forward``/``_backward``, so the layout rules of
+``lse``; both with the ``cutlass`` operators forced, so this kernel declares what those
+operators declare. Read against xformers 0.0.35, whose ``cutlass`` operators are torch's own
+``aten._efficient_attention_forward``/``_backward``, so the layout rules of
 :mod:`ringdilated.backends._memeff` apply: ``out`` is handed over as packed ``(N, L, H, D)`` (the
 backward hard-codes its row stride), and the lse as float32 padded to 32 rows with ``+inf``
 (xformers passes an lse already padded to 32 through unchanged, except on sm75). The raw aten
@@ -34,6 +33,7 @@ import torch
 from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
+from ringdilated.backends._versions import version_tuple
 from ringdilated.core import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, PriorityRule, Target
 
 __all__ = ["MIN_VERSION", "XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
@@ -43,24 +43,21 @@ def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _bmhk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """``q``, ``k``, ``v`` in xformers' ``(N, L, H, D)``, key/value heads repeated to ``q``'s."""
+    return [_bmhk(q), *(_bmhk(repeat_kv(x, q.shape[1])) for x in (k, v))]
+
+
 #: The xformers whose ``fmha`` this wrapper was written against (its ``cutlass`` operators are
 #: torch's own kernels from 0.0.35 on).
 MIN_VERSION = (0, 0, 35)
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split("+")[0].split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
 
 
 def unusable_reasons(fmha: Any, version: str) -> list[str]:
     """Why xformers' ``cutlass`` operators cannot run here: a version this wrapper was not written
     against, or what xformers asks itself (``AttentionOpBase.not_supported_reasons``: the build
     flag, and the operators' availability)."""
-    if _version(version) < MIN_VERSION:
+    if version_tuple(version, 3) < MIN_VERSION:
         wanted = ".".join(map(str, MIN_VERSION))
         return [f"xformers {version} is older than the {wanted} this kernel was written against"]
     reasons = []
@@ -97,14 +94,8 @@ class XformersKernel(GuardedBottomRightKernel):
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = q.shape[1]
         out, lse = self._fmha.memory_efficient_attention_forward_requires_grad(
-            _bmhk(q),
-            _bmhk(repeat_kv(k, h)),
-            _bmhk(repeat_kv(v, h)),
-            attn_bias=self._bias(causal),
-            scale=scale,
-            op=self._cutlass.FwOp,
+            *_bmhk_inputs(q, k, v), attn_bias=self._bias(causal), scale=scale, op=self._cutlass.FwOp
         )
         return _bmhk(out), lse[..., : q.shape[-2]]
 
@@ -119,14 +110,11 @@ class XformersKernel(GuardedBottomRightKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = q.shape[1]
         dq, dk, dv = self._fmha.memory_efficient_attention_backward(
             _bmhk(dout),
             _bmhk(packed_bmhk(out)),
             padded_lse(lse),
-            _bmhk(q),
-            _bmhk(repeat_kv(k, h)),
-            _bmhk(repeat_kv(v, h)),
+            *_bmhk_inputs(q, k, v),
             attn_bias=self._bias(causal),
             scale=scale,
             op=self._cutlass.BwOp,

@@ -145,24 +145,18 @@ def measure(config: dict[str, Any], process_group: Any = None) -> dict[str, Any]
     def dense() -> torch.Tensor:
         with torch.no_grad():
             return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=config["causal"],
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=config["causal"]
             )
 
+    calls: dict[str, Callable[[], object]] = {"forward": forward}
+    if config["backward"]:
+        calls["fwd_bwd"] = forward_backward
+    if config.get("dense"):
+        calls["dense"] = dense
     # Peaks first: a cold call, before timing loops leave freed memory resident.
-    row: dict[str, Any] = {"forward_peak_mib": _peak_extra(forward, device) / 2**20}
-    if config["backward"]:
-        row["fwd_bwd_peak_mib"] = _peak_extra(forward_backward, device) / 2**20
-    if config.get("dense"):
-        row["dense_peak_mib"] = _peak_extra(dense, device) / 2**20
-    row["forward_s"] = _best(forward, config["repeats"], device)
-    if config["backward"]:
-        row["fwd_bwd_s"] = _best(forward_backward, config["repeats"], device)
-    if config.get("dense"):
-        row["dense_s"] = _best(dense, config["repeats"], device)
-    return row
+    peaks = {f"{name}_peak_mib": _peak_extra(call, device) / 2**20 for name, call in calls.items()}
+    times = {f"{name}_s": _best(call, config["repeats"], device) for name, call in calls.items()}
+    return peaks | times
 
 
 def rank_task(config: dict[str, Any]) -> dict[str, Any]:
@@ -267,20 +261,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    base = {
-        "segments": args.segments,
-        "rates": args.rates,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "dtype": args.dtype,
-        "causal": args.causal,
-        "backward": args.backward,
-        "kernel": args.kernel,
-        "repeats": args.repeats,
-        "device": args.device,
-        "dense": args.dense,
-        "threads": torch.get_num_threads() // args.world_size,
-    }
+    names = ["segments", "rates", "heads", "head_dim", "dtype", "causal", "backward", "kernel"]
+    names += ["repeats", "device", "dense"]
+    base = {name: getattr(args, name) for name in names}  # every rank's measure() reads them
+    base["threads"] = torch.get_num_threads() // args.world_size
     pool = None
     if args.world_size > 1:
         from ringdilated.pool import Workers
@@ -336,8 +320,7 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         _plot(rows, args.plot)
 
 
-#: The plotted series: (time column, peak memory column, legend label), each drawn when the
-#: rows hold it.
+#: The plotted series: (time column, peak memory column, legend label).
 SERIES = (
     ("forward_s", "forward_peak_mib", "forward"),
     ("fwd_bwd_s", "fwd_bwd_peak_mib", "forward+backward"),
@@ -381,6 +364,7 @@ def environment(device: str, world_size: int = 1) -> dict[str, Any]:
     import ringdilated
 
     where = torch.device(device)
+    total = _proc_field("/proc/meminfo", "MemTotal")
     measured: dict[str, Any] = {"type": where.type, "name": _cpu_model()}
     if where.type == "cuda":
         index = where.index if where.index is not None else torch.cuda.current_device()
@@ -403,7 +387,7 @@ def environment(device: str, world_size: int = 1) -> dict[str, Any]:
             "system": platform.platform(),
             "cpu": _cpu_model(),
             "logical_cpus": os.cpu_count(),
-            "memory_gib": _memory_gib(),
+            "memory_gib": None if total is None else int(total.split()[0]) * 1024 / 2**30,
             "threads_per_rank": max(1, torch.get_num_threads() // world_size),
             "ranks": world_size,
         },
@@ -411,25 +395,17 @@ def environment(device: str, world_size: int = 1) -> dict[str, Any]:
     }
 
 
+def _proc_field(path: str, name: str) -> str | None:
+    """What follows the ``:`` on the first line of ``path`` that starts with ``name``; ``None``
+    where there is none, or no such file (Linux ``/proc`` only)."""
+    try:
+        with open(path) as lines:
+            return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(name)), None)
+    except OSError:
+        return None
+
+
 def _cpu_model() -> str:
     """The CPU's model name (Linux ``/proc/cpuinfo``), else what :mod:`platform` says."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _memory_gib() -> float | None:
-    """Total memory (Linux ``MemTotal``), ``None`` where ``/proc/meminfo`` does not exist."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024 / 2**30
-    except OSError:
-        pass
-    return None
+    model = _proc_field("/proc/cpuinfo", "model name")
+    return model if model is not None else platform.processor() or platform.machine() or "unknown"

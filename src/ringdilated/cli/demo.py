@@ -56,38 +56,30 @@ def _inputs(config: dict[str, Any], dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(4)]
 
 
-def _attend(config: dict[str, Any], q: Any, k: Any, v: Any, **kw: Any) -> torch.Tensor:
-    import ringdilated
-
-    out: torch.Tensor = ringdilated.dilated_attention(
-        q, k, v, config["segments"], config["rates"], causal=True, **kw
-    )
-    return out
-
-
 def _run_once(config: dict[str, Any], dtype: torch.dtype, group: Any = None) -> dict[str, Any]:
     import torch.distributed as dist
 
+    import ringdilated
+
     q, k, v, dout = _inputs(config, dtype)
+    stats = TransferStats()
+    kw: dict[str, Any] = {}
     if group is not None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         shard = slice(rank * config["length"] // world, (rank + 1) * config["length"] // world)
         q, k, v, dout = (x[:, shard] for x in (q, k, v, dout))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    stats = TransferStats()
-    kw: dict[str, Any] = {}
-    if group is not None:
         kw = {"process_group": group, "communicator": "ringpass", "transfer_stats": stats}
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     start = time.perf_counter()
-    out = _attend(config, *leaves, **kw)
+    out = ringdilated.dilated_attention(
+        leaves[0], leaves[1], leaves[2], config["segments"], config["rates"], causal=True, **kw
+    )
     forward_s = time.perf_counter() - start
     torch.autograd.backward(out, dout)
     total_s = time.perf_counter() - start
     result = {"out": out.detach(), "forward_s": forward_s, "total_s": total_s}
     result.update({f"d{n}": x.grad for n, x in zip("qkv", leaves, strict=True)})
-    if group is not None:
-        result["bytes_sent"] = stats.bytes_sent
-    return result
+    return result | {"bytes_sent": stats.bytes_sent}  # 0 in one process
 
 
 def rank_task(config: dict[str, Any]) -> dict[str, Any]:
@@ -115,13 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check(args)
     config = {
-        "length": args.length,
-        "heads": args.heads,
-        "head_dim": args.head_dim,
-        "segments": args.segments,
-        "rates": args.rates,
-        "threads": max(1, torch.get_num_threads() // args.world_size),
+        name: getattr(args, name) for name in ("length", "heads", "head_dim", "segments", "rates")
     }
+    config["threads"] = max(1, torch.get_num_threads() // args.world_size)
     pattern = DilationPattern(config["segments"], config["rates"])
     print(
         f"dilated attention, L={args.length}, {args.heads} heads of {args.head_dim}, segments "

@@ -51,12 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=flags.positive_int, default=1)
 
 
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    from ringdilated.core.select.dtypes import recommended_dtype
-
-    return recommended_dtype(device) if name == "auto" else flags.to_dtype(name)
-
-
 def run(args: argparse.Namespace) -> int:
     import ringdilated
     from ringdilated.core import Environment, Request
@@ -69,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     env = Environment.from_environ()
     agree_every_call_default()  # read strictly here too: a bad value raises, naming it
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = _dtype(args.dtype, device)
+    recommended = ringdilated.recommended_dtype(device, env)
+    dtype = recommended if args.dtype == "auto" else flags.to_dtype(args.dtype)
     print(
         f"ringdilated {ringdilated.__version__}, torch {torch.__version__}, "
         f"python {platform.python_version()}"
@@ -86,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             f"(compute capability overridden by RINGDILATED_COMPUTE_CAPABILITY: "
             f"{env.compute_capability[0]}.{env.compute_capability[1]})"
         )
-    print(f"recommended dtype on {device}: {ringdilated.recommended_dtype(device, env)}")
+    print(f"recommended dtype on {device}: {recommended}")
     print("\nplugins:")
     try:
         print(load_registry().describe())

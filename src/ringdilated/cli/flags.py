@@ -55,27 +55,22 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line on stderr, exit status 2."""
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``PROG: error: MESSAGE (see PROG --help)``, and exit status 2 (argparse's usage status)."""
 
     def error(self, message: str) -> NoReturn:
-        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit 2 (argparse's usage status)."""
         message = " ".join(message.split())  # argparse's own messages may wrap
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _integer(text: str) -> int:
-    """``text`` as an int (``_`` separators allowed), or ``ArgumentTypeError`` quoting it."""
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
 def at_least(minimum: int) -> Callable[[str], int]:
-    """A ``type=`` callable: an integer of at least ``minimum``."""
+    """A ``type=`` callable: an integer (``_`` separators allowed) of at least ``minimum``."""
 
     def parse(text: str) -> int:
-        value = _integer(text)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
@@ -92,15 +87,12 @@ def int_list(minimum: int = 1) -> Callable[[str], list[int]]:
     """A ``type=`` callable: comma-separated integers, at least one, each ``>= minimum``."""
 
     def parse(text: str) -> list[int]:
-        items = [item for item in text.split(",") if item.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         try:
-            values = [int(item.strip()) for item in items]
+            values = [int(item) for item in text.split(",") if item.strip()]
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers, got {text!r}"
-            ) from None
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         low = [v for v in values if v < minimum]
         if low:
             where = f" in {text!r}" if len(values) > 1 else ""

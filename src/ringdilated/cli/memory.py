@@ -22,11 +22,6 @@ RANK_PROCESS_BYTES = 200 * 2**20
 """What one spawned gloo rank costs before any tensor: a Python process with torch imported."""
 
 
-def _accumulation_size(dtype: torch.dtype) -> int:
-    """Bytes per element of the driver's merge state for ``dtype`` (float64 stays float64)."""
-    return 8 if dtype == torch.float64 else 4
-
-
 def bench_bytes(
     length: int,
     heads: int,
@@ -52,7 +47,8 @@ def bench_bytes(
 
     On CUDA (one process) this is the device memory; on CPU all ranks share this machine.
     """
-    e, a = dtype.itemsize, _accumulation_size(dtype)
+    e = dtype.itemsize
+    a = 8 if dtype == torch.float64 else 4  # the merge state: float32, float64 for float64
     n = (length // world_size) * heads * head_dim
     forward = n * e + n * a + (4 * n * e if backward else 0)
     per_rank = 3 * n * e + max(forward, 4 * n * e if dense else 0)

@@ -55,7 +55,7 @@ def _kernel_row(name: str, spec: Any, args: argparse.Namespace) -> tuple[str, st
 
 
 def _communicator_row(
-    name: str, spec: Any, sizes: list[int], pools: dict[int, Any], args: Any
+    name: str, spec: Any, pools: dict[int, Any], args: argparse.Namespace
 ) -> tuple[str, str, str]:
     from ringdilated.testing import ConformanceError, check_communicator
 
@@ -65,7 +65,7 @@ def _communicator_row(
         return ("skipped", "checked on gloo (CPU) groups: run with --device cpu", "")
     try:
         report = check_communicator(
-            name, world_sizes=sizes, pools=pools, max_examples=args.max_examples
+            name, world_sizes=args.world_sizes, pools=pools, max_examples=args.max_examples
         )
     except ConformanceError as exc:
         return ("FAIL", str(exc).splitlines()[0][:160], "")
@@ -81,14 +81,11 @@ def run(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
     except ModuleNotFoundError:
         raise RuntimeError("verify needs the test extra: pip install -e '.[test]'") from None
-    sizes = args.world_sizes
     from ringdilated.registry import default_resolver
 
     resolver = default_resolver()
-    backends: list[tuple[str, str, Any]] = [
-        ("kernel", n, s) for n, s in sorted(resolver.specs.items())
-    ]
-    backends += [("communicator", n, s) for n, s in sorted(resolver.communicator_specs.items())]
+    backends: list[tuple[str, str, Any]] = [("kernel", *i) for i in sorted(resolver.specs.items())]
+    backends += [("communicator", *i) for i in sorted(resolver.communicator_specs.items())]
     unknown = set(args.only) - {name for _, name, _ in backends}
     if unknown:
         raise ValueError(f"--only names unknown backends: {', '.join(sorted(unknown))}")
@@ -111,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
                 rows.append((kind, name, *_kernel_row(name, spec, args)))
                 continue
             if spec.distributed and args.device == "cpu":
-                for size in sizes:
+                for size in args.world_sizes:
                     if size not in pools:
                         pools[size] = Workers(size)
-            rows.append((kind, name, *_communicator_row(name, spec, sizes, pools, args)))
+            rows.append((kind, name, *_communicator_row(name, spec, pools, args)))
     finally:
         for pool in pools.values():
             pool.close()

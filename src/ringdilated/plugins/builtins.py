@@ -1,8 +1,6 @@
-"""The built-in backends, offered through the same hooks a third party implements.
-
-Each backend module exports its spec(s) and depends on :mod:`ringdilated.core` only; this module
-wraps them in one :class:`BuiltinPlugin` per backend module, named after it, the way pytest lists
-its default plugins. The plugin manager registers them before any entry-point plugin, so a
+"""The built-in backends (:mod:`ringdilated.backends`), offered through the same hooks a third
+party implements: one :class:`BuiltinPlugin` per backend module, named after it, the way pytest
+lists its default plugins. The plugin manager registers them before any entry-point plugin, so a
 built-in keeps a contested backend name. ``local`` and ``reference`` are essential (every
 single-process call needs ``local``; ``reference`` serves what no other kernel does) and cannot
 be blocked.

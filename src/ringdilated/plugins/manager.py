@@ -17,21 +17,8 @@ malformed spec, or one whose backend name another plugin already took, is skippe
 with a warning naming the plugin, the spec and the field (for a duplicate name, both plugins and
 their distributions); the plugin's other specs still register. Every failure is kept for
 ``KernelChoice.explain()`` and ``describe()``. In strict mode the same failure raises
-:class:`PluginError`.
-Controls, as arguments of :func:`build_registry` or as environment variables:
-
-- ``autoload=False`` / ``RINGDILATED_DISABLE_PLUGIN_AUTOLOAD=1``: load the built-ins only.
-- ``allowed=[...]`` / ``RINGDILATED_ALLOW_PLUGINS=name,other``: load only these entry points.
-- ``blocked=[...]`` / ``RINGDILATED_BLOCK_PLUGINS=name,other``: skip these plugins: entry-point
-  names, or built-ins by module name (``ringdilated.backends.flex``) or short name (``flex``,
-  also the name of the backend it offers).
-- ``strict=True`` / ``RINGDILATED_STRICT_PLUGINS=1``: a failing plugin raises.
-
-The environment variables are read strictly when the registry is built
-(:mod:`ringdilated.core.support.env`): a switch that is not ``1/true/yes/on``, ``0/false/no/off``,
-empty or unset, and a name that is no built-in plugin (for ``ALLOW``: no installed entry point)
-raise
-``ValueError`` naming the variable, its value and what is accepted.
+:class:`PluginError`. What loads is controlled by :func:`build_registry`'s arguments or their
+environment variables (the ``*_ENV_VAR`` names below; docs/plugins.md has the table).
 """
 
 from __future__ import annotations
@@ -112,15 +99,8 @@ class PluginRegistry:
         rows = [("plugin", "source", "distribution", "kernels", "communicators")]
         for p in self.plugins:
             where = f"{p.distribution} {p.version}" if p.distribution else "-"
-            rows.append(
-                (
-                    p.name,
-                    p.source,
-                    where,
-                    ", ".join(p.kernels) or "-",
-                    ", ".join(p.communicators) or "-",
-                )
-            )
+            backends = (", ".join(p.kernels) or "-", ", ".join(p.communicators) or "-")
+            rows.append((p.name, p.source, where, *backends))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -217,7 +197,9 @@ def build_registry(
     strict: bool | None = None,
     entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]] | None = None,
 ) -> PluginRegistry:
-    """Build a registry. An argument left ``None`` comes from its environment variable.
+    """Build a registry. An argument left ``None`` comes from its environment variable
+    (``RINGDILATED_DISABLE_PLUGIN_AUTOLOAD=1``: ``autoload=False``; ``RINGDILATED_ALLOW_PLUGINS``,
+    ``RINGDILATED_BLOCK_PLUGINS``: comma-separated names; ``RINGDILATED_STRICT_PLUGINS``).
 
     ``allowed``: entry-point names to load (``None`` or empty: all). ``blocked``: plugin names to
     skip: entry-point names, and built-ins by module name (``ringdilated.backends.sdpa``) or
@@ -236,8 +218,7 @@ def build_registry(
     that is not installed here).
     """
     builtins = tuple(builtins)
-    if autoload is None:
-        autoload = not env_flag(AUTOLOAD_ENV_VAR)
+    autoload = not env_flag(AUTOLOAD_ENV_VAR) if autoload is None else autoload
     strict = env_flag(STRICT_ENV_VAR) if strict is None else strict
     allow_env = env_names(ALLOW_ENV_VAR) if allowed is None else None
     block_env = env_names(BLOCK_ENV_VAR) if blocked is None else None
@@ -291,8 +272,7 @@ def build_registry(
     for builtin in builtins:
         if builtin.name in blocked_builtins:
             continue
-        dist, version = _distribution_of(builtin.name)
-        register(builtin, PluginInfo(builtin.name, "built-in", dist, version))
+        register(builtin, PluginInfo(builtin.name, "built-in", *_distribution_of(builtin.name)))
     if autoload:
         for ep in listed:
             try:
@@ -360,8 +340,7 @@ def _attribute(obj: object, name: str) -> object:
 
 
 def _entry_points_safely(
-    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]],
-    fail: _Fail,
+    entry_points: Callable[[], Sequence[importlib.metadata.EntryPoint]], fail: _Fail
 ) -> Sequence[importlib.metadata.EntryPoint]:
     try:
         return tuple(entry_points())

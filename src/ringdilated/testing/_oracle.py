@@ -7,19 +7,9 @@ which is summed term by term: keep such tests short). Pattern mixing is a softma
 multiset union of the patterns' keys, so the dense form adds ``log(count)`` to each score of a
 key the query sees (one pattern's key adds ``log 1 = 0``).
 
-Exact for non-finite inputs (docs/spec.md, section 4): a key a query does not see takes no part at
-all. Its score is replaced by ``-inf`` (never added to: ``NaN + -inf`` is NaN), its probability is
-exactly 0 even in a row whose softmax is NaN, and its value is never multiplied by the zero weight
-(``0 * inf`` is NaN): when a value is not finite the weighted sum runs over the seen keys only.
-So NaN or infinity in ``q``, ``k`` or ``v`` reaches exactly the queries that see it, forward and
-backward. (A non-finite upstream gradient is not kept to its pairs: autograd computes ``dv`` as
-``P^T @ dout``, which multiplies a hidden pair's zero weight by it.) Kernels may be
-coarser (docs/spec.md allows NaN through a non-finite value in a query's own kernel block):
-:func:`nan_allowed` says where, for a pattern.
-
-:func:`masked_attention` (kernel layout, a boolean mask, optional ``log(count)`` weights) is the
-one dense computation: :func:`dense_attention` calls it with the pattern's mask, and the kernel
-conformance kit's :func:`ringdilated.testing.kernel_cases.dense` with a causal-offset mask.
+Exact for non-finite inputs, forward and backward (:func:`masked_attention`, the one dense
+computation). Kernels may be coarser (docs/spec.md allows NaN through a non-finite value in a
+query's own kernel block): :func:`nan_allowed` says where, for a pattern.
 """
 
 from __future__ import annotations
@@ -336,23 +326,20 @@ def nan_allowed(
     (causal masking does not matter: a hidden key is in the block). Pair it with
     :func:`ringdilated.testing.assert_non_finite_rule`.
     """
-    B, Lq, H = q.shape[:3]
-    L, kv_heads = k.shape[1], k.shape[2]
-    device = q.device
-    p = torch.arange(L, device=device)
-    document, start = documents_of(L, cu_seqlens, key_padding_mask, device)
-    rel = p - start  # (B', L)
-    valid = document >= 0
-    same_document = (document.unsqueeze(2) == document.unsqueeze(1)) & valid.unsqueeze(2)
+    Lq, H = q.shape[1:3]
+    L = k.shape[1]
+    sees = pattern_weights(  # (B', H, L, L): some pattern of head h lets query p see key j
+        L,
+        H,
+        segment_lengths,
+        dilation_rates,
+        mode=mode,
+        device=q.device,
+        cu_seqlens=cu_seqlens,
+        key_padding_mask=key_padding_mask,
+    ).gt(0)
     kv_bad = (~torch.isfinite(k)).any(-1) | (~torch.isfinite(v)).any(-1)  # (B, L, Hkv)
-    allowed = torch.zeros(B, L, H, dtype=torch.bool, device=device)
-    group = H // kv_heads
-    for h, patterns in enumerate(_head_offsets(H, segment_lengths, dilation_rates, mode)):
-        for w, r, offset in patterns:
-            selected = ((rel % w) % r == offset) & valid  # (B', L)
-            same_segment = same_document & ((rel // w).unsqueeze(2) == (rel // w).unsqueeze(1))
-            bad = kv_bad[:, :, h // group] & selected  # (B, L): bad keys this pattern reads
-            reached = (same_segment & bad.unsqueeze(1)).any(-1)  # (B, L)
-            allowed[:, :, h] |= reached & selected
+    bad = kv_bad.repeat_interleave(H // k.shape[2], dim=2).transpose(1, 2)  # (B, H, L)
+    reached = (sees & bad.unsqueeze(2)).any(-1).transpose(1, 2)  # (B, L, H)
     q_bad = (~torch.isfinite(q)).any(-1)  # (B, Lq, H)
-    return allowed[:, L - Lq :] | q_bad
+    return reached[:, L - Lq :] | q_bad

@@ -182,16 +182,13 @@ def non_finite_violation(
         baselines = (baselines,)
     if isinstance(extra, torch.Tensor):
         extra = (extra,)
-    zero = torch.zeros((), dtype=torch.float64)
-    masked = torch.where(judged, e, zero)
-    base_error = 0.0
-    for b in baselines:
-        bd = b.detach().double()
-        base_error = max(base_error, _masked_error(bd, e, judged & torch.isfinite(bd)))
-    more = sum(
-        (_masked_error(x, e, judged & torch.isfinite(x.detach().double())) for x in extra), 0.0
-    )
-    allowed = 2 * base_error + tolerance_floor(masked, dtype) + more
+
+    def judged_error(x: torch.Tensor) -> float:  # over the judged entries where x is finite
+        return _masked_error(x, e, judged & torch.isfinite(x))
+
+    base_error = max((judged_error(b) for b in baselines), default=0.0)
+    masked = torch.where(judged, e, torch.zeros((), dtype=torch.float64))
+    allowed = 2 * base_error + tolerance_floor(masked, dtype) + sum(map(judged_error, extra), 0.0)
     error = _masked_error(a, e, judged)
     if not error <= allowed:
         return (

@@ -125,6 +125,19 @@ def shard_slice(case: Mapping[str, Any], rank: int, world: int) -> slice:
     return slice(start, start + lengths[rank])
 
 
+def _call_keywords(case: Mapping[str, Any]) -> dict[str, Any]:
+    """The pattern and layout keywords of the case, as ``dilated_attention`` and :func:`oracle`
+    both take them."""
+    return {
+        "segment_lengths": case["segments"],
+        "dilation_rates": case["rates"],
+        "mode": case["mode"],
+        "causal": case["causal"],
+        "scale": case["scale"],
+        **case_layout(case),
+    }
+
+
 def case_inputs(case: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
     """``(q, k, v, dout, dlse)`` of the whole sequence, drawn from ``case['seed']``."""
     g = torch.Generator().manual_seed(case["seed"])
@@ -152,17 +165,7 @@ def _attend(
     from ringdilated.functional import dilated_attention
 
     out, lse = dilated_attention(
-        q,
-        k,
-        v,
-        case["segments"],
-        case["rates"],
-        mode=case["mode"],
-        causal=case["causal"],
-        scale=case["scale"],
-        kernel=case.get("kernel", "auto"),
-        return_lse=True,
-        **{**case_layout(case), **kw},
+        q, k, v, kernel=case.get("kernel", "auto"), return_lse=True, **_call_keywords(case), **kw
     )
     return out, lse
 
@@ -241,30 +244,13 @@ def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
     local = _attend(case, leaves[0], leaves[1], leaves[2])
     local_grads = torch.autograd.grad(_loss(local[0], local[1], dout, dlse), leaves)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    truth = oracle(
-        exact[0],
-        exact[1],
-        exact[2],
-        case["segments"],
-        case["rates"],
-        mode=case["mode"],
-        causal=case["causal"],
-        scale=case["scale"],
-        return_lse=True,
-        **case_layout(case),
-    )
+    truth = oracle(exact[0], exact[1], exact[2], return_lse=True, **_call_keywords(case))
     truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
-    sharded = {
-        name: torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
-        for name in ("out", "lse", "dq", "dk", "dv")
-    }
-    names = ("out", "lse", "dq", "dk", "dv")
-    expected = dict(zip(names, [x.detach() for x in (*truth, *truth_grads)], strict=True))
-    single = dict(zip(names, [x.detach() for x in (*local, *local_grads)], strict=True))
-    dtype = q.dtype
-    for name, actual in sharded.items():
-        allowed = allowed_error(expected[name], single[name], dtype)
-        error = max_error(actual, expected[name])
+    references = zip((*truth, *truth_grads), (*local, *local_grads), strict=True)  # exact, local
+    for name, (expected, single) in zip(("out", "lse", "dq", "dk", "dv"), references, strict=True):
+        actual = torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
+        allowed = allowed_error(expected, single, q.dtype)
+        error = max_error(actual, expected)
         if not error <= allowed:
             raise ConformanceError(
                 "matches-local",

@@ -33,8 +33,7 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
 
 Checks that need a feature the backend does not declare on the device (``causal``,
 ``empty-rows`` without causal masking; ``gradients``, ``split-merge``, ``non-finite-gradients``
-on a forward-only target)
-are reported as not applicable, never as passed.
+on a forward-only target) are reported as not applicable, never as passed.
 
 A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error.
 """
@@ -110,13 +109,10 @@ def _within(
 ) -> None:
     """The tolerance rule (:func:`~ringdilated.testing.allowed_error`) as a conformance check.
 
-    ``baseline`` may be several plain dense computations from inputs in ``dtype`` (for
-    gradients: autograd through dense attention in ``dtype``, and the contract's backward formula
-    in ``dtype``'s accumulation dtype, as fused kernels compute it); the rule takes the least
-    accurate. ``inherent`` (gradients only) is the contract's backward evaluated exactly on the
-    exact ``out`` and ``lse`` rounded as the contract stores them: its distance from
-    ``expected`` is what that rounding costs any kernel (the float32 ``lse`` above all), allowed
-    on top (see :func:`_contract_terms`).
+    ``baseline``: one or several plain dense computations in ``dtype``, the rule taking the least
+    accurate. For gradients (:func:`_reference_gradients`) they are its baseline and formula, and
+    ``inherent`` is its ``given``, whose distance from ``expected`` (what the contract's rounding
+    costs any kernel) is allowed on top.
     """
     error = max_error(actual, expected)
     extra = 0.0 if inherent is None else max_error(inherent, expected)
@@ -127,23 +123,44 @@ def _within(
         )
 
 
-def _contract_terms(
+def _dout(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """A float64 upstream gradient shaped like ``q``, drawn from ``seed``."""
+    return torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _reference_gradients(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: KernelCase
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """``(given, formula)`` for the gradient checks: the contract's backward on the exact
-    ``out`` and ``lse`` rounded as the contract stores them (``out`` to the input dtype, ``lse``
-    to float32, or float64 for float64 inputs), evaluated exactly (``given``: what that rounding
-    alone costs any kernel) and in the accumulation dtype (``formula``: the plain dense
-    computation a fused kernel makes). Built from the exact forward, never from the kernel's
-    own, so a wrong forward cannot widen its own allowance."""
-    exact_out, exact_lse = dense(q, k, v, case.scale, case.causal_offset)
-    stored_lse = exact_lse.to(accumulation_dtype(q.dtype))
-    args = (dout.to(q.dtype), q, k, v, exact_out.to(q.dtype), stored_lse, case.scale)
-    offset = case.causal_offset
-    return (
-        contract_backward(*args, offset),
-        contract_backward(*args, offset, dtype=accumulation_dtype(q.dtype)),
-    )
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """``(expected, baseline, given, formula)``, each ``(dq, dk, dv)`` of ``sum(out * dout)``
+    (``dout`` float64): float64 autograd through dense attention; autograd through dense
+    attention in ``q``'s dtype; and the contract's backward on the exact ``out`` and ``lse``
+    rounded as the contract stores them (``out`` to the input dtype, ``lse`` to float32, or
+    float64 for float64 inputs), evaluated exactly (``given``: what that rounding alone costs
+    any kernel) and in the accumulation dtype (``formula``: the plain dense computation a fused
+    kernel makes). All from the exact forward, never from the kernel's own, so a wrong forward
+    cannot widen its own allowance."""
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    exact_out, exact_lse = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
+    expected = torch.autograd.grad((exact_out * dout).sum(), exact)
+    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
+    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
+    stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
+    given = contract_backward(*args)
+    return expected, baseline, given, contract_backward(*args, dtype=accumulation_dtype(q.dtype))
+
+
+def _check_gradient_layout(
+    check: str, grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """Each of ``dq``, ``dk``, ``dv`` shaped and typed as its input, per the kernel contract."""
+    for name, grad, x in zip(("dq", "dk", "dv"), grads, inputs, strict=True):
+        if grad.shape != x.shape or grad.dtype != x.dtype:
+            raise ConformanceError(
+                check,
+                f"{name} is {tuple(grad.shape)} {grad.dtype}, expected {tuple(x.shape)} {x.dtype}",
+            )
 
 
 def _check_layout(check: str, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -174,26 +191,13 @@ def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> 
 def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=torch.float64
-    )
+    dout = _dout(q, case.seed + 2)
     lay_out = case.lay_out  # out, dout and lse arrive as strided views too, as in the driver
     grads = kernel.backward(
         lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), case.options()
     )
-    for name, grad, x in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
-        if grad.shape != x.shape or grad.dtype != x.dtype:
-            raise ConformanceError(
-                "gradients",
-                f"{name} is {tuple(grad.shape)} {grad.dtype}, expected {tuple(x.shape)} {x.dtype}",
-            )
-    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
-    expected = torch.autograd.grad((expected_out * dout).sum(), exact)
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    given, formula = _contract_terms(dout, q, k, v, case)
+    _check_gradient_layout("gradients", grads, (q, k, v))
+    expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
@@ -211,9 +215,8 @@ def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> Non
 
 def _check_empty_rows(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
-    offset = -min(case.q_len, 3)
-    out, lse = kernel.forward(q, k, v, attrs.evolve(case, causal_offset=offset).options())
-    rows = -offset
+    rows = min(case.q_len, 3)  # the first rows see no key
+    out, lse = kernel.forward(q, k, v, attrs.evolve(case, causal_offset=-rows).options())
     if not bool(torch.isneginf(lse[..., :rows]).all()):
         raise ConformanceError(
             "empty-rows",
@@ -244,41 +247,24 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     )
     whole_out, whole_lse = kernel.forward(q, k, v, case.options())
     tol = 1e-9 if q.dtype == torch.float64 else 50 * FLOORS[q.dtype]
-    if max_error(out, whole_out) > tol * max(1.0, float(whole_out.abs().max())):
-        raise ConformanceError(
-            "split-merge",
-            f"merged forward differs from the whole block by {max_error(out, whole_out):.3e} "
-            f"for {case}",
-        )
-    if max_error(lse, whole_lse) > tol * max(
-        1.0, float(whole_lse.masked_fill(torch.isneginf(whole_lse), 0).abs().max())
+    finite_lse = whole_lse.masked_fill(torch.isneginf(whole_lse), 0)  # for its magnitude
+    for what, merged, whole, magnitude in (
+        ("forward differs from the whole block", out, whole_out, whole_out),
+        ("lse differs from the whole block's", lse, whole_lse, finite_lse),
     ):
-        raise ConformanceError(
-            "split-merge",
-            f"merged lse differs from the whole block's by {max_error(lse, whole_lse):.3e} "
-            f"for {case}",
-        )
-    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
-    expected_out, _ = dense(qr, kr, vr, case.scale, case.causal_offset)
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64
-    )
-    expected = torch.autograd.grad((expected_out * dout).sum(), (qr, kr, vr))
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
-    dq = torch.zeros_like(q, dtype=torch.float64)
-    dk = torch.zeros_like(k, dtype=torch.float64)
-    dv = torch.zeros_like(v, dtype=torch.float64)
-    merged_out = out.to(q.dtype)
-    given, formula = _contract_terms(dout, q, k, v, case)
+        error = max_error(merged, whole)
+        if error > tol * max(1.0, float(magnitude.abs().max())):
+            raise ConformanceError("split-merge", f"merged {what} by {error:.3e} for {case}")
+    dout = _dout(q, case.seed + 1)
+    expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
+    dq, dk, dv = (torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v))
     for start, stop in parts:
         gq, gk, gv = kernel.backward(
             case.lay_out(dout.to(q.dtype)),
             q,
             k[:, :, start:stop],
             v[:, :, start:stop],
-            case.lay_out(merged_out),
+            case.lay_out(out.to(q.dtype)),
             case.lay_out(lse),
             opts(start),
         )
@@ -288,16 +274,8 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), (dq, dk, dv), expected, baseline, formula, given, strict=True
     ):
-        _within(
-            "split-merge",
-            f"{name} from two blocks with the merged out/lse",
-            actual.to(q.dtype),
-            exp,
-            (b, f),
-            q.dtype,
-            case,
-            inherent,
-        )
+        what = f"{name} from two blocks with the merged out/lse"
+        _within("split-merge", what, actual.to(q.dtype), exp, (b, f), q.dtype, case, inherent)
 
 
 def _check_no_mutation(kernel: Kernel, case: KernelCase, backward: bool) -> None:
@@ -354,15 +332,17 @@ def _forward_nan_allowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 
 def _backward_nan_allowed(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``((N, H), (N, Hkv))``: the problems any of whose inputs (``q``, ``k``, ``v``, ``dout``)
-    is non-finite, by query head and by key/value head: NaN may reach all their gradients."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``dq``, ``dk``, ``dv``: ``(N, H, 1, 1)``, ``(N, Hkv, 1, 1)`` twice: the problems any
+    of whose inputs (``q``, ``k``, ``v``, ``dout``) is non-finite, by query head and by key/value
+    head: NaN may reach all their gradients."""
     n, heads = q.shape[:2]
     kv_heads = k.shape[1]
     per_head = _not_finite(q, (-2, -1)) | _not_finite(dout, (-2, -1))
     problem = _not_finite(k, (-2, -1)) | _not_finite(v, (-2, -1))
     problem = problem | per_head.view(n, kv_heads, heads // kv_heads).any(-1)
-    return _per_query_head(problem, heads), problem
+    by_kv_head = problem[..., None, None]
+    return _per_query_head(problem, heads)[..., None, None], by_kv_head, by_kv_head
 
 
 def _non_finite_rule(
@@ -400,47 +380,18 @@ def _check_non_finite(kernel: Kernel, case: KernelCase) -> None:
 
 def _check_non_finite_gradients(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
-    dout = torch.randn(
-        q.shape, generator=torch.Generator().manual_seed(case.seed + 2), dtype=torch.float64
-    ).to(q.dtype)
-    q, k, v, dout = _corrupt(case, [q, k, v, dout], salt=1)
+    q, k, v, dout = _corrupt(case, [q, k, v, _dout(q, case.seed + 2).to(q.dtype)], salt=1)
     out, lse = kernel.forward(q, k, v, case.options())
     lay_out = case.lay_out
     grads = kernel.backward(lay_out(dout), q, k, v, lay_out(out), lay_out(lse), case.options())
-    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    expected_out, _ = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
-    expected = torch.autograd.grad((expected_out * dout.double()).sum(), exact)
-    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
-    baseline = torch.autograd.grad((base_out * dout).sum(), base)
-    given, formula = _contract_terms(dout.double(), q, k, v, case)
-    by_head, by_kv_head = _backward_nan_allowed(dout, q, k, v)
+    _check_gradient_layout("non-finite-gradients", grads, (q, k, v))
+    expected, baseline, given, formula = _reference_gradients(dout.double(), q, k, v, case)
+    may_be_nan = _backward_nan_allowed(dout, q, k, v)
     for name, actual, exp, b, f, inherent, may in zip(
-        ("dq", "dk", "dv"),
-        grads,
-        expected,
-        baseline,
-        formula,
-        given,
-        (by_head, by_kv_head, by_kv_head),
-        strict=True,
+        ("dq", "dk", "dv"), grads, expected, baseline, formula, given, may_be_nan, strict=True
     ):
-        if actual.shape != exp.shape or actual.dtype != q.dtype:
-            raise ConformanceError(
-                "non-finite-gradients",
-                f"{name} is {tuple(actual.shape)} {actual.dtype}, expected "
-                f"{tuple(exp.shape)} {q.dtype}",
-            )
         _non_finite_rule(
-            "non-finite-gradients",
-            name,
-            actual,
-            exp,
-            (b, f),
-            may[..., None, None],
-            q.dtype,
-            case,
-            (inherent,),
+            "non-finite-gradients", name, actual, exp, (b, f), may, q.dtype, case, (inherent,)
         )
     _check_merged_non_finite(kernel, case)
 
@@ -503,18 +454,16 @@ def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
             )
 
 
-_RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {
+_RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {  # (kernel, case, backward)
     "capabilities": _check_capabilities,
-    "forward": lambda kernel, case, backward: _check_forward(kernel, case),
-    "causal": lambda kernel, case, backward: _check_forward(kernel, case, "causal"),
-    "empty-rows": lambda kernel, case, backward: _check_empty_rows(kernel, case),
-    "gradients": lambda kernel, case, backward: _check_gradients(kernel, case),
-    "split-merge": lambda kernel, case, backward: _check_split_merge(kernel, case),
+    "forward": lambda kernel, case, _: _check_forward(kernel, case),
+    "causal": lambda kernel, case, _: _check_forward(kernel, case, "causal"),
+    "empty-rows": lambda kernel, case, _: _check_empty_rows(kernel, case),
+    "gradients": lambda kernel, case, _: _check_gradients(kernel, case),
+    "split-merge": lambda kernel, case, _: _check_split_merge(kernel, case),
     "no-mutation": _check_no_mutation,
-    "non-finite": lambda kernel, case, backward: _check_non_finite(kernel, case),
-    "non-finite-gradients": lambda kernel, case, backward: _check_non_finite_gradients(
-        kernel, case
-    ),
+    "non-finite": lambda kernel, case, _: _check_non_finite(kernel, case),
+    "non-finite-gradients": lambda kernel, case, _: _check_non_finite_gradients(kernel, case),
 }
 _CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
 

@@ -102,11 +102,7 @@ _EXCHANGE_MODULES = ("ringdilated.core.run.exchange", "ringdilated.core.run.head
 
 
 def _devices(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[torch.device]:
-    found = set()
-    for x in (*args, *kwargs.values()):
-        if isinstance(x, torch.Tensor):
-            found.add(x.device)
-    return found
+    return {x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)}
 
 
 @attrs.define
@@ -144,10 +140,18 @@ class HotPathCounter:
         """Host reads plus copies plus control collectives: what a planned layer call keeps at 0."""
         return self.host_reads + self.host_copies + self.control_collectives
 
-    def _patch(self, owner: object, name: str, make: Callable[[Any], Any]) -> None:
+    def _count_calls(
+        self, owner: object, name: str, what: str, kind: Callable[[], str] = lambda: "read"
+    ) -> None:
+        """Replace ``owner.name`` until exit by a wrapper recording each call as ``kind()``."""
         original = getattr(owner, name)
         self._saved.append((owner, name, original))
-        setattr(owner, name, make(original))
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self._record(kind(), what)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
 
     def __enter__(self) -> HotPathCounter:
         counter = self
@@ -163,9 +167,7 @@ class HotPathCounter:
             ) -> Any:
                 kwargs = kwargs or {}
                 implementation = IMPLEMENTATIONS.get(func.name())
-                if implementation is not None:
-                    # A mode is off inside its own dispatch: ringdilated's ops would hide every
-                    # op they run. Run their implementation with the mode on again instead.
+                if implementation is not None:  # counted through (module docstring)
                     with self:
                         return implementation(*args, **kwargs)
                 if func in _READS:
@@ -181,24 +183,14 @@ class HotPathCounter:
                     counter._record("copy", f"{func} across devices")
                 return func(*args, **kwargs)
 
-        def counted(what: str, kind: Callable[[], str] = lambda: "read") -> Callable[[Any], Any]:
-            def make(original: Any) -> Any:
-                def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    counter._record(kind(), what)
-                    return original(*args, **kwargs)
-
-                return wrapper
-
-            return make
-
         for name in ("tolist", "numpy", "cpu"):
-            self._patch(torch.Tensor, name, counted(f"Tensor.{name}"))
+            self._count_calls(torch.Tensor, name, f"Tensor.{name}")
         if dist.is_available():
             for name in _COLLECTIVES:
                 if hasattr(dist, name):
-                    self._patch(dist, name, counted(f"torch.distributed.{name}", _collective_kind))
+                    self._count_calls(dist, name, f"torch.distributed.{name}", _collective_kind)
         if torch.cuda.is_available():
-            self._patch(torch.cuda, "synchronize", counted("torch.cuda.synchronize"))
+            self._count_calls(torch.cuda, "synchronize", "torch.cuda.synchronize")
         self._mode = _Mode()  # type: ignore[no-untyped-call]
         self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self

@@ -75,12 +75,8 @@ DEFAULT_SPACE = CaseSpace()
 
 @attrs.frozen
 class KernelCase:
-    """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``.
-
-    ``layout="strided"``: each input is a view of a larger ``(n, length * rate, heads + 1, D)``
-    buffer, every ``rate``-th position from ``offset`` and heads ``1 .. heads``, permuted to
-    kernel layout: exactly the kind of view :mod:`ringdilated.core.run.local` hands a kernel.
-    """
+    """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``,
+    each in ``layout`` (:meth:`lay_out`)."""
 
     n: int
     heads: int
@@ -99,19 +95,17 @@ class KernelCase:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed)
-        shapes = (
-            (self.n, self.heads, self.q_len, self.head_dim),
-            (self.n, self.kv_heads, self.k_len, self.head_dim),
-            (self.n, self.kv_heads, self.k_len, self.head_dim),
-        )
+        kv_shape = (self.n, self.kv_heads, self.k_len, self.head_dim)
+        shapes = ((self.n, self.heads, self.q_len, self.head_dim), kv_shape, kv_shape)
         q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
         return tuple(self.lay_out(x.to(self.device, self.dtype)) for x in (q, k, v))  # type: ignore[return-value]
 
     def lay_out(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (``(n, heads, L, D)``, or an lse ``(n, heads, L)``) in this case's layout: as is,
-        or a copy in a strided view of a NaN-filled buffer, as the driver selects from its
-        ``(B, L, H, D)`` tensors and ``(B, H, L)`` lse (a kernel that reads outside the view
-        gets NaN, never plausible numbers)."""
+        or a copy in a strided view of a NaN-filled buffer (every ``rate``-th position from
+        ``offset``, heads ``1 .. heads``), exactly as :mod:`ringdilated.core.run.local` selects
+        from its ``(B, L, H, D)`` tensors and ``(B, H, L)`` lse for a kernel (a kernel that reads
+        outside the view gets NaN, never plausible numbers)."""
         if self.layout == "contiguous":
             return x
         n, heads, length = x.shape[:3]

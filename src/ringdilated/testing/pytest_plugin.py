@@ -19,15 +19,12 @@ Which backends (each fixture's value is a backend name):
   ``ringdilated_distribution``, else the ``[project] name`` of the nearest ``pyproject.toml``
   above the test file (so a plugin's own tests, run from anywhere, test that plugin).
 
-A test never skips because something is broken. It fails at setup, with the reason, when a
-named backend is not loaded (the registry's failures quoted: an import error, say), when one of
-the package's plugins failed (its import error, its hook's exception, a malformed spec, as the
-registry reported it), when the package under test is not installed, declares no ``ringdilated``
-entry point, or its plugin was not loaded (autoloading off, blocked or not allowed), when its
-plugins all load but offer no backend of either kind (a hook returning ``[]``, a misspelt hook
-name, a module without hooks), and when no package under test can be found. Only a package that
-offers backends of the other kind skips the fixture's kind (a kernel plugin's communicator
-test), saying so. Nothing here imports torch until a test asks for a fixture.
+A test never skips because something is broken: it fails at setup, with the reason (the
+registry's failures quoted), for a named backend that is not loaded, for a plugin of the package
+under test that failed or was not loaded, and for a package under test that cannot be found, is
+not installed, declares no ``ringdilated`` entry point or offers no backend of either kind. Only
+a package that offers backends of the other kind skips the fixture's kind (a kernel plugin's
+communicator test), saying so. Nothing here imports torch until a test asks for a fixture.
 """
 
 from __future__ import annotations
@@ -177,6 +174,8 @@ def _package_params(
             f"in the 'ringdilated' group ([project.entry-points.ringdilated] in pyproject.toml)"
         )
         return [pytest.param(Unusable(reason), id=f"{distribution}-no-entry-point")]
+    package = _normalize(dist.metadata["Name"] or "")
+    ours = [p for p in registry.plugins if _normalize(p.distribution or "") == package]
     params: list[ParameterSet] = []
     offered_any = False
     for name in entry_points:
@@ -187,13 +186,7 @@ def _package_params(
                 + "; ".join(failures)
             )
             params.append(pytest.param(Unusable(reason), id=f"{name}-plugin-failed"))
-        infos = [
-            p
-            for p in registry.plugins
-            if p.name == name
-            and p.source == "entry point"
-            and _normalize(p.distribution or "") == _normalize(dist.metadata["Name"] or "")
-        ]
+        infos = [p for p in ours if p.name == name and p.source == "entry point"]
         if not infos and not failures:
             reason = (
                 f"plugin {name!r} of the package under test, {distribution!r}, was not loaded: "
@@ -226,18 +219,14 @@ def _params(metafunc: pytest.Metafunc, option: str, kind: str) -> list[Parameter
     names = [str(n) for n in metafunc.config.getini(option)]
     if names:
         offered = sorted(registry.kernels if kind == "kernels" else registry.communicators)
-        params: list[ParameterSet] = []
-        for name in names:
-            if name in offered:
-                params.append(pytest.param(name, id=name))
-                continue
-            reason = (
-                f"{kind[:-1]} {name!r} (ini option {option}) is not loaded; loaded {kind}: "
-                f"{', '.join(offered) or 'none'}; plugin failures: "
-                f"{'; '.join(registry.failures) or 'none'}"
-            )
-            params.append(pytest.param(Unusable(reason), id=name))
-        return params
+        not_loaded = (
+            f"(ini option {option}) is not loaded; loaded {kind}: {', '.join(offered) or 'none'}; "
+            f"plugin failures: {'; '.join(registry.failures) or 'none'}"
+        )
+        return [
+            pytest.param(n if n in offered else Unusable(f"{kind[:-1]} {n!r} {not_loaded}"), id=n)
+            for n in names
+        ]
     package = _package_under_test(metafunc)
     if isinstance(package, Unusable):
         return [pytest.param(package, id="no-package-under-test")]
