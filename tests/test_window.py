@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy
 import pytest
 import torch
 
@@ -98,8 +99,9 @@ def test_a_window_is_no_flag_and_holds_ints() -> None:
     with pytest.raises(TypeError, match="no causal flag"):
         bool(CAUSAL)
     for bad in ("x", 1.5, True):
-        with pytest.raises(TypeError, match="must be an int or None"):
+        with pytest.raises(TypeError, match="bound must be an int or None"):
             KeyWindow(None, bad)  # type: ignore[arg-type]
+    assert KeyWindow(numpy.int64(2), torch.tensor(0)) == KeyWindow(2, 0)  # 0.1 offsets of any int
     with pytest.raises(TypeError, match="pass one"):
         BlockOptions(0.5, CAUSAL, causal_offset=None)
     with pytest.raises(NotImplementedError, match="sliding window"):

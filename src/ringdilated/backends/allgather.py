@@ -24,7 +24,8 @@ between the largest and a rank's payload, and is counted.
 
 CPU tensors (gloo) move point to point instead, the same payload to every peer (what gloo's ring
 ``all_gather`` sends too), never through a gloo worker thread (issue 21; see
-:mod:`ringdilated.backends.ulysses`).
+:mod:`ringdilated.backends.ulysses`). It gathers on the call's own group and never creates one
+inside a call (``Communicator.prepare`` says why).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class BlockOptions:
             if causal_offset is not _UNSET and window != FULL:
                 raise TypeError(f"BlockOptions got window={window!r} and causal_offset: pass one")
             _deprecated_offset()
-            window = KeyWindow(None, window if causal_offset is _UNSET else causal_offset)  # type: ignore[arg-type]
+            window = KeyWindow(None, window if causal_offset is _UNSET else causal_offset)
         self.__attrs_init__(scale, window, dropout_p, dropout_seed, finite)
 
     @property

@@ -15,14 +15,24 @@ sliding window) is for a later release and is refused by every kernel's capabili
 
 from __future__ import annotations
 
+import operator
+
 import attrs
 
 __all__ = ["CAUSAL", "FULL", "KeyWindow", "as_window"]
 
 
-def _check_bound(name: str, value: object) -> None:
-    if value is not None and (type(value) is bool or not isinstance(value, int)):
-        raise TypeError(f"KeyWindow.{name} must be an int or None, got {value!r}")
+def _bound(value: object) -> int | None:
+    """``None``, or ``value`` as an int (anything ``operator.index`` takes, a numpy int or a
+    0-d integer tensor included, but not a bool)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"a KeyWindow bound must be an int or None, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"a KeyWindow bound must be an int or None, got {value!r}") from None
 
 
 @attrs.frozen
@@ -30,8 +40,8 @@ class KeyWindow:
     """``(left, right)``: key ``j`` visible to query ``i`` iff ``i - left <= j <= i + right``
     (``None``: unbounded on that side)."""
 
-    left: int | None = attrs.field(default=None, validator=lambda _, a, v: _check_bound(a.name, v))
-    right: int | None = attrs.field(default=None, validator=lambda _, a, v: _check_bound(a.name, v))
+    left: int | None = attrs.field(default=None, converter=_bound)
+    right: int | None = attrs.field(default=None, converter=_bound)
 
     def __bool__(self) -> bool:
         raise TypeError("a KeyWindow is no causal flag: test window.hides_later_keys")
