@@ -38,8 +38,7 @@ import torch
 from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
-    GRID_LIMIT,
-    BatchLimit,
+    FUSED_GRID_LIMIT,
     Capabilities,
     Environment,
     KernelSpec,
@@ -179,7 +178,7 @@ FLASH_SPEC = KernelSpec(
         dropout=False,
         gqa=True,
         requires=("flash_attn",),
-        batch_limit=BatchLimit(problems=GRID_LIMIT),
+        batch_limit=FUSED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),

@@ -236,7 +236,9 @@ FLEX_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
-        batch_limit=BatchLimit(problems=GRID_LIMIT, problems_x_kv_heads=GRID_LIMIT),
+        batch_limit=BatchLimit(
+            problems=GRID_LIMIT, problems_x_kv_heads=GRID_LIMIT, query_elements=None
+        ),
     ),
     priority=-10,
     priority_rules=(PriorityRule(20, "cuda"),),

@@ -48,8 +48,7 @@ from ringdilated.backends import _dense
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_bias, padded_lse
 from ringdilated.core import (
-    GRID_LIMIT,
-    BatchLimit,
+    FUSED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
     KernelSpec,
@@ -279,7 +278,7 @@ SDPA_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
-        batch_limit=BatchLimit(problems=GRID_LIMIT),
+        batch_limit=FUSED_GRID_LIMIT,
     ),
     priority=100,
     description="PyTorch's fused attention ops (flash for CPU; memory-efficient on CUDA)",

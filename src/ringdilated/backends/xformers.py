@@ -34,7 +34,7 @@ from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
 from ringdilated.backends._versions import version_tuple
-from ringdilated.core import GRID_LIMIT, BatchLimit, Capabilities, KernelSpec, PriorityRule, Target
+from ringdilated.core import FUSED_GRID_LIMIT, Capabilities, KernelSpec, PriorityRule, Target
 
 __all__ = ["MIN_VERSION", "XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
 
@@ -149,7 +149,7 @@ XFORMERS_SPEC = KernelSpec(
         dropout=False,
         gqa=True,
         requires=("xformers",),
-        batch_limit=BatchLimit(problems=GRID_LIMIT),
+        batch_limit=FUSED_GRID_LIMIT,
     ),
     priority=50,
     priority_rules=(PriorityRule(150, "cuda", min_capability=(7, 0), max_capability=(7, 5)),),

@@ -40,6 +40,7 @@ from ringdilated.core.plan.pattern import MODES, Block, DilationPattern, HeadRun
 from ringdilated.core.plan.shards import ShardPlan
 from ringdilated.core.plan.window import CAUSAL, FULL, KeyWindow
 from ringdilated.core.select.capabilities import (
+    FUSED_GRID_LIMIT,
     GRID_LIMIT,
     BatchLimit,
     Capabilities,
@@ -67,6 +68,7 @@ _aliases.install()
 __all__ = [
     "CAUSAL",
     "FULL",
+    "FUSED_GRID_LIMIT",
     "GRID_LIMIT",
     "KERNEL_ENV_VAR",
     "MODES",

@@ -22,12 +22,12 @@ or small steps of one shape fused: :class:`_KernelCall`) are computed once per i
 cached in it, so a call issues kernels and copies only, with no host read and no Python work
 proportional to anything but the number of kernel calls.
 
-Steps are chunks of whole segments so that no kernel call's scratch exceeds
-``LocalRun.chunk_elements`` elements: peak memory beyond the inputs and outputs stays bounded
-whatever the sequence length (a fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``,
-``k`` and ``v``, far less). Nothing here checks capabilities or catches exceptions: the resolver and
-the input validation ran before.
-"""
+Steps are chunks of whole segments so that no kernel call holds more query elements than the
+kernel's ``BatchLimit.query_elements`` (or ``LocalRun.chunk_elements`` when set): for a kernel that
+materialises scores, peak memory beyond the inputs and outputs stays bounded whatever the sequence
+length; a fused kernel declares no such bound and its calls are split by its launch grid only (a
+fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``, ``k`` and ``v``). Nothing here
+checks capabilities or catches exceptions: the resolver and the input validation ran before."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from ringdilated.core.plan.documents import DocumentLayout
 from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 from ringdilated.core.plan.window import FULL, KeyWindow
-from ringdilated.core.select.capabilities import UNLIMITED, BatchLimit
+from ringdilated.core.select.capabilities import DEFAULT_QUERY_ELEMENTS, UNLIMITED, BatchLimit
 from ringdilated.core.select.dtypes import autocast_off
 
 __all__ = [
@@ -69,7 +69,8 @@ __all__ = [
     "pattern_run",
 ]
 
-DEFAULT_CHUNK_ELEMENTS = 1 << 23
+DEFAULT_CHUNK_ELEMENTS = DEFAULT_QUERY_ELEMENTS
+"""0.1's name for :data:`~ringdilated.core.select.capabilities.DEFAULT_QUERY_ELEMENTS`."""
 
 
 @attrs.frozen
@@ -376,8 +377,9 @@ class LocalRun:
     positions of every block (a causal call's is the diagonal mask in every block).
     ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
-    ``batch_limit``: how many problems one kernel call may hold (the kernel's declared grid
-    limit, :class:`~ringdilated.core.select.capabilities.BatchLimit`).
+    ``batch_limit``: how many problems and query elements one kernel call may hold (the
+    kernel's declared limits, :class:`~ringdilated.core.select.capabilities.BatchLimit`);
+    ``chunk_elements`` replaces its ``query_elements`` when not ``None``.
 
     ``rows``: the blocks of each run of batch rows (documents and padding differ by row).
     ``query_start``: the position of ``q``'s first row (a query suffix; keys start at 0).
@@ -392,7 +394,7 @@ class LocalRun:
     scale: float
     window: KeyWindow = FULL
     dropout_p: float = 0.0
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
+    chunk_elements: int | None = None
     complete: bool = True
     batch_limit: BatchLimit = UNLIMITED
     query_start: int = 0
@@ -428,6 +430,9 @@ class LocalRun:
         kv_grad_strides = (L * Hkv * D, Hkv * D, D, 1)
         lse_strides = (Lq * H, H, 1)  # (B, T, H): lse_buffer's memory order
         origin = self.query_start
+        budget = self.chunk_elements
+        if budget is None:
+            budget = self.batch_limit.query_elements
         index = 0
         for rows in self.rows:
             batches = rows.batches or slice(0, B)
@@ -443,7 +448,7 @@ class LocalRun:
                 hq, hkv = (run.q_start, run.q_stop), (run.kv_start, run.kv_stop)
                 most = self.batch_limit.per_call(run.num_kv_heads)
                 per_segment = sel.count * run.num_heads * D
-                chunks = _split(sel, batches, tiles, per_segment, self.chunk_elements, most)
+                chunks = _split(sel, batches, tiles, per_segment, budget, most)
                 for chunk_rows, selection in chunks:
                     qs = selection if block.queries is None else block.queries
                     yield _Step(
@@ -560,18 +565,20 @@ def _split(
     batches: slice,
     tiles: bool,
     per_segment: int,
-    budget: int,
+    budget: int | None,
     max_batch: int | None = None,
 ) -> Iterator[tuple[slice, Selection]]:
-    """Pieces of ``selection`` x batch whose kernel-layout views need no copy, within budget,
-    each holding at most ``max_batch`` problems (batch rows times segments).
+    """Pieces of ``selection`` x batch whose kernel-layout views need no copy, each within
+    ``budget`` query elements (``None``: any) and holding at most ``max_batch`` problems (batch
+    rows times segments; ``None``: any).
 
     Batch and segment dimensions merge into one kernel batch dimension as a view only when every
     tensor's segments tile its rows (``tiles``, see :func:`mergeable`); otherwise go one batch
     row at a time."""
-    segments = max(1, budget // max(1, per_segment))
+    limits = [] if budget is None else [max(1, budget // max(1, per_segment))]
     if max_batch is not None:
-        segments = min(segments, max_batch)
+        limits.append(max_batch)
+    segments = min(limits, default=max(1, selection.num_segments * (batches.stop - batches.start)))
     first, stop = batches.start, batches.stop
     if tiles and selection.num_segments <= segments:
         step = max(1, segments // selection.num_segments)

@@ -23,6 +23,8 @@ from ringdilated.core.support.env import env_names
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
+    "DEFAULT_QUERY_ELEMENTS",
+    "FUSED_GRID_LIMIT",
     "GRID_LIMIT",
     "PACKAGES_ENV_VAR",
     "BatchLimit",
@@ -54,6 +56,10 @@ class Request:
     ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
     CUDA devices, ``None`` otherwise. ``window``: the call's key window (a bool: causal or not),
     needing the ``causal`` feature when bounded on the right, ``sliding_window`` on the left.
+    ``deterministic``: ``torch.are_deterministic_algorithms_enabled()`` when the call was made.
+    It refuses no kernel (torch's own switch decides what raises): a kernel that declares no
+    deterministic mode is named as such by :meth:`KernelChoice.explain
+    <ringdilated.core.select.resolver.KernelChoice.explain>`.
     """
 
     device_type: str = "cpu"
@@ -64,6 +70,7 @@ class Request:
     backward: bool = True
     dropout: bool = False
     gqa: bool = False
+    deterministic: bool = False
 
     @property
     def causal(self) -> bool:
@@ -95,6 +102,7 @@ class Request:
             backward=backward,
             dropout=dropout,
             gqa=q.shape[2] != k.shape[2],
+            deterministic=torch.are_deterministic_algorithms_enabled(),
         )
 
     def describe(self) -> str:
@@ -102,6 +110,8 @@ class Request:
         if self.compute_capability is not None:
             where += f" (compute capability {_cc(self.compute_capability)})"
         features = [name for name in _FEATURE_TEXT if getattr(self, name)]
+        if self.deterministic:
+            features.append("deterministic")
         head_dim = "unknown" if self.head_dim is None else str(self.head_dim)
         return (
             f"{where}, {dtype_name(self.dtype)}, head_dim {head_dim}, "
@@ -230,6 +240,10 @@ class Target:
         return tuple(out)
 
 
+#: The default :attr:`BatchLimit.query_elements`: 8M elements (32 MiB of float32 queries).
+DEFAULT_QUERY_ELEMENTS = 1 << 23
+
+
 @attrs.frozen
 class BatchLimit:
     """How many independent problems (the ``N`` of the kernel layout) one kernel call may hold.
@@ -237,13 +251,22 @@ class BatchLimit:
     Kernels that put the batch into a CUDA launch-grid dimension (``gridDim.y`` and ``gridDim.z``
     are capped at 65535) declare it. ``problems``: ``N`` at most this; ``problems_x_kv_heads``:
     ``N`` times the call's key/value heads at most this (a grid dimension holding both). The
-    driver splits its calls to respect both; no request is rejected for them. Each is ``None``
-    or a positive int.
+    driver splits its calls to respect both; no request is rejected for them.
+
+    ``query_elements``: the most query elements (problems x query heads x rows x head dim) one
+    call may hold, bounding the scratch memory of a kernel that materialises scores (the
+    ``reference`` kernel: ``DEFAULT_QUERY_ELEMENTS`` by default, so a kernel that declares
+    nothing keeps that bound). A fused kernel, whose memory is linear in its inputs, declares
+    ``None``: its calls are then split by the grid limits only. Each field is ``None`` or a
+    positive int.
     """
 
     problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
     problems_x_kv_heads: int | None = attrs.field(
         default=None, validator=rules.optional(rules.positive_int)
+    )
+    query_elements: int | None = attrs.field(
+        default=DEFAULT_QUERY_ELEMENTS, validator=rules.optional(rules.positive_int), kw_only=True
     )
 
     def per_call(self, kv_heads: int) -> int | None:
@@ -256,15 +279,21 @@ class BatchLimit:
 
 #: The CUDA limit on ``gridDim.y`` and ``gridDim.z``.
 GRID_LIMIT = 65535
-#: No limit on problems per call.
+#: No limit on problems per call (the default scratch bound only).
 UNLIMITED = BatchLimit()
+#: A fused CUDA kernel's limits: the launch grid's ``gridDim.y`` holds the problems; no scratch
+#: bound.
+FUSED_GRID_LIMIT = BatchLimit(problems=GRID_LIMIT, query_elements=None)
 
 
 @attrs.frozen
 class Capabilities:
     """Everything a backend supports, as data. See :meth:`reasons`.
 
-    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`). ``targets`` is a
+    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`).
+    ``deterministic``: the kernel gives bitwise-identical results run to run whenever
+    ``torch.are_deterministic_algorithms_enabled()`` (always, or by switching to a deterministic
+    mode of its op); it is not a requirement a request can fail (:class:`Request`). ``targets`` is a
     non-empty tuple of :class:`Target`, ``requires`` a tuple of package names; every field is
     validated on construction.
     """
@@ -274,6 +303,7 @@ class Capabilities:
     )
     causal: bool = attrs.field(default=True, validator=rules.bools)
     sliding_window: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
+    deterministic: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
     backward: bool = attrs.field(default=True, validator=rules.bools)
     dropout: bool = attrs.field(default=False, validator=rules.bools)
     gqa: bool = attrs.field(default=True, validator=rules.bools)

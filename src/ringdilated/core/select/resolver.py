@@ -63,6 +63,10 @@ class KernelChoice:
     ``batch_limit`` is the chosen kernel's declared limit on problems per call (its launch
     grid), which the driver honours when it splits the work; ``target_note`` is the note of the
     declared target that serves the request (e.g. "eager FlexAttention: forward only, unfused").
+    ``deterministic``: whether the chosen kernel declares a deterministic mode
+    (:attr:`Capabilities.deterministic
+    <ringdilated.core.select.capabilities.Capabilities.deterministic>`); an instance passed as
+    the kernel declares nothing and counts as having one.
     """
 
     request: Request
@@ -74,6 +78,7 @@ class KernelChoice:
     priorities: tuple[tuple[str, int], ...] = ()
     batch_limit: BatchLimit = UNLIMITED
     target_note: str = ""
+    deterministic: bool = True
 
     def explain(self) -> str:
         """A human-readable account: the request, the choice and why each other one lost."""
@@ -84,6 +89,12 @@ class KernelChoice:
         lines.append(
             f"kernel: {self.kernel_name} (priority {priority.get(self.kernel_name)}, {how}){note}"
         )
+        if self.request.deterministic and not self.deterministic:
+            lines.append(
+                "  note: torch.are_deterministic_algorithms_enabled() is on, but "
+                f"{self.kernel_name} declares no deterministic mode: its results may differ "
+                "from run to run"
+            )
         for name, reasons in self.rejected:
             if reasons:
                 lines.append(f"  rejected {name}: " + "; ".join(reasons))
@@ -173,6 +184,7 @@ class Resolver:
                 priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
                 batch_limit=spec.capabilities.batch_limit,
                 target_note=getattr(spec.capabilities.target_for(request), "note", ""),
+                deterministic=spec.capabilities.deterministic,
             )
         if kernel != "auto":
             raise ResolutionError(

@@ -1,0 +1,50 @@
+"""Dropout in fused kernels that draw their own mask: make it a function of the contract's seed.
+
+flash-attn and torch's flash op draw the dropout mask from the device's default generator (a
+Philox seed and the generator's running offset) and return the ``(seed, offset)`` they used as
+an ``rng_state`` tensor, which their backward takes to replay the mask. The kernel contract's
+backward gets no such tensor: the mask must be a pure function of ``BlockOptions.dropout_seed``
+(:class:`~ringdilated.core.contract.kernel.BlockOptions`). So the forward runs with the
+generator seeded by that seed (its offset then starts at 0, as ``manual_seed`` resets it) and
+restored afterwards (the caller's random stream does not move), and the backward is handed the
+``(seed, 0)`` state built on the device with a fill, not a host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["replay_state", "seeded_generator"]
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator a fused kernel on ``device`` draws from: the CUDA device's default one, or
+    torch's CPU generator (for stand-ins that run on the CPU)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
+
+
+@contextlib.contextmanager
+def seeded_generator(device: torch.device, seed: int) -> Iterator[None]:
+    """``device``'s default generator seeded with ``seed`` (offset 0) inside the block, its
+    state restored on exit. The state is host memory (a seed and an offset): no device sync."""
+    generator = default_generator(device)
+    state = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(state)
+
+
+def replay_state(seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[seed, 0]`` as a 2-element ``dtype`` tensor on ``device`` (what a forward run under
+    :func:`seeded_generator` reports as its ``rng_state``), made by fills on the device."""
+    state = torch.zeros(2, dtype=dtype, device=device)
+    state.narrow(0, 0, 1).fill_(seed)
+    return state
