@@ -25,8 +25,12 @@ from ringdilated.testing.kernel_cases import CaseSpace
 @pytest.mark.parametrize("name", ["sdpa", "reference"])
 def test_builtin_kernels_conform(name: str) -> None:
     report = check_kernel(name, max_examples=20)
-    assert report.passed == CHECKS
-    assert report.not_applicable == ()
+    from ringdilated.registry import default_resolver
+
+    declared = default_resolver().specs[name].capabilities.dropout
+    not_applicable = () if declared else ("dropout",)
+    assert report.passed == tuple(c for c in CHECKS if c not in not_applicable)
+    assert report.not_applicable == not_applicable
 
 
 class IgnoresScale(ReferenceKernel):
@@ -69,6 +73,39 @@ class RaisesOnHalf(ReferenceKernel):
         if q.dtype == torch.float16:
             raise RuntimeError("no half kernel")
         return super().forward(q, k, v, options)
+
+
+class BackwardDrawsAnotherMask(ReferenceKernel):
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        other = attrs.evolve(options, dropout_seed=options.dropout_seed + 1)
+        return super().backward(dout, q, k, v, out, lse, other)
+
+
+class IgnoresDropout(ReferenceKernel):
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        return super().forward(q, k, v, attrs.evolve(options, dropout_p=0.0))
+
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        return super().backward(dout, q, k, v, out, lse, attrs.evolve(options, dropout_p=0.0))
+
+
+class MaskMovesEveryCall(ReferenceKernel):
+    """Draws its mask from a running stream, as a fused kernel left on the global generator."""
+
+    calls = 0
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        MaskMovesEveryCall.calls += 1
+        moved = attrs.evolve(options, dropout_seed=options.dropout_seed + self.calls)
+        return super().forward(q, k, v, moved)
+
+
+class LseWrongUnderDropout(ReferenceKernel):
+    """Right without dropout, its lse off by one with it."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        out, lse = super().forward(q, k, v, options)
+        return out, lse + (0.0 if options.dropout_p == 0 else 1.0)
 
 
 class BackwardIgnoresScale(ReferenceKernel):
@@ -152,6 +189,10 @@ def _spec(kernel: type, dtypes: frozenset[torch.dtype] | None = None) -> KernelS
         (BackwardIgnoresScale, None, "gradients", "max error"),
         (NanOnEmptyRows, None, "empty-rows", "out of rows with no key is not 0 (NaN: True)"),
         (LiesAboutFloat64, frozenset({torch.float64}), "forward", "expected"),
+        (BackwardDrawsAnotherMask, None, "dropout", "under the mask: max error"),
+        (IgnoresDropout, None, "dropout", "[dropout] "),
+        (MaskMovesEveryCall, None, "dropout", "two forwards with one dropout seed differ"),
+        (LseWrongUnderDropout, None, "dropout", "lse (of the undropped scores): max error"),
     ],
 )
 def test_wrong_kernels_are_rejected_for_the_right_reason(kernel, dtypes, check, message) -> None:
@@ -204,6 +245,7 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
         "no-mutation",
         "non-finite",
         "non-finite-gradients",
+        "dropout",
     )
     assert report.not_applicable == ("causal", "empty-rows")
 

@@ -156,15 +156,18 @@ def masked_attention(
     scale: float,
     dtype: torch.dtype,
     log_weights: torch.Tensor | None = None,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense softmax attention in kernel layout over the keys each query sees: ``(out, lse)``.
 
     ``q (N, H, Lq, D)``, ``k, v (N, Hkv, Lk, D)``; ``seen`` is boolean, broadcastable to
     ``(N, H, Lq, Lk)``, ``True`` where query ``i`` sees key ``j``. ``log_weights`` (same
     broadcast) is added to the score of each seen key: ``log(count)`` for a key that ``count``
-    patterns select, the multiset softmax of pattern mixing. ``out (N, H, Lq, D)`` and
-    ``lse (N, H, Lq)`` are computed in ``dtype`` (differentiable); a query that sees no key gets
-    ``out = 0`` and ``lse = -inf``.
+    patterns select, the multiset softmax of pattern mixing. ``drop`` (same broadcast) scales
+    each probability before it weighs its value: a dropout mask, ``keep / (1 - p)``; the lse is
+    the undropped one, as kernels report it. ``out (N, H, Lq, D)`` and ``lse (N, H, Lq)`` are
+    computed in ``dtype`` (differentiable); a query that sees no key gets ``out = 0`` and
+    ``lse = -inf``.
 
     Exact for non-finite inputs: a key a query does not see takes no part. Its score is replaced
     by ``-inf`` (never added to, as ``NaN + -inf`` is NaN) and its value is never multiplied by
@@ -186,6 +189,8 @@ def masked_attention(
     # An unseen key's probability is exactly 0, also in a row whose softmax is NaN (a score of
     # +inf, or only -inf scores): its value and key then get exactly 0 gradient from that row.
     probs = torch.where(seen, torch.softmax(scores, dim=-1), raw.new_zeros(()))
+    if drop is not None:
+        probs = probs * drop.to(dtype)
     return _weighted_values(probs, vd, seen), lse
 
 

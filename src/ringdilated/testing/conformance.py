@@ -29,13 +29,22 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
   key/value head: the kernel contract allows ``0 * inf`` inside a block, never across blocks);
 - ``non-finite-gradients``: the same for ``dq``, ``dk``, ``dv`` with a NaN or an infinity in
   ``q``, ``k``, ``v`` or ``dout``; NaN is allowed in every gradient of a problem any of whose
-  inputs is non-finite.
+  inputs is non-finite;
+- ``dropout`` (where dropout is declared): the mask is the kernel's own (fused kernels draw
+  theirs), so the check reads it back: forwards with one-hot values give the probability each
+  value was weighed by, which must be 0 or ``P / (1 - p)`` for the exact ``P``; ``out`` and
+  ``lse`` (the undropped one) match the float64 oracle under that mask; the same seed gives the
+  same results, another seed another mask, about ``1 - p`` of the visible entries are kept; and
+  the backward, handed the forward's ``out`` and ``lse`` and the same seed, gives the oracle's
+  gradients under that mask (a backward that draws another mask fails).
 
 Checks that need a feature the backend does not declare on the device (``causal``,
-``empty-rows`` without causal masking; ``gradients``, ``split-merge``, ``non-finite-gradients``
-on a forward-only target) are reported as not applicable, never as passed.
+``empty-rows`` without causal masking; ``dropout`` without dropout; ``gradients``,
+``split-merge``, ``non-finite-gradients`` on a forward-only target) are reported as not
+applicable, never as passed.
 
-A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error.
+A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error
+(the first one, where hypothesis found several).
 """
 
 from __future__ import annotations
@@ -47,10 +56,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from ringdilated.core.contract.accumulator import accumulation_dtype, merge_partials
-from ringdilated.core.contract.kernel import BlockOptions, Kernel
+from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.core.support.errors import ConformanceError
+from ringdilated.testing._oracle import scaled_scores
 from ringdilated.testing._tolerance import FLOORS, allowed_error, max_error, non_finite_violation
 from ringdilated.testing.kernel_cases import (
     DEFAULT_SPACE,
@@ -63,10 +73,12 @@ from ringdilated.testing.kernel_cases import (
 
 __all__ = [
     "CHECKS",
+    "DROPOUT_PROBABILITIES",
     "CaseSpace",
     "ConformanceError",
     "ConformanceReport",
     "KernelCase",
+    "applicable_checks",
     "check_kernel",
     "kernel_cases",
 ]
@@ -81,7 +93,13 @@ CHECKS = (
     "no-mutation",
     "non-finite",
     "non-finite-gradients",
+    "dropout",
 )
+#: The dropout probabilities the ``dropout`` check draws.
+DROPOUT_PROBABILITIES = (0.1, 0.5)
+#: Probabilities above this are read back from a half-precision ``out`` to within 1% (smaller
+#: ones may round to 0 in float16): the ``dropout`` check counts kept entries among them.
+_JUDGED_PROBABILITY = 1e-4
 _NEEDS_CAUSAL = frozenset({"causal", "empty-rows"})
 _NEEDS_BACKWARD = frozenset({"gradients", "split-merge", "non-finite-gradients"})
 
@@ -202,6 +220,117 @@ def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
         _within("gradients", name, actual, exp, (b, f), q.dtype, case, inherent)
+
+
+def _probabilities(
+    q: torch.Tensor, k: torch.Tensor, case: KernelCase, dtype: torch.dtype
+) -> torch.Tensor:
+    """``(N, H, Lq, Lk)``: softmax over each query's visible keys in ``dtype``, 0 elsewhere
+    (and in rows that see no key)."""
+    scores = scaled_scores(q, k, case.scale, dtype)
+    visible = _case_visible(case, q.device)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.where(visible, probs, probs.new_zeros(())).nan_to_num(0.0)
+
+
+def _case_visible(case: KernelCase, device: torch.device) -> torch.Tensor:
+    """``(Lq, Lk)`` bool: key ``j`` visible to query ``i`` in ``case``."""
+    if case.causal_offset is None:
+        return torch.ones(case.q_len, case.k_len, dtype=torch.bool, device=device)
+    rows = torch.arange(case.q_len, device=device).unsqueeze(1)
+    return torch.arange(case.k_len, device=device) <= rows + case.causal_offset
+
+
+def _weights(kernel: Kernel, case: KernelCase, options: BlockOptions) -> torch.Tensor:
+    """``(N, H, Lq, Lk)`` float64: the weight ``kernel``'s forward gives each value under
+    ``options`` (its dropout mask included), read with one-hot values ``D`` keys per call. A mask
+    is drawn from the seed and the block's shape, never from the values, so every call sees the
+    same one (a kernel whose mask moves between calls fails the check)."""
+    q, k, v = case.tensors()
+    k_len, dim = v.shape[-2], v.shape[-1]
+    columns = []
+    for start in range(0, k_len, dim):
+        width = min(dim, k_len - start)
+        basis = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        keys = torch.arange(width, device=v.device)
+        basis[:, :, start + keys, keys] = 1
+        out, _ = kernel.forward(q, k, case.lay_out(basis), options)
+        columns.append(out[..., :width].double())
+    return torch.cat(columns, -1)
+
+
+def _check_dropout(kernel: Kernel, case: KernelCase, backward: bool) -> None:
+    q, k, v = case.tensors()
+    p = DROPOUT_PROBABILITIES[case.seed % 2]
+    options = attrs.evolve(case.options(), dropout_p=p, dropout_seed=derive_seed(case.seed, 7))
+    out, lse = kernel.forward(q, k, v, options)
+    _check_layout("dropout", q, out, lse)
+    again = kernel.forward(q, k, v, options)
+    if not (torch.equal(out, again[0]) and torch.equal(lse, again[1])):
+        raise ConformanceError(
+            "dropout", f"two forwards with one dropout seed differ (the mask must be a function "
+            f"of the seed and the block's shape), for {case}"
+        )  # fmt: skip
+    weights = _weights(kernel, case, options)
+    probs = _probabilities(q, k, case, torch.float64)
+    keep = weights * (1.0 - p) > probs / 2
+    drop = keep.double() / (1.0 - p)
+    base_probs = _probabilities(q, k, case, q.dtype).double()
+    _within("dropout", "the weight of each value (0, or P / (1 - p))", weights, probs * drop,
+            base_probs * drop, q.dtype, case)  # fmt: skip
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset, drop=drop)
+    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype, drop=drop)
+    _within("dropout", "out", out, expected_out, base_out, q.dtype, case)
+    _within("dropout", "lse (of the undropped scores)", lse, expected_lse, base_lse, q.dtype, case)
+    judged = probs > _JUDGED_PROBABILITY  # read back exactly in every dtype
+    count = int(judged.sum())
+    if count >= 64:
+        kept = float(keep[judged].double().mean())
+        spread = 6 * (p * (1 - p) / count) ** 0.5
+        if abs(kept - (1 - p)) > spread:
+            raise ConformanceError(
+                "dropout", f"kept {kept:.3f} of {count} probabilities with dropout_p={p} "
+                f"(expected {1 - p:.3f} +- {spread:.3f}), for {case}"
+            )  # fmt: skip
+        other = attrs.evolve(options, dropout_seed=derive_seed(case.seed, 8))
+        if torch.equal(_weights(kernel, case, other), weights):
+            raise ConformanceError(
+                "dropout", f"another dropout seed gave the same mask, for {case}"
+            )
+    if backward:
+        _check_dropout_gradients(kernel, case, options, (out, lse), drop)
+
+
+def _check_dropout_gradients(
+    kernel: Kernel,
+    case: KernelCase,
+    options: BlockOptions,
+    forward: tuple[torch.Tensor, torch.Tensor],
+    drop: torch.Tensor,
+) -> None:
+    """The backward with the forward's seed against the oracle under the mask read back."""
+    q, k, v = case.tensors()
+    out, lse = forward
+    dout = _dout(q, case.seed + 2)
+    lay_out = case.lay_out
+    grads = kernel.backward(lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), options)
+    _check_gradient_layout("dropout", grads, (q, k, v))
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    exact_out, exact_lse = dense(
+        exact[0], exact[1], exact[2], case.scale, case.causal_offset, drop=drop
+    )
+    expected = torch.autograd.grad((exact_out * dout).sum(), exact)
+    base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype, drop)
+    baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
+    stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
+    given = contract_backward(*args, drop=drop)
+    formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), drop=drop)
+    for name, actual, exp, b, f, inherent in zip(
+        ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
+    ):
+        _within("dropout", f"{name} under the mask", actual, exp, (b, f), q.dtype, case, inherent)
 
 
 def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> None:
@@ -464,6 +593,7 @@ _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {  # (kernel, 
     "no-mutation": _check_no_mutation,
     "non-finite": lambda kernel, case, _: _check_non_finite(kernel, case),
     "non-finite-gradients": lambda kernel, case, _: _check_non_finite_gradients(kernel, case),
+    "dropout": _check_dropout,
 }
 _CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
 
@@ -474,8 +604,16 @@ def _has_backward(spec: KernelSpec, device: str) -> bool:
     )
 
 
+def applicable_checks(spec: KernelSpec, device: str = "cpu") -> tuple[str, ...]:
+    """The checks of :data:`CHECKS` that apply to what ``spec`` declares on ``device``, in
+    order: what a report of a conforming kernel lists as passed."""
+    return tuple(check for check in CHECKS if _applies(check, spec, device))
+
+
 def _applies(check: str, spec: KernelSpec, device: str) -> bool:
     if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
+        return False
+    if check == "dropout" and not spec.capabilities.dropout:
         return False
     return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
 
@@ -513,7 +651,17 @@ def _runner(
                 f"raised {type(error).__name__}: {error} on a case it declares it supports: {case}",
             ) from error
 
-    return run
+    def first_failure() -> None:
+        try:
+            run()
+        except Exception as error:  # hypothesis groups several distinct failures
+            failures = getattr(error, "exceptions", ())
+            first = next((e for e in failures if isinstance(e, ConformanceError)), None)
+            if first is None:
+                raise
+            raise first from error
+
+    return first_failure
 
 
 def _check_rejects_undeclared_devices(spec: KernelSpec, env: Environment | None) -> None:

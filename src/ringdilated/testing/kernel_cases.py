@@ -235,13 +235,16 @@ def dense(
     scale: float,
     offset: int | None,
     dtype: torch.dtype = torch.float64,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd):
     :func:`ringdilated.testing.masked_attention` with key ``j`` visible to query ``i`` when
-    ``offset`` is ``None`` or ``j <= i + offset``. Exact for non-finite inputs, as the oracle is.
+    ``offset`` is ``None`` or ``j <= i + offset``, each probability scaled by ``drop`` (a
+    dropout mask ``keep / (1 - p)``, broadcastable to the scores) when given. Exact for
+    non-finite inputs, as the oracle is.
     """
     visible = _visible(q.shape[2], k.shape[2], offset, q.device)
-    return masked_attention(q, k, v, visible, scale, dtype)
+    return masked_attention(q, k, v, visible, scale, dtype, drop=drop)
 
 
 def contract_backward(
@@ -254,10 +257,13 @@ def contract_backward(
     scale: float,
     offset: int | None,
     dtype: torch.dtype = torch.float64,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel contract's backward in plain dense ops in ``dtype``, given ``out`` and ``lse``.
 
-    ``P = exp(scale * q k^T - lse)``, ``D = rowsum(dout * out)``, ``dS = P * (dout v^T - D)``.
+    ``P = exp(scale * q k^T - lse)``, ``D = rowsum(dout * out)``, ``dS = P * (dout v^T - D)``;
+    with a dropout mask ``drop`` (``keep / (1 - p)``), ``dout v^T`` is scaled by it and ``dv``
+    takes ``P * drop``.
     In float64 this is what an exact kernel returns: its distance from the true gradient is
     what the contract's own rounding of ``out`` (to the input dtype) and ``lse`` (to float32)
     costs any kernel. In the input dtype it is the plain dense computation of the same
@@ -272,10 +278,14 @@ def contract_backward(
     p = torch.exp(s - finite.unsqueeze(-1)).masked_fill(~visible, 0.0)
     do = dout.to(dtype)
     delta = (do * out.to(dtype)).sum(-1, keepdim=True)
-    ds = p * (do @ vd.transpose(-1, -2) - delta) * scale
+    dp = do @ vd.transpose(-1, -2)
+    dropped = p
+    if drop is not None:
+        dp, dropped = dp * drop.to(dtype), p * drop.to(dtype)
+    ds = p * (dp - delta) * scale
     n, kv_heads, k_len, dim = k.shape
 
     def fold(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(n, kv_heads, group, k_len, dim).sum(2)
 
-    return ds @ kd, fold(ds.transpose(-1, -2) @ q.to(dtype)), fold(p.transpose(-1, -2) @ do)
+    return ds @ kd, fold(ds.transpose(-1, -2) @ q.to(dtype)), fold(dropped.transpose(-1, -2) @ do)
