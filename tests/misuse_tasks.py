@@ -12,7 +12,11 @@ import torch.distributed as dist
 
 from tests.fault_tasks import caught_as
 
-__all__ = ["empty_shard_on_layout", "one_process_call_beside_a_group"]
+__all__ = [
+    "empty_shard_on_layout",
+    "nccl_without_set_device",
+    "one_process_call_beside_a_group",
+]
 
 
 def _outcome(call: Any) -> dict[str, Any]:
@@ -58,3 +62,36 @@ def one_process_call_beside_a_group(payload: dict[str, Any]) -> list[str]:
         else:
             os.environ["WORLD_SIZE"] = before
     return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def nccl_without_set_device(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every rank holds its tensors on ``cuda:<rank>`` (FakeTensor ``cuda`` tensors: no GPU here)
+    while ``cuda:0`` is current on every rank (``torch.cuda.set_device`` never called), on the
+    world group read as ``"cpu:gloo,cuda:nccl"`` (CUDA tensors through NCCL; the gloo part runs
+    the agreement, as on a real group of that backend)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import ringdilated
+
+    rank = dist.get_rank()
+    saved = (
+        dist.get_backend,
+        torch.cuda.current_device,
+        os.environ.get("RINGDILATED_COMPUTE_CAPABILITY"),
+    )
+    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0
+    os.environ["RINGDILATED_COMPUTE_CAPABILITY"] = "8.0"  # rank 0 resolves a kernel for its call
+    try:
+        with FakeTensorMode():
+            q = torch.empty(1, 8, 2, 8, device=f"cuda:{rank}")
+        world = dist.group.WORLD
+        return _outcome(
+            lambda: ringdilated.dilated_attention(q, q, q, [8], [1], process_group=world)
+        )
+    finally:
+        dist.get_backend, torch.cuda.current_device = saved[0], saved[1]  # type: ignore[assignment]
+        if saved[2] is None:
+            del os.environ["RINGDILATED_COMPUTE_CAPABILITY"]
+        else:
+            os.environ["RINGDILATED_COMPUTE_CAPABILITY"] = saved[2]

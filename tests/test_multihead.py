@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 
 from ringdilated import DilatedTransformerBlock, MultiheadDilatedAttention
-from ringdilated.multihead import resolve_dtype
+from ringdilated.auto_dtype import resolve_dtype
 from ringdilated.testing import max_error, oracle
 
 # tests.strategies.layouts() draws batches whose every row is padding on purpose (the output is

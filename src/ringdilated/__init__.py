@@ -21,6 +21,7 @@ from ringdilated.cache import DilatedKVCache
 from ringdilated.core import (
     AgreementError,
     CallMismatchError,
+    CudaDeviceNotSetError,
     DilationPattern,
     Environment,
     KernelChoice,
@@ -56,6 +57,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "AgreementError",
     "CallMismatchError",
+    "CudaDeviceNotSetError",
     "DilatedAttention",
     "DilatedKVCache",
     "DilatedTransformerBlock",

@@ -19,36 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringdilated.auto_dtype import AutoDtype
 from ringdilated.cache import DilatedKVCache
 from ringdilated.compiled import shard_positions
 from ringdilated.core import Communicator, Kernel, KernelChoice, Mode
 from ringdilated.core.call import Grid, SequenceLayout, check_bool, grid, shard_lengths
 from ringdilated.core.plan import read_layout
-from ringdilated.core.select import autocast_enabled, recommended_dtype
+from ringdilated.core.select import autocast_enabled
 from ringdilated.modules import DilatedAttention
 from ringdilated.rotary import Rotary
 
 __all__ = [
     "MultiheadDilatedAttention",
+    "check_dtype",
     "check_tokens",
     "positive_float",
     "positive_int",
-    "resolve_dtype",
 ]
-
-
-def resolve_dtype(
-    dtype: torch.dtype | Literal["auto"] | None, device: torch.device | str | None
-) -> torch.dtype:
-    """``"auto"``: :func:`ringdilated.recommended_dtype` for ``device``; ``None``: torch's
-    default dtype; otherwise a floating ``torch.dtype``."""
-    if dtype == "auto":
-        return recommended_dtype(device if device is not None else "cpu")
-    if dtype is None:
-        return torch.get_default_dtype()
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be 'auto', None or a floating torch.dtype, got {dtype!r}")
-    return dtype
 
 
 def positive_int(name: str, value: object) -> int:
@@ -81,16 +68,33 @@ def check_tokens(name: str, x: object, embed_dim: int) -> None:
         raise ValueError(f"{name} must be (batch, seq_len, embed_dim={embed_dim}), got {shape}")
 
 
-class MultiheadDilatedAttention(nn.Module):
+def check_dtype(name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise ``TypeError``, naming ``name`` and both dtypes, unless ``x`` is in ``dtype`` (the
+    parameters') or, with ``torch.autocast`` on for its device, in the autocast dtype."""
+    kind = x.device.type
+    autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
+    if x.dtype != dtype and not autocast:
+        raise TypeError(
+            f"{name} is {x.dtype} but the module's parameters are {dtype} (dtype='auto' "
+            "chose it for the device; convert the input, pass dtype=, or run under "
+            "torch.autocast)"
+        )
+
+
+class MultiheadDilatedAttention(AutoDtype):
     """Multi-head dilated attention with its own projections.
 
     Inputs are in the parameters' dtype, or, under ``torch.autocast``, in the autocast dtype (as
     ``nn.MultiheadAttention`` accepts them); the attention then computes in the autocast dtype.
 
     ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``: key and value project to
-    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` (the parameters' dtype)
-    picks :func:`ringdilated.recommended_dtype` for ``device``. The pattern arguments are
-    keyword-only, so ``segment_lengths`` and ``dilation_rates`` cannot be swapped by position.
+    ``num_kv_heads`` heads (grouped-query attention). ``dtype="auto"`` (the parameters' dtype):
+    :func:`ringdilated.recommended_dtype` of the device the module runs on, decided once, at
+    construction for a given ``device`` (other than CPU or ``meta``), else by the first
+    ``.to(device)``, ``.cuda()`` or ``.to_empty(device=)`` onto such a device; a dtype you set
+    (``.to(dtype)``, ``.half()``) is kept (see :mod:`ringdilated.auto_dtype`). The pattern
+    arguments are keyword-only, so ``segment_lengths`` and ``dilation_rates`` cannot be swapped
+    by position.
 
     ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
     applied to ``q`` and ``k`` after the projections, with positions counted from each document's
@@ -139,7 +143,7 @@ class MultiheadDilatedAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.gamma_init = positive_float("gamma_init", gamma_init)
         layer_norm_eps = positive_float("layer_norm_eps", layer_norm_eps)
-        factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
+        factory: dict[str, Any] = {"device": device, "dtype": self._init_dtype(dtype, device)}
         kv_dim = kv_heads * self.head_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
@@ -289,14 +293,8 @@ class MultiheadDilatedAttention(nn.Module):
         for name, x in (("query", query), ("key", key), ("value", value)):
             check_tokens(name, x, self.embed_dim)
             assert isinstance(x, torch.Tensor)
-            kind = x.device.type
-            autocast = autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
-            if x.dtype != self.dtype and not autocast:
-                raise TypeError(
-                    f"{name} is {x.dtype} but the module's parameters are {self.dtype} "
-                    "(dtype='auto' chose it for the device; convert the input, pass dtype=, or "
-                    "run under torch.autocast)"
-                )
+            self._check_dtype_decided(x.device)
+            check_dtype(name, x, self.dtype)
 
     def _rotate(
         self,

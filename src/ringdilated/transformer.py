@@ -15,28 +15,31 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ringdilated.auto_dtype import AutoDtype
 from ringdilated.cache import DilatedKVCache
 from ringdilated.core import Communicator, Kernel, Mode
 from ringdilated.core.call import SequenceLayout
 from ringdilated.multihead import (
     MultiheadDilatedAttention,
+    check_dtype,
     check_tokens,
     positive_float,
     positive_int,
-    resolve_dtype,
 )
 from ringdilated.rotary import Rotary
 
 __all__ = ["DilatedTransformerBlock"]
 
 
-class DilatedTransformerBlock(nn.Module):
+class DilatedTransformerBlock(AutoDtype):
     """One block over ``(B, L, embed_dim)``; see the module docstring.
 
     ``ffn_dim`` defaults to ``4 * embed_dim``; ``gamma_init`` scales the initialisation of the
     value/output projections and both feed-forward layers (MAGNETO; 1.0 is plain Xavier).
     ``rotary``: rotary position embeddings for the attention's ``q`` and ``k`` (see
     :class:`~ringdilated.MultiheadDilatedAttention` and :mod:`ringdilated.rotary`).
+    ``dtype="auto"`` is the block's, decided once for all its parameters, the attention's
+    included (see :mod:`ringdilated.auto_dtype`).
     """
 
     def __init__(
@@ -62,7 +65,7 @@ class DilatedTransformerBlock(nn.Module):
     ) -> None:
         super().__init__()
         embed_dim = positive_int("embed_dim", embed_dim)
-        factory: dict[str, Any] = {"device": device, "dtype": resolve_dtype(dtype, device)}
+        factory: dict[str, Any] = {"device": device, "dtype": self._init_dtype(dtype, device)}
         ffn_dim = 4 * embed_dim if ffn_dim is None else positive_int("ffn_dim", ffn_dim)
         layer_norm_eps = positive_float("layer_norm_eps", layer_norm_eps)
         gamma_init = positive_float("gamma_init", gamma_init)
@@ -123,6 +126,8 @@ class DilatedTransformerBlock(nn.Module):
                         self.attn._check_cache_first(cache, key_padding_mask, cu_seqlens, layout)
                     )
                 check_tokens("x", x, self.attn.embed_dim)
+                self._check_dtype_decided(x.device)
+                check_dtype("x", x, self.attn.dtype)
                 h = self.attn_norm(x)
             except Exception as error:
                 # Before the attention's agreement: on a process group, every rank raises.

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ringdilated.core.call import grid
 from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
+from ringdilated.core.call.nccl_device import check_current_device
 from ringdilated.core.call.sequence_layout import SequenceLayout
 from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
 from ringdilated.core.contract.communicator import Communicator, TransferStats, mask_argument
@@ -338,6 +339,8 @@ def _check(
     if ranks > 1:  # an empty shard: one message on every rank, naming it
         check_shards(lengths, None if lengths is not None else grid.rank(group), q, k)  # type: ignore[arg-type]
     q, k, v = check_inputs(q, k, v, pattern)
+    if ranks > 1:  # NCCL: this rank's GPU current before any exchange (host-only, per plan)
+        check_current_device(group, q.device)  # type: ignore[arg-type]
     if ranks > 1 and q.shape[1] != k.shape[1]:
         raise ValueError(
             "with a process_group, q must hold the same positions as its shard of k and v "

@@ -11,6 +11,8 @@
       AgreementError (ValueError)             raised on every rank by an agreement
         PeerRejectedError                     another rank rejected its input; .rank, .reason
         CallMismatchError                     the ranks' calls differ; .differences
+      CudaDeviceNotSetError (RuntimeError)    NCCL without the tensors' GPU current; .device,
+                                              .current
 
     EveryRankError                         any error an agreement raised on every rank
     RingDilatedWarning (UserWarning)
@@ -31,6 +33,7 @@ __all__ = [
     "AgreementError",
     "CallMismatchError",
     "ConformanceError",
+    "CudaDeviceNotSetError",
     "DistributedNotInitializedWarning",
     "EveryRankError",
     "KernelContractError",
@@ -92,6 +95,18 @@ class ConformanceError(RingDilatedError, AssertionError):
     def __init__(self, check: str, message: str) -> None:
         super().__init__(f"[{check}] {message}")
         self.check = check
+
+
+class CudaDeviceNotSetError(RingDilatedError, RuntimeError):
+    """A call on a process group that moves its CUDA tensors with NCCL, on a rank whose current
+    CUDA device is not the one its tensors are on: ``torch.cuda.set_device(local_rank)`` was not
+    called (or named another GPU), which NCCL needs before the first collective. ``device`` is
+    the tensors' device (``"cuda:1"``), ``current`` the current device's index; the message says
+    what to call."""
+
+    def __init__(self, device: str, current: int, message: str) -> None:
+        super().__init__(message)
+        self.device, self.current = device, current
 
 
 class EveryRankError(Exception):
