@@ -41,6 +41,7 @@ from ringdilated.core.support import (
     DistributedNotInitializedWarning,
     PaddingMaskWarning,
     SlowDtypeWarning,
+    SlowFeatureWarning,
 )
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
@@ -76,6 +77,7 @@ __all__ = [
     "RingDilatedWarning",
     "SequenceLayout",
     "SlowDtypeWarning",
+    "SlowFeatureWarning",
     "TransferStats",
     "__version__",
     "default_resolver",
