@@ -9,6 +9,7 @@ import torch.distributed as dist
 import ringdilated
 from ringdilated.core.plan.window import CAUSAL
 from ringdilated.core.run.local import CallState, DilatedAttentionFunction, LocalRun, RowBlocks
+from ringdilated.core.select import feature_cost
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle, pattern_weights
 
@@ -29,10 +30,16 @@ def test_module_matches_functional_and_explains_the_plan_of_its_call() -> None:
     assert "segment_lengths=(8, 16)" in repr(attn)
 
 
-def test_training_mode_dropout_is_served_by_a_kernel_that_declares_it() -> None:
+def test_training_mode_dropout_is_served_by_a_kernel_that_declares_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CPU the fused sdpa kernel has no dropout, so reference serves it, with a warning
+    (once per process: this test starts from a process that has not warned)."""
+    monkeypatch.setattr(feature_cost, "_warned", set())
     attn = ringdilated.DilatedAttention([8], [1], dropout=0.5)
     q = torch.randn(1, 16, 2, 8)
-    attn(q, q, q)
+    with pytest.warns(ringdilated.SlowFeatureWarning, match=r"dropout .* 'sdpa' .* 'reference'"):
+        attn(q, q, q)
     assert attn.plan is not None and attn.plan.kernel_name == "reference"
     assert "rejected sdpa: does not support dropout_p > 0" in attn.plan.explain()
 
@@ -46,6 +53,7 @@ def test_eval_mode_drops_nothing_and_is_deterministic() -> None:
     assert torch.allclose(a.double(), oracle(q, q, q, [8], [1]), atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::ringdilated.SlowFeatureWarning")  # reference on CPU
 @pytest.mark.parametrize("mode", ["head_groups", "longnet"])
 def test_dropout_drops_probabilities_once_and_rescales(mode: str) -> None:
     """With v = identity, out rows are the dropped attention probabilities themselves. A key that

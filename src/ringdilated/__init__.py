@@ -42,6 +42,7 @@ from ringdilated.core.support import (
     DistributedNotInitializedWarning,
     PaddingMaskWarning,
     SlowDtypeWarning,
+    SlowFeatureWarning,
 )
 from ringdilated.functional import dilated_attention
 from ringdilated.modules import DilatedAttention
@@ -78,6 +79,7 @@ __all__ = [
     "RingDilatedWarning",
     "SequenceLayout",
     "SlowDtypeWarning",
+    "SlowFeatureWarning",
     "TransferStats",
     "__version__",
     "default_resolver",

@@ -50,6 +50,7 @@ from ringdilated.core.select.capabilities import Request
 from ringdilated.core.select.communicator_spec import CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
 from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
+from ringdilated.core.select.feature_cost import warn_if_slow_features
 from ringdilated.core.select.resolver import KERNEL_ENV_VAR, KernelChoice, ResolutionError, Resolver
 
 __all__ = [
@@ -378,6 +379,7 @@ def _check(
     )
     kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
+    warn_if_slow_features(kernel.feature_cost)
     scale = effective_scale(options.scale, q.shape[-1])  # type: ignore[arg-type]
     rank = 0 if ranks == 1 else grid.rank(group)  # type: ignore[arg-type]
     lse_used = bool(options.return_lse)
@@ -519,7 +521,8 @@ def plan_key(
     """What a plan on ``layout`` depends on, as a hashable key: every argument
     :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
     as :class:`CallOptions`' fields, with their types: ``1`` is no valid ``causal`` though it
-    equals ``True``; the resolver; whether a backward will run), so that a call with the key of
+    equals ``True``; the resolver; whether a backward will run; whether
+    ``torch.use_deterministic_algorithms`` is on), so that a call with the key of
     a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
     say). On a process group the shards' lengths are left out: the layout holds them, and
     :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
@@ -560,6 +563,7 @@ def plan_key(
         (type(return_lse), return_lse),
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
+        torch.are_deterministic_algorithms_enabled(),  # the request's, read per call
         options["communicator"],
         resolver,
     )

@@ -22,12 +22,13 @@ or small steps of one shape fused: :class:`_KernelCall`) are computed once per i
 cached in it, so a call issues kernels and copies only, with no host read and no Python work
 proportional to anything but the number of kernel calls.
 
-Steps are chunks of whole segments so that no kernel call holds more query elements than the
-kernel's ``BatchLimit.query_elements`` (or ``LocalRun.chunk_elements`` when set): for a kernel that
-materialises scores, peak memory beyond the inputs and outputs stays bounded whatever the sequence
-length; a fused kernel declares no such bound and its calls are split by its launch grid only (a
-fused call holds at most :data:`FUSE_ELEMENTS` elements of ``q``, ``k`` and ``v``). Nothing here
-checks capabilities or catches exceptions: the resolver and the input validation ran before."""
+Steps are chunks of whole segments so that no kernel call holds more query elements than
+:attr:`LocalRun.query_budget` (the kernel's ``BatchLimit.query_elements``, or
+``LocalRun.chunk_elements`` when set; steps gathered into one call stay within it too): for a
+kernel that materialises scores, peak memory beyond the inputs and outputs stays bounded whatever
+the sequence length; a fused kernel (linear memory) declares no such bound and its calls are split
+by its launch grid only. Nothing here checks capabilities or catches exceptions: the resolver and
+the input validation ran before."""
 
 from __future__ import annotations
 
@@ -217,7 +218,8 @@ class _Step:
 
 #: A kernel call fuses steps of one shape (every size but ``N``) and options, without dropout,
 #: while their ``q``, ``k`` and ``v`` views hold at most this many elements together (a step
-#: holding more than half of it runs alone: it would leave room for little). Below it, gathering
+#: holding more than half of it runs alone: it would leave room for little) and the kernel's
+#: limits allow (problems, and query elements: :attr:`LocalRun.query_budget`). Below it, gathering
 #: the steps' views into one call's inputs costs less than the calls it saves (each a kernel
 #: launch, its non-finite repair and the driver's Python); above it, each step reads its views in
 #: place. Read when a plan's calls are first made.
@@ -342,10 +344,14 @@ def _span(x: torch.Tensor, extent: int, width: int | None) -> torch.Tensor:
 _Q, _K, _V, _LSE, _KV_GRAD = (attrgetter(side) for side in ("q", "k", "v", "lse", "kv_grad"))
 
 
-def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> tuple[_KernelCall, ...]:
+def _kernel_calls(
+    steps: tuple[_Step, ...], limit: BatchLimit, budget: int | None
+) -> tuple[_KernelCall, ...]:
     """``steps`` as kernel calls, fused by the rule of :data:`FUSE_ELEMENTS` while their problems
-    fit the kernel's batch ``limit``; calls keep the order of their first steps."""
-    open_calls: dict[object, tuple[list[_Step], list[int]]] = {}  # steps; elements, problems
+    fit the kernel's batch ``limit`` and their query elements the ``budget`` (``None``: any);
+    calls keep the order of their first steps."""
+    # Per open call: its steps; its elements of q, k and v, its problems, its query elements.
+    open_calls: dict[object, tuple[list[_Step], list[int]]] = {}
     groups: list[list[_Step]] = []
     for step in steps:
         elements = sum(math.prod(view.size) for view in (step.q, step.k, step.v))
@@ -353,17 +359,22 @@ def _kernel_calls(steps: tuple[_Step, ...], limit: BatchLimit) -> tuple[_KernelC
             groups.append([step])
             continue
         key = (step.q.size[1:], step.k.size[1:], step.v.size[1:], step.options)
+        sizes = [elements, step.q.size[0], math.prod(step.q.size)]
         found = open_calls.get(key)
         if found is not None:
             group, totals = found
             most = limit.per_call(step.k.size[1])
-            problems = totals[1] + step.q.size[0]
-            if totals[0] + elements <= FUSE_ELEMENTS and (most is None or problems <= most):
+            fused = [total + size for total, size in zip(totals, sizes, strict=True)]
+            if (
+                fused[0] <= FUSE_ELEMENTS
+                and (most is None or fused[1] <= most)
+                and (budget is None or fused[2] <= budget)
+            ):
                 group.append(step)
-                totals[:] = [totals[0] + elements, problems]
+                totals[:] = fused
                 continue
         group = [step]
-        open_calls[key] = (group, [elements, step.q.size[0]])
+        open_calls[key] = (group, sizes)
         groups.append(group)
     return tuple(_KernelCall(tuple(group)) for group in groups)
 
@@ -420,8 +431,17 @@ class LocalRun:
         calls = self._calls.get(geometry)
         if calls is None:
             steps = tuple(self._make_steps(q, k, v))
-            calls = self._calls[geometry] = _kernel_calls(steps, self.batch_limit)
+            calls = _kernel_calls(steps, self.batch_limit, self.query_budget)
+            self._calls[geometry] = calls
         return calls
+
+    @property
+    def query_budget(self) -> int | None:
+        """The most query elements one kernel call may hold (``None``: any):
+        ``chunk_elements`` when set, else the kernel's ``batch_limit.query_elements``."""
+        if self.chunk_elements is not None:
+            return self.chunk_elements
+        return self.batch_limit.query_elements
 
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
         B, Lq, H, D = q.shape
@@ -429,10 +449,7 @@ class LocalRun:
         q_strides = (Lq * H * D, H * D, D, 1)
         kv_grad_strides = (L * Hkv * D, Hkv * D, D, 1)
         lse_strides = (Lq * H, H, 1)  # (B, T, H): lse_buffer's memory order
-        origin = self.query_start
-        budget = self.chunk_elements
-        if budget is None:
-            budget = self.batch_limit.query_elements
+        origin, budget = self.query_start, self.query_budget
         index = 0
         for rows in self.rows:
             batches = rows.batches or slice(0, B)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 
 import attrs
 import torch
@@ -24,6 +25,7 @@ from ringdilated.core.support.env import env_names
 __all__ = [
     "CAPABILITY_ENV_VAR",
     "DEFAULT_QUERY_ELEMENTS",
+    "FEATURES",
     "FUSED_GRID_LIMIT",
     "GRID_LIMIT",
     "PACKAGES_ENV_VAR",
@@ -45,6 +47,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def _cc(capability: tuple[int, int] | None) -> str:
     return "none" if capability is None else f"{capability[0]}.{capability[1]}"
+
+
+#: The features a :class:`Request` may need (each the name of a bool field or property of it),
+#: in words; a backend declares each in :class:`Capabilities` (``backward`` per :class:`Target`
+#: too).
+FEATURES: Mapping[str, str] = MappingProxyType(
+    {
+        "causal": "causal masking",
+        "sliding_window": "a sliding window (a key window bounded on the left)",
+        "backward": "backward (gradients)",
+        "dropout": "dropout_p > 0",
+        "gqa": "grouped-query attention (fewer key/value heads)",
+    }
+)
 
 
 @attrs.frozen
@@ -80,6 +96,30 @@ class Request:
     def sliding_window(self) -> bool:
         return self.window.left is not None
 
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The :data:`FEATURES` this request needs, by name, in that order."""
+        return tuple(name for name in FEATURES if getattr(self, name))
+
+    def without(self, features: Iterable[str]) -> Request:
+        """This request needing none of ``features`` (names of :data:`FEATURES`): the window
+        unbounded on the side ``causal`` (right) or ``sliding_window`` (left) bounds, the other
+        flags off. Raises ``ValueError`` naming an unknown feature."""
+        dropped = set(features)
+        unknown = sorted(dropped - set(FEATURES))
+        if unknown:
+            raise ValueError(f"unknown features {unknown}; known: {', '.join(FEATURES)}")
+        return attrs.evolve(
+            self,
+            window=KeyWindow(
+                None if "sliding_window" in dropped else self.window.left,
+                None if "causal" in dropped else self.window.right,
+            ),
+            backward=self.backward and "backward" not in dropped,
+            dropout=self.dropout and "dropout" not in dropped,
+            gqa=self.gqa and "gqa" not in dropped,
+        )
+
     @classmethod
     def for_tensors(
         cls,
@@ -109,7 +149,7 @@ class Request:
         where = self.device_type
         if self.compute_capability is not None:
             where += f" (compute capability {_cc(self.compute_capability)})"
-        features = [name for name in _FEATURE_TEXT if getattr(self, name)]
+        features = list(self.features)
         if self.deterministic:
             features.append("deterministic")
         head_dim = "unknown" if self.head_dim is None else str(self.head_dim)
@@ -334,19 +374,27 @@ class Capabilities:
             per_target = [t.reasons(request) for t in on_device]
             if all(per_target):
                 out.extend(dict.fromkeys(r for reasons in per_target for r in reasons))
-        for feature in _FEATURE_TEXT:
-            if getattr(request, feature) and not getattr(self, feature):
-                out.append(f"does not support {_FEATURE_TEXT[feature]}")
+        for feature in request.features:
+            if not getattr(self, feature):
+                out.append(f"does not support {FEATURES[feature]}")
         return tuple(out)
 
-
-_FEATURE_TEXT = {
-    "causal": "causal masking",
-    "sliding_window": "a sliding window (a key window bounded on the left)",
-    "backward": "backward (gradients)",
-    "dropout": "dropout_p > 0",
-    "gqa": "grouped-query attention (fewer key/value heads)",
-}
+    def missing_features(self, request: Request) -> tuple[str, ...]:
+        """The features ``request`` needs that this backend lacks (names of :data:`FEATURES`, in
+        that order): those its flags leave out, and ``backward`` where every declared target
+        that would serve the request without it is forward-only. Empty: none is missing
+        (:meth:`reasons` may still hold others)."""
+        missing = {name for name in request.features if not getattr(self, name)}
+        if request.backward and "backward" not in missing:
+            forward = attrs.evolve(request, backward=False)
+            serving = [
+                t
+                for t in self.targets
+                if t.device_type == request.device_type and not t.reasons(forward)
+            ]
+            if serving and not any(t.backward for t in serving):
+                missing.add("backward")
+        return tuple(name for name in FEATURES if name in missing)
 
 
 @attrs.frozen

@@ -45,6 +45,7 @@ from ringdilated.core.select.communicator_spec import (
     described_by_attributes,
 )
 from ringdilated.core.select.cost import PieceSize, Traffic, traffic
+from ringdilated.core.select.feature_cost import FeatureCost, feature_cost_of
 from ringdilated.core.support.errors import ResolutionError
 
 if TYPE_CHECKING:
@@ -66,7 +67,10 @@ class KernelChoice:
     ``deterministic``: whether the chosen kernel declares a deterministic mode
     (:attr:`Capabilities.deterministic
     <ringdilated.core.select.capabilities.Capabilities.deterministic>`); an instance passed as
-    the kernel declares nothing and counts as having one.
+    the kernel declares nothing and counts as having one. ``feature_cost``: for an automatic
+    choice that the request's features made slow, which features and which faster kernels
+    declined them (:class:`~ringdilated.core.select.feature_cost.FeatureCost`; ``None``
+    otherwise, and always for a forced kernel).
     """
 
     request: Request
@@ -79,6 +83,7 @@ class KernelChoice:
     batch_limit: BatchLimit = UNLIMITED
     target_note: str = ""
     deterministic: bool = True
+    feature_cost: FeatureCost | None = None
 
     def explain(self) -> str:
         """A human-readable account: the request, the choice and why each other one lost."""
@@ -95,6 +100,8 @@ class KernelChoice:
                 f"{self.kernel_name} declares no deterministic mode: its results may differ "
                 "from run to run"
             )
+        if self.feature_cost is not None:
+            lines.append(f"  note: {self.feature_cost.describe()}")
         for name, reasons in self.rejected:
             if reasons:
                 lines.append(f"  rejected {name}: " + "; ".join(reasons))
@@ -166,7 +173,7 @@ class Resolver:
         ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
         verdicts = {name: reasons for name, (_, reasons) in judged.items()}
         candidates = [self.specs[kernel]] if kernel != "auto" else ranked
-        for spec in candidates:
+        for place, spec in enumerate(candidates):
             if verdicts[spec.name]:
                 continue
             try:
@@ -174,6 +181,9 @@ class Resolver:
             except Exception as exc:  # a backend's factory (an import) may fail in any way
                 verdicts[spec.name] = (f"factory failed: {type(exc).__name__}: {exc}",)
                 continue
+            cost = None
+            if forced_by is None:
+                cost = feature_cost_of(spec, candidates[:place], request, self.env)
             return KernelChoice(
                 request=request,
                 kernel_name=spec.name,
@@ -185,6 +195,7 @@ class Resolver:
                 batch_limit=spec.capabilities.batch_limit,
                 target_note=getattr(spec.capabilities.target_for(request), "note", ""),
                 deterministic=spec.capabilities.deterministic,
+                feature_cost=cost,
             )
         if kernel != "auto":
             raise ResolutionError(

@@ -16,8 +16,8 @@
 
     EveryRankError                         any error an agreement raised on every rank
     RingDilatedWarning (UserWarning)
-      SlowDtypeWarning, DistributedNotInitializedWarning, PluginWarning, PaddingMaskWarning,
-      and a backend's own
+      SlowDtypeWarning, SlowFeatureWarning, DistributedNotInitializedWarning, PluginWarning,
+      PaddingMaskWarning, and a backend's own
 
 Input a caller passed is rejected with the built-in a caller would catch (``ValueError``,
 ``TypeError``), naming the value and the rule; the classes above add what a program may need to
@@ -45,6 +45,7 @@ __all__ = [
     "RingDilatedError",
     "RingDilatedWarning",
     "SlowDtypeWarning",
+    "SlowFeatureWarning",
     "SpecError",
     "raised_on_every_rank",
 ]
@@ -199,6 +200,13 @@ class RingDilatedWarning(UserWarning):
 
 class SlowDtypeWarning(RingDilatedWarning):
     """float16 on a GPU without fast float16 arithmetic."""
+
+
+class SlowFeatureWarning(RingDilatedWarning):
+    """A feature the call needs (dropout, say) turned away the fused kernels preferred for it,
+    so the automatic choice fell to one that materialises attention scores (much slower); the
+    message names the features and the kernels. Emitted once per process and (features,
+    kernel); never for a kernel the caller chose."""
 
 
 class DistributedNotInitializedWarning(RingDilatedWarning):
