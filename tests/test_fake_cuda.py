@@ -5,9 +5,13 @@ attention op's arguments checked against what the CUDA kernels assume (torch 2.1
 A CPU-only torch runs no autograd on fake CUDA tensors and cannot index them with slices, so the
 driver runs on CPU with a recording kernel, and each call it makes (forward, backward, the lse
 gradient) is replayed on fake ``cuda`` tensors with the same sizes, strides and offsets: exactly
-the strided views the driver really sends. FlexAttention cannot be replayed this way (building a
-block mask indexes with tensors, which a CPU-only torch refuses for fake CUDA tensors); its CUDA
-path is covered by the eager-backend dynamo tests in tests/test_gpu_kernel_wrappers.py.
+the strided views the driver really sends. FlexAttention's block masks are built on fake
+``cuda`` tensors for the driver's real block shapes in tests/test_flex_block_mask.py, with every
+allocation recorded: the kernel's construction is elementwise, where torch's
+``create_block_mask`` (indexing with tensors, which a CPU-only torch refuses for fake CUDA
+tensors) could not run there. The compiled call itself (inductor's Triton kernels) cannot run on
+fake CUDA here; its dynamo side is covered by the eager-backend tests in
+tests/test_gpu_kernel_wrappers.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ they would be wrong on a GPU:
   the backward's hard-coded row stride, the lse read in 32-row blocks, the bias over-read;
 - :mod:`.xformers`: xformers 0.0.35's ``fmha`` API over the same kernels, and its refusal of CUDA
   calls when its compiled extension did not load;
-- :mod:`.flex`: ``flex_attention``'s signature in differentiable math;
+- :mod:`.flex`: ``flex_attention``'s signature in differentiable math, a ``BlockMask`` read
+  block by block as the Triton kernels read it;
 - :mod:`.memory`: reading a tensor's memory with the addressing a kernel assumes.
 """
 

@@ -1,7 +1,12 @@
 """FlexAttention (``torch.nn.attention.flex_attention``) behind the kernel contract.
 
-The causal offset is a ``mask_mod`` turned into a block mask, so blocks wholly above the diagonal
-are skipped by the kernel rather than masked. Forward asks for the lse with
+The causal offset is a ``mask_mod`` with a block mask, so blocks wholly above the diagonal are
+skipped by the kernel, and blocks wholly below it run without the ``mask_mod``. The block mask is
+built from the offset by arithmetic on block numbers (:mod:`ringdilated.backends._flex_blocks`),
+never from a dense mask: ``create_block_mask`` would evaluate the ``mask_mod`` over a dense
+``q_len x k_len`` bool tensor per new block shape (16 GiB at 128k); this one holds
+``O((L / 128)^2)`` int32 entries (4 MiB per index table at 128k) and equals
+``create_block_mask``'s tensor by tensor. Forward asks for the lse with
 ``return_aux=AuxRequest(lse=True)`` (on a torch without it the factory fails and the resolver
 moves on, with the reason). Backward differentiates a recomputed forward: with
 ``w = exp(lse_block - lse_final)`` per row, the gradients of ``(out_block, lse_block)`` fed
@@ -20,7 +25,8 @@ silently runs the unfused eager path, which materialises every score. So:
   on short blocks for one graph, not yet measured on a GPU;
 - every block mask's ``mask_mod`` is the same code closing over a *tensor* offset, so dynamo's
   guards (on the code, and on an int's value until it marks the int dynamic) never see the
-  offset; block masks are cached per (lengths, offset, device);
+  offset; block masks are cached per (lengths, offset, device, block size), 256 at most, the
+  offset first clamped to ``[-q_len, k_len]`` (the same mask);
 - if the limit is hit anyway, the call runs uncompiled and :class:`FlexFallbackWarning` says so,
   once per kernel; ``uncompiled_calls`` counts them.
 
@@ -28,6 +34,14 @@ Declared, not discovered:
 
 - CUDA: the compiled kernel, forward and backward; the limit on problems times key/value heads
   is the decoding kernel's ``gridDim.y``. Not yet run on GPU hardware by this project.
+- Deterministic: inductor lowers FlexAttention to its Triton templates unless
+  ``kernel_options={"BACKEND": "FLASH"}`` asks for the experimental CuTe kernel (never asked
+  here). Their only atomic add is for gradients of tensors a ``score_mod`` captures (none here);
+  otherwise each program writes its own rows: forward a query block, backward a query block's
+  ``dq`` or a key block's ``dk``/``dv``, summed over query heads and blocks in a fixed order
+  (torch 2.13: ``torch/_inductor/kernel/flex/flex_attention.py``, ``common.py``,
+  ``flex_flash_attention.py``, ``templates/flex_backwards.py.jinja``). The unfused fallback and
+  the CPU target are plain matmuls.
 - CPU: forward only, eager and unfused (FlexAttention on CPU has no backward, and no lse under
   ``torch.compile``): ``explain()`` shows the target's note. Its priority is below the reference
   kernel; it exists so that inference can force it and so its forward is tested here.
@@ -43,6 +57,12 @@ from typing import Any
 
 import torch
 
+from ringdilated.backends._flex_blocks import (
+    DEFAULT_BLOCK_SIZE,
+    BlockSize,
+    offset_block_mask,
+    saturated_offset,
+)
 from ringdilated.core import (
     GRID_LIMIT,
     BatchLimit,
@@ -94,12 +114,21 @@ def offset_mask(offset: torch.Tensor) -> Callable[..., Any]:
     return visible
 
 
-@functools.lru_cache(maxsize=256)
-def _block_mask(q_len: int, k_len: int, offset: int, device: str) -> Any:
-    from torch.nn.attention.flex_attention import create_block_mask
+def _block_mask(
+    q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize = DEFAULT_BLOCK_SIZE
+) -> Any:
+    """The cached ``BlockMask`` of a ``q_len x k_len`` block with causal ``offset``."""
+    return _cached_block_mask(
+        q_len, k_len, saturated_offset(q_len, k_len, offset), device, block_size
+    )
 
+
+@functools.lru_cache(maxsize=256)
+def _cached_block_mask(
+    q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize
+) -> Any:
     mask_mod = offset_mask(torch.tensor(offset, device=device))
-    return create_block_mask(mask_mod, None, None, q_len, k_len, device=device)
+    return offset_block_mask(q_len, k_len, offset, mask_mod, device, block_size)
 
 
 def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
@@ -118,7 +147,9 @@ class FlexKernel:
     ``attention`` replaces ``flex_attention`` (tests pass a differentiable stand-in with the same
     signature to check the backward rule on CPU); ``compile`` replaces :func:`compile_flex`;
     ``compiled_devices`` are the device types that run the compiled function (CUDA; tests add
-    CPU with an eager-backend compile to watch dynamo's guards).
+    CPU with an eager-backend compile to watch dynamo's guards); ``block_size`` is the block
+    mask's (query rows, key columns) per block, torch's 128 by default (the compiled kernel's
+    tiles must divide it; tests pass small blocks so short problems span many).
     """
 
     def __init__(
@@ -126,6 +157,7 @@ class FlexKernel:
         attention: Attention | None = None,
         compile: Compile = compile_flex,
         compiled_devices: Collection[str] = ("cuda",),
+        block_size: BlockSize = DEFAULT_BLOCK_SIZE,
     ) -> None:
         from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
@@ -133,6 +165,7 @@ class FlexKernel:
         self._eager: Attention = attention or flex_attention
         self._compile = compile
         self._compiled_devices = frozenset(compiled_devices)
+        self._block_size = block_size
         self._compiled: Attention | None = None
         self.uncompiled_calls = 0
 
@@ -167,7 +200,7 @@ class FlexKernel:
         mask = None
         if options.needs_mask(q_len, k_len):
             assert options.window.right is not None
-            mask = _block_mask(q_len, k_len, options.window.right, str(q.device))
+            mask = _block_mask(q_len, k_len, options.window.right, str(q.device), self._block_size)
         gqa = q.shape[1] != k.shape[1]
         out, aux = self._call(
             q, k, v, block_mask=mask, scale=options.scale, enable_gqa=gqa, return_aux=self._aux
@@ -236,6 +269,7 @@ FLEX_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
+        deterministic=True,
         batch_limit=BatchLimit(
             problems=GRID_LIMIT, problems_x_kv_heads=GRID_LIMIT, query_elements=None
         ),
