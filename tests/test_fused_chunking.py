@@ -202,6 +202,22 @@ def test_the_resolvers_choice_carries_the_fused_bound_into_the_call() -> None:
     assert len(kernel.forwards) == len(pattern.blocks(L, H, H)) == 7
 
 
+def test_a_targets_own_bound_replaces_the_kernels() -> None:
+    """A kernel fused on one device and materialising scores on another (flex: compiled on
+    CUDA, eager on CPU) declares the bound per target; the choice carries the serving one."""
+    from ringdilated.backends.flex import FLEX_SPEC
+    from ringdilated.core import Environment, Request
+
+    env = Environment(packages=frozenset(), compute_capability=(8, 0))
+    resolver = Resolver([FLEX_SPEC], env=env)
+    cpu = resolver.resolve(Request(head_dim=16, backward=False), "flex")
+    cuda = resolver.resolve(Request("cuda", torch.bfloat16, 64, (8, 0)), "flex")
+    assert cpu.batch_limit.query_elements == DEFAULT_QUERY_ELEMENTS
+    assert cuda.batch_limit.query_elements is None
+    with pytest.raises(TypeError, match="batch_limit must be None or a BatchLimit, got 8"):
+        Target("cpu", frozenset({torch.float32}), batch_limit=8)  # type: ignore[arg-type]
+
+
 def test_an_explicit_chunk_budget_bounds_a_fused_kernel_too() -> None:
     """``LocalRun.chunk_elements`` replaces the declared bound (a caller capping memory)."""
     pattern = DilationPattern(*PATTERNS["bench"])  # type: ignore[arg-type]

@@ -263,6 +263,7 @@ FLEX_SPEC = KernelSpec(
                 frozenset({torch.float32, torch.float64}),
                 backward=False,
                 note="eager FlexAttention: forward only, unfused",
+                batch_limit=BatchLimit(),  # eager flex materialises every score: the default bound
             ),
         ),
         causal=True,

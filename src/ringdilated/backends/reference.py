@@ -61,6 +61,7 @@ REFERENCE_SPEC = KernelSpec(
         backward=True,
         dropout=True,
         gqa=True,
+        deterministic=True,  # plain torch ops, each deterministic under torch's switch
     ),
     priority=0,
     description="plain PyTorch math; O(L^2) memory per block; CPU, CUDA, ROCm; any dtype; dropout",

@@ -214,72 +214,6 @@ class Environment:
         return torch.cuda.get_device_capability(device)
 
 
-@attrs.frozen
-class Target:
-    """One kind of device a backend runs on, with the dtypes and head dims it takes there.
-
-    ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
-    ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
-    ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
-    Every field is validated on construction (:mod:`ringdilated.core.contract.rules`): ``dtypes``
-    is a non-empty frozenset of floating dtypes, the bounds are ``(int, int)`` or ``None``, the head
-    dim limits positive ints.
-    """
-
-    device_type: str = attrs.field(validator=rules.non_empty_str)
-    dtypes: frozenset[torch.dtype] = attrs.field(validator=rules.floating_dtypes)
-    min_capability: tuple[int, int] | None = attrs.field(
-        default=None, validator=rules.capability_bounds
-    )
-    max_capability: tuple[int, int] | None = attrs.field(
-        default=None, validator=rules.capability_bounds
-    )
-    max_head_dim: int | None = attrs.field(
-        default=None, validator=rules.optional(rules.positive_int)
-    )
-    head_dim_multiple: int = attrs.field(default=1, validator=rules.positive_int)
-    note: str = attrs.field(default="", validator=rules.strs)
-    backward: bool = attrs.field(default=True, validator=rules.bools)
-
-    def reasons(self, request: Request) -> tuple[str, ...]:
-        out: list[str] = []
-        label = f" ({self.note})" if self.note else ""
-        capability = request.compute_capability
-        if self.min_capability is not None and (
-            capability is None or capability < self.min_capability
-        ):
-            out.append(
-                f"needs compute capability >= {_cc(self.min_capability)}{label}, "
-                f"device has {_cc(capability)}"
-            )
-        if (
-            self.max_capability is not None
-            and capability is not None
-            and capability > self.max_capability
-        ):
-            out.append(
-                f"supports compute capability <= {_cc(self.max_capability)}{label}, "
-                f"device has {_cc(capability)}"
-            )
-        if request.dtype not in self.dtypes:
-            names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
-            out.append(
-                f"dtype {dtype_name(request.dtype)} not supported on {self.device_type}{label} "
-                f"(supports {names})"
-            )
-        if request.backward and not self.backward:
-            out.append(f"no backward (gradients) on {self.device_type}{label}")
-        if request.head_dim is not None:
-            if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
-                out.append(f"head_dim {request.head_dim} exceeds {self.max_head_dim}{label}")
-            if request.head_dim % self.head_dim_multiple:
-                out.append(
-                    f"head_dim {request.head_dim} is not a multiple of "
-                    f"{self.head_dim_multiple}{label}"
-                )
-        return tuple(out)
-
-
 #: The default :attr:`BatchLimit.query_elements`: 8M elements (32 MiB of float32 queries).
 DEFAULT_QUERY_ELEMENTS = 1 << 23
 
@@ -327,6 +261,79 @@ FUSED_GRID_LIMIT = BatchLimit(problems=GRID_LIMIT, query_elements=None)
 
 
 @attrs.frozen
+class Target:
+    """One kind of device a backend runs on, with the dtypes and head dims it takes there.
+
+    ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
+    ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
+    ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
+    ``batch_limit`` replaces the capabilities' :class:`BatchLimit` on this target (``None``: it
+    applies), for a backend fused on one device and materialising scores on another.
+    Every field is validated on construction (:mod:`ringdilated.core.contract.rules`): ``dtypes``
+    is a non-empty frozenset of floating dtypes, the bounds are ``(int, int)`` or ``None``, the head
+    dim limits positive ints.
+    """
+
+    device_type: str = attrs.field(validator=rules.non_empty_str)
+    dtypes: frozenset[torch.dtype] = attrs.field(validator=rules.floating_dtypes)
+    min_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
+    max_capability: tuple[int, int] | None = attrs.field(
+        default=None, validator=rules.capability_bounds
+    )
+    max_head_dim: int | None = attrs.field(
+        default=None, validator=rules.optional(rules.positive_int)
+    )
+    head_dim_multiple: int = attrs.field(default=1, validator=rules.positive_int)
+    note: str = attrs.field(default="", validator=rules.strs)
+    backward: bool = attrs.field(default=True, validator=rules.bools)
+    batch_limit: BatchLimit | None = attrs.field(
+        default=None,
+        validator=rules.optional(rules.Rule("a BatchLimit", lambda v: isinstance(v, BatchLimit))),
+        kw_only=True,
+    )
+
+    def reasons(self, request: Request) -> tuple[str, ...]:
+        out: list[str] = []
+        label = f" ({self.note})" if self.note else ""
+        capability = request.compute_capability
+        if self.min_capability is not None and (
+            capability is None or capability < self.min_capability
+        ):
+            out.append(
+                f"needs compute capability >= {_cc(self.min_capability)}{label}, "
+                f"device has {_cc(capability)}"
+            )
+        if (
+            self.max_capability is not None
+            and capability is not None
+            and capability > self.max_capability
+        ):
+            out.append(
+                f"supports compute capability <= {_cc(self.max_capability)}{label}, "
+                f"device has {_cc(capability)}"
+            )
+        if request.dtype not in self.dtypes:
+            names = ", ".join(sorted(dtype_name(d) for d in self.dtypes))
+            out.append(
+                f"dtype {dtype_name(request.dtype)} not supported on {self.device_type}{label} "
+                f"(supports {names})"
+            )
+        if request.backward and not self.backward:
+            out.append(f"no backward (gradients) on {self.device_type}{label}")
+        if request.head_dim is not None:
+            if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
+                out.append(f"head_dim {request.head_dim} exceeds {self.max_head_dim}{label}")
+            if request.head_dim % self.head_dim_multiple:
+                out.append(
+                    f"head_dim {request.head_dim} is not a multiple of "
+                    f"{self.head_dim_multiple}{label}"
+                )
+        return tuple(out)
+
+
+@attrs.frozen
 class Capabilities:
     """Everything a backend supports, as data. See :meth:`reasons`.
 
@@ -353,6 +360,14 @@ class Capabilities:
         validator=rules.Rule("a BatchLimit", lambda v: isinstance(v, BatchLimit)),
         metadata={"spec": BatchLimit},
     )
+
+    def batch_limit_for(self, request: Request) -> BatchLimit:
+        """The limits on one call serving ``request``: its target's :attr:`Target.batch_limit`
+        where that target declares one, else :attr:`batch_limit`."""
+        target = self.target_for(request)
+        if target is not None and target.batch_limit is not None:
+            return target.batch_limit
+        return self.batch_limit
 
     def target_for(self, request: Request) -> Target | None:
         """The first declared target that serves ``request``'s device, dtype and head dim."""

@@ -54,7 +54,7 @@ def feature_cost_of(
     """The :class:`FeatureCost` of choosing ``chosen`` for ``request`` over ``preferred`` (the
     specs ranked above it, in order), or ``None``: when ``chosen`` is fused, or no fused one of
     ``preferred`` was turned away by features alone (:func:`_declined_features`)."""
-    if chosen.capabilities.batch_limit.query_elements is None:
+    if chosen.capabilities.batch_limit_for(request).query_elements is None:
         return None
     declined = [(spec.name, _declined_features(spec, request, env)) for spec in preferred]
     faster = tuple(name for name, features in declined if features)
@@ -70,9 +70,9 @@ def _declined_features(spec: KernelSpec, request: Request, env: Environment) -> 
     serve the request without them; else ``()``: it is not fused, lacks nothing, or has another
     reason against the request (whatever it raises is one)."""
     try:
-        if spec.capabilities.batch_limit.query_elements is not None:
-            return ()
         missing = spec.capabilities.missing_features(request)
+        if spec.capabilities.batch_limit_for(request.without(missing)).query_elements is not None:
+            return ()
         serves = bool(missing) and not tuple(spec.reasons(request.without(missing), env))
     except Exception:  # a plugin's spec may fail in any way: then it serves nothing
         return ()

@@ -192,7 +192,7 @@ class Resolver:
                 forced_by=forced_by,
                 plugin_failures=self.plugin_failures,
                 priorities=tuple((s.name, judged[s.name][0]) for s in ranked),
-                batch_limit=spec.capabilities.batch_limit,
+                batch_limit=spec.capabilities.batch_limit_for(request),
                 target_note=getattr(spec.capabilities.target_for(request), "note", ""),
                 deterministic=spec.capabilities.deterministic,
                 feature_cost=cost,
