@@ -28,7 +28,7 @@ from ringdilated.plugins import (
 )
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 
-BUILTIN_KERNELS = {"sdpa", "reference", "flash", "xformers", "flex"}
+BUILTIN_KERNELS = {"sdpa", "reference", "flash", "flash3", "flash4", "xformers", "flex"}
 
 
 @attrs.frozen
@@ -357,7 +357,7 @@ def test_a_misspelt_package_raises_naming_the_packages_kernels_require(
     with pytest.raises(
         ValueError,
         match=r"^RINGDILATED_PACKAGES='flash-attn,xformers' names 'flash-attn', not a package a "
-        r"kernel requires; accepted: flash_attn, xformers",
+        r"kernel requires; accepted: flash_attn, flash_attn.cute, flash_attn_interface, xformers",
     ):
         default_resolver()
     monkeypatch.setenv("RINGDILATED_PACKAGES", "flash_attn, xformers")
@@ -384,7 +384,8 @@ def test_a_misspelt_package_is_reported_even_when_an_unrelated_plugin_failed(
     with pytest.warns(
         PluginWarning,
         match=r"^RINGDILATED_PACKAGES='flash-attn' names 'flash-attn', not a package a kernel "
-        r"requires; accepted: flash_attn, xformers .*; plugins that failed to load, whose "
+        r"requires; accepted: flash_attn, flash_attn.cute, flash_attn_interface, xformers .*; "
+        r"plugins that failed to load, whose "
         r"kernels' packages are unknown, may require it: 'broken' ",
     ):
         resolver = registry_module.default_resolver()

@@ -1,77 +1,105 @@
 """FlashAttention 2 (the ``flash-attn`` package, 2.6 to 2.8) behind the kernel contract.
 
-Forward is ``flash_attn_func(..., return_attn_probs=True)``, which returns ``(out, softmax_lse,
-S_dmask)`` in every supported version; backward is
-``flash_attn.flash_attn_interface._flash_attn_backward`` fed the final merged ``out`` and ``lse``,
-as the contract asks, writing into ``dq``, ``dk``, ``dv`` buffers it is given. Its signature
-changed, read from the released sources:
+Forward is ``flash_attn.flash_attn_interface._flash_attn_forward`` (``flash_attn_func`` does not
+return the ``rng_state`` that dropout needs); backward is ``_flash_attn_backward`` fed the final
+merged ``out`` and ``lse``, as the contract asks, writing into ``dq``, ``dk``, ``dv`` buffers it
+is given. Their signatures changed, read from the released ``flash_attn_interface.py``:
 
-- 2.6.x: ``(..., causal, window_size, softcap, alibi_slopes, deterministic, rng_state=None)``,
-  ``window_size`` a ``(left, right)`` tuple; returns ``(dq, dk, dv, softmax_d)``.
-- 2.7 and 2.8: ``(..., causal, window_size_left, window_size_right, softcap, alibi_slopes,
-  deterministic, rng_state=None)``, a ``torch.library`` custom op; returns ``softmax_d`` only.
+- 2.6.x: plain functions taking ``window_size`` as a ``(left, right)`` tuple; the forward returns
+  ``(out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)``, the backward
+  ``(dq, dk, dv, softmax_d)``.
+- 2.7 and 2.8: ``torch.library`` custom ops taking ``window_size_left`` / ``window_size_right``;
+  the forward returns ``(out, softmax_lse, S_dmask, rng_state)``, the backward ``softmax_d``.
 
-:class:`FlashKernel` picks the keywords by version and checks the function's parameters at
+:class:`FlashKernel` picks the keywords by version and checks both functions' parameters at
 construction, so an unknown signature fails there (the resolver falls back, with the reason)
-rather than on the first backward. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
+rather than on the first call. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
 ``(batch, heads, seqlen_q)`` array with no check, so it is passed contiguous; every other tensor
 needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
-causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
+causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`). Key/value
+heads are never repeated: ``flash_api.cpp`` takes ``num_heads_k`` dividing ``num_heads``.
+
+Dropout is flash-attn's own (``flash_api.cpp``, 2.6.3 to 2.8.3): ``mha_fwd`` takes the Philox
+``(seed, offset)`` from the device's default CUDA generator (``philox_cuda_state``, advancing it
+by ``batch * heads * 32``) and its kernel writes them into the int64 ``rng_state`` of 2
+elements it returns; ``mha_bwd`` reads ``rng_state[0]`` and ``rng_state[1]`` from the device
+pointer it is given (no dtype or shape check) and replays the mask. Each native call runs under
+:func:`~ringdilated.backends._philox.seeded_generator` with a seed derived from
+``BlockOptions.dropout_seed`` and the call's place among the block's (at most two) bottom-right
+calls, so its backward is handed :func:`~ringdilated.backends._philox.replay_state` of the same
+seed: the mask is a function of the contract's seed, the caller's random stream does not move.
+The backward is deterministic (``deterministic=True``, a per-split ``dq`` accumulator) whenever
+``torch.are_deterministic_algorithms_enabled()``; the forward always is.
 
 Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
-capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``; no
-dropout, as flash-attn draws its own dropout mask, which a backward cannot regenerate from the
-contract's seed. Not yet run on GPU hardware by this project.
+capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``. Not yet
+run on GPU hardware by this project.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import inspect
+import itertools
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from ringdilated.backends import _philox
 from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._layouts import dense_float32
+from ringdilated.backends._upstream import distribution_version, parameter_names
 from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
+    BlockOptions,
     Capabilities,
     Environment,
     KernelSpec,
     PriorityRule,
     Request,
     Target,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
 )
+from ringdilated.core.contract.causal import backward_in_pieces, forward_in_pieces
+from ringdilated.core.contract.kernel import derive_seed
 
 __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
 
 MIN_VERSION = (2, 6)
-#: The first version whose backward takes ``window_size_left`` / ``window_size_right``.
+#: The first version whose functions take ``window_size_left`` / ``window_size_right``.
 SPLIT_WINDOW_VERSION = (2, 7)
 
 
 def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
-    """The "no sliding window" keywords of ``_flash_attn_backward`` in ``version``."""
+    """The "no sliding window" keywords of ``_flash_attn_forward`` and ``_flash_attn_backward``
+    in ``version``."""
     if version < SPLIT_WINDOW_VERSION:
         return {"window_size": (-1, -1)}
     return {"window_size_left": -1, "window_size_right": -1}
 
 
-def _parameters(function: Any) -> tuple[str, ...] | None:
-    """Parameter names of a plain function or of a ``torch.library`` custom op's function."""
-    try:
-        return tuple(inspect.signature(getattr(function, "_init_fn", function)).parameters)
-    except (TypeError, ValueError):
-        return None
+def _check_parameters(text: str, name: str, function: Any, needed: set[str]) -> None:
+    """Raise ``ImportError`` naming what ``function`` lacks of ``needed``."""
+    names = parameter_names(function)
+    if names is not None and not needed <= set(names):
+        raise ImportError(
+            f"flash-attn {text}: {name} takes ({', '.join(names)}), which lacks "
+            f"{sorted(needed - set(names))}; this kernel knows the 2.6 to 2.8 signatures"
+        )
+
+
+def _piece_seeds(seed: int) -> Iterator[int]:
+    """The dropout seeds of a block's bottom-right calls, in call order (forward and backward
+    make the same calls in the same order): distinct, so the calls' masks are unrelated."""
+    return (derive_seed(seed, "flash-attn call", index) for index in itertools.count())
 
 
 class FlashKernel(GuardedBottomRightKernel):
-    """flash-attn 2 kernels. Construction imports the package, checks its version and the
-    backward's parameters; any mismatch raises ``ImportError`` with the reason."""
+    """flash-attn 2 kernels. Construction imports the package, checks its version and both
+    functions' parameters; any mismatch raises ``ImportError`` with the reason."""
 
     def __init__(self) -> None:
         package = importlib.import_module("flash_attn")
@@ -81,25 +109,84 @@ class FlashKernel(GuardedBottomRightKernel):
             wanted = ".".join(map(str, MIN_VERSION))
             raise ImportError(f"flash-attn {text} is older than the {wanted} this kernel needs")
         interface = importlib.import_module("flash_attn.flash_attn_interface")
-        self._forward: Any = package.flash_attn_func
+        self._forward: Any = interface._flash_attn_forward
         self._backward: Any = interface._flash_attn_backward
+        #: 2.6.x returns 8 values with the lse 6th, 2.7+ 4 values with it 2nd.
+        self._lse_index = 5 if version < SPLIT_WINDOW_VERSION else 1
         self._window = backward_window_keywords(version)
-        names = _parameters(self._backward)
-        needed = {"softcap", "alibi_slopes", "deterministic", *self._window}
-        if names is not None and not needed <= set(names):
-            raise ImportError(
-                f"flash-attn {text}: _flash_attn_backward takes ({', '.join(names)}), which "
-                f"lacks {sorted(needed - set(names))}; this kernel knows the 2.6 to 2.8 signatures"
-            )
+        common = {"dropout_p", "softmax_scale", "causal", "softcap", "alibi_slopes", *self._window}
+        _check_parameters(text, "_flash_attn_forward", self._forward, {*common, "return_softmax"})
+        backward_needs = {*common, "deterministic", "rng_state"}
+        _check_parameters(text, "_flash_attn_backward", self._backward, backward_needs)
+
+    def _native_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        dropout_p: float = 0.0,
+        seed: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        keywords = {
+            "dropout_p": dropout_p,
+            "softmax_scale": scale,
+            "causal": causal,
+            "softcap": 0.0,
+            "alibi_slopes": None,
+            "return_softmax": False,
+            **self._window,
+        }
+        if dropout_p:
+            with _philox.seeded_generator(q.device, seed):
+                results = self._forward(qt, kt, vt, **keywords)
+        else:
+            results = self._forward(qt, kt, vt, **keywords)
+        return results[0].transpose(1, 2), results[self._lse_index]
+
+    def _native_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        dropout_p: float = 0.0,
+        seed: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
+        rng_state = _philox.replay_state(seed, q.device, torch.int64) if dropout_p else None
+        self._backward(
+            dout.transpose(1, 2),
+            qt,
+            kt,
+            vt,
+            out.transpose(1, 2),
+            dense_float32(lse),
+            dq,
+            dk,
+            dv,
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+            causal=causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            rng_state=rng_state,
+            **self._window,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        out, lse, _ = self._forward(
-            qt, kt, vt, dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True
-        )
-        return out.transpose(1, 2), lse
+        return self._native_forward(q, k, v, causal, scale)
 
     def native_backward(
         self,
@@ -112,28 +199,57 @@ class FlashKernel(GuardedBottomRightKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
-        self._backward(
-            dout.transpose(1, 2),
-            qt,
-            kt,
-            vt,
-            out.transpose(1, 2),
-            lse.to(torch.float32).contiguous(),
-            dq,
-            dk,
-            dv,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            softcap=0.0,
-            alibi_slopes=None,
-            deterministic=False,
-            rng_state=None,
-            **self._window,
+        return self._native_backward(dout, q, k, v, out, lse, causal, scale)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not options.dropout_p:
+            return super().forward(q, k, v, options)
+        seeds = _piece_seeds(options.dropout_seed)
+
+        def native(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            p = options.dropout_p
+            return self._native_forward(q, k, v, causal, options.scale, p, next(seeds))
+
+        out, lse = forward_in_pieces(native, q, k, v, options.window.right)
+        mark_non_finite_rows(out, lse, q, k, v, options)
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not options.dropout_p:
+            return super().backward(dout, q, k, v, out, lse, options)
+        seeds = _piece_seeds(options.dropout_seed)
+
+        def native(
+            dout: torch.Tensor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            lse: torch.Tensor,
+            causal: bool,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            p, scale = options.dropout_p, options.scale
+            return self._native_backward(dout, q, k, v, out, lse, causal, scale, p, next(seeds))
+
+        right = options.window.right
+        dq, dk, dv = backward_in_pieces(native, dout, q, k, v, out, lse, right)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        return dq, dk, dv
 
 
 def _installed_version() -> tuple[int, ...] | None:
@@ -141,10 +257,8 @@ def _installed_version() -> tuple[int, ...] | None:
     module = sys.modules.get("flash_attn")
     if module is not None:
         return version_tuple(str(getattr(module, "__version__", "0")), 2)
-    try:
-        return version_tuple(importlib.metadata.version("flash-attn"), 2)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    text = distribution_version("flash-attn")
+    return None if text is None else version_tuple(text, 2)
 
 
 def _version_reasons(request: Request, env: Environment) -> Iterable[str]:
@@ -175,13 +289,14 @@ FLASH_SPEC = KernelSpec(
         ),
         causal=True,
         backward=True,
-        dropout=False,
+        dropout=True,
         gqa=True,
+        deterministic=True,
         requires=("flash_attn",),
         batch_limit=FUSED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),
-    description="FlashAttention 2 (flash-attn 2.6 to 2.8): Ampere and newer, fp16/bf16",
+    description="FlashAttention 2 (flash-attn 2.6 to 2.8): Ampere and newer, fp16/bf16, dropout",
     extra_reasons=_version_reasons,
 )

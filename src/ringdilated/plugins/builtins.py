@@ -12,6 +12,8 @@ import attrs
 
 from ringdilated.backends.allgather import ALLGATHER_SPEC
 from ringdilated.backends.flash import FLASH_SPEC
+from ringdilated.backends.flash3 import FLASH3_SPEC
+from ringdilated.backends.flash4 import FLASH4_SPEC
 from ringdilated.backends.flex import FLEX_SPEC
 from ringdilated.backends.hybrid import HYBRID_SPEC
 from ringdilated.backends.local import LOCAL_SPEC
@@ -56,6 +58,8 @@ BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
     _plugin("sdpa", SDPA_SPEC),
     _plugin("reference", REFERENCE_SPEC),
     _plugin("flash", FLASH_SPEC),
+    _plugin("flash3", FLASH3_SPEC),
+    _plugin("flash4", FLASH4_SPEC),
     _plugin("xformers", XFORMERS_SPEC),
     _plugin("flex", FLEX_SPEC),
     _plugin("local", LOCAL_SPEC),

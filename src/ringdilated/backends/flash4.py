@@ -1,0 +1,181 @@
+"""FlashAttention 4 (``flash_attn/cute`` of Dao-AILab/flash-attention: the package
+``flash_attn.cute``, installed as ``flash-attn-4``) behind the kernel contract.
+
+Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
+(``flash_attn/cute/interface.py``, ``flash_bwd_preprocess.py``, ``softmax.py``, ``mask.py``):
+
+- Forward is ``_flash_attn_fwd(q, k, v, softmax_scale=, causal=, return_lse=True)``, which
+  returns ``(out, lse)`` (4.0.0b5 to b18) or ``(out, lse, p, row_max)`` (from b19); ``lse`` is
+  float32 ``(batch, heads, seqlen_q)``, ``-inf`` for a row whose exponentials sum to 0 or NaN.
+- Backward is ``_flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=, causal=,
+  deterministic=, dq=, dk=, dv=)`` fed the final merged ``out`` and ``lse``, writing into the
+  buffers given and returning them. Its preprocess turns an lse of ``-inf`` into ``0`` (as
+  FlashAttention 3 does; a bottom-right call's rows see a key, so this never matters here).
+- Its ``dlse`` argument (from b5) folds an lse gradient into the same call: the preprocess uses
+  ``D' = rowsum(dout * out) - dlse`` (``dS = P * (dP - D) + dlse * P``), "so the main backward
+  kernel is unchanged". The kernel contract's backward has no ``dlse``; the driver's lse
+  gradient is a second backward call (``lse_gradient`` in ``ringdilated.core.run.local``), which
+  this kernel serves as any kernel does.
+- Checks (``assert``, so ``AssertionError``): fp16/bf16 (fp8 forward only on sm100, not used),
+  shapes, ``num_head % num_head_kv == 0`` (key/value heads are never repeated), head dims by
+  architecture (``_validate_head_dims``: sm90 8 to 256, sm100/sm110 8 to 128, both multiples of
+  8 for 2-byte types; 4.0.0b11 adds a dedicated 256 kernel on sm100, not declared here). The
+  kernels are compiled assuming 16-byte aligned inputs (b5 passes inputs as they are; b27 copies
+  misaligned ones itself), so inputs are aligned first (:mod:`ringdilated.backends._layouts`).
+- The causal mask is bottom-right aligned (``mask.py``: ``seqlen_k - seqlen_q`` row offset), so
+  any causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
+- ``deterministic`` (when ``torch.are_deterministic_algorithms_enabled()``): b5 is the first
+  release that takes it on sm90 (b0 to b4 assert "bwd deterministic only supported for
+  sm100/sm110"), and the first whose backward takes ``dlse``: the minimum this kernel accepts.
+  Versions are read from the ``flash-attn-4`` distribution (``flash_attn.cute.__version__``
+  reads a distribution named ``fa4`` and says ``0.0.0``); with none, the signature decides.
+
+Hardware: the forward runs on 8.x to 12.x, the backward on 9.x to 12.x; declared for sm90
+(priority 400: FlashAttention 3, the Hopper kernel this project reads as mature there, is
+preferred at 450) and sm100/sm110 (priority 500, the best kernel there: flash-attn 2 has no
+Blackwell-specific kernels), each above flash-attn 2's 300. Not 8.x (no backward) nor 12.x (no
+deterministic backward, consumer Blackwell untried). No dropout. Not yet run on GPU hardware by
+this project.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._layouts import aligned, dense_float32
+from ringdilated.backends._upstream import distribution_version, parameter_names, release
+from ringdilated.core import (
+    FUSED_GRID_LIMIT,
+    Capabilities,
+    KernelSpec,
+    PriorityRule,
+    Target,
+)
+
+__all__ = ["FLASH4_SPEC", "MIN_VERSION", "Flash4Kernel"]
+
+MIN_VERSION = "4.0.0b5"
+_FORWARD_NEEDS = frozenset({"q", "k", "v", "softmax_scale", "causal", "return_lse"})
+_BACKWARD_NEEDS = frozenset(
+    {"q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk",
+     "dv", "dlse"}
+)  # fmt: skip
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+def _installed_version() -> str | None:
+    """The installed release (``flash-attn-4``; 4.0.0b0 to b3 were ``flash-attn4``)."""
+    return distribution_version("flash-attn-4", "flash-attn4")
+
+
+def _check_takes(text: str, function: Any, name: str, needed: frozenset[str]) -> None:
+    names = parameter_names(function)
+    if names is None or not needed <= set(names):
+        raise ImportError(
+            f"FlashAttention 4 {text}: {name} takes ({', '.join(names or ())}), which lacks "
+            f"{sorted(needed - set(names or ()))}; this kernel knows the interfaces of "
+            f"{MIN_VERSION} to 4.0.0b27"
+        )
+
+
+class Flash4Kernel(GuardedBottomRightKernel):
+    """FlashAttention 4's kernels. Construction checks the installed release and imports
+    ``flash_attn.cute.interface``, checking both functions' parameters; a mismatch raises
+    ``ImportError`` with the reason."""
+
+    def __init__(self) -> None:
+        version = _installed_version()
+        text = version or "(version unknown)"
+        if version is not None and release(version) < release(MIN_VERSION):
+            raise ImportError(
+                f"flash-attn-4 {version} is older than the {MIN_VERSION} this kernel needs "
+                f"(its backward's dlse, and a deterministic backward on sm90)"
+            )
+        interface = importlib.import_module("flash_attn.cute.interface")
+        self._forward: Any = interface._flash_attn_fwd
+        self._backward: Any = interface._flash_attn_bwd
+        _check_takes(text, self._forward, "_flash_attn_fwd", _FORWARD_NEEDS)
+        _check_takes(text, self._backward, "_flash_attn_bwd", _BACKWARD_NEEDS)
+
+    def native_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))
+        out, lse, *_ = self._forward(
+            q=qt, k=kt, v=vt, softmax_scale=scale, causal=causal, return_lse=True
+        )
+        return out.transpose(1, 2), lse
+
+    def native_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
+        dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
+        self._backward(
+            q=qt,
+            k=kt,
+            v=vt,
+            out=out_t,
+            dout=dout_t,
+            lse=dense_float32(lse),
+            softmax_scale=scale,
+            causal=causal,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+FLASH4_SPEC = KernelSpec(
+    name="flash4",
+    factory=Flash4Kernel,
+    capabilities=Capabilities(
+        targets=(
+            Target(
+                "cuda",
+                _HALF,
+                min_capability=(9, 0),
+                max_capability=(9, 0),
+                max_head_dim=256,
+                head_dim_multiple=8,
+                note="FlashAttention 4 on Hopper (sm90)",
+            ),
+            Target(
+                "cuda",
+                _HALF,
+                min_capability=(10, 0),
+                max_capability=(11, 9),
+                max_head_dim=128,
+                head_dim_multiple=8,
+                note="FlashAttention 4 on Blackwell (sm100/sm110): head dims up to 128",
+            ),
+        ),
+        causal=True,
+        backward=True,
+        dropout=False,
+        gqa=True,
+        deterministic=True,
+        requires=("flash_attn.cute",),
+        batch_limit=FUSED_GRID_LIMIT,
+    ),
+    priority=0,
+    priority_rules=(
+        PriorityRule(500, "cuda", min_capability=(10, 0), max_capability=(11, 9)),
+        PriorityRule(400, "cuda", min_capability=(9, 0), max_capability=(9, 0)),
+    ),
+    description="FlashAttention 4 (flash-attn-4 4.0.0b5 on): Hopper and Blackwell, fp16/bf16",
+)
