@@ -8,6 +8,11 @@ backward gets no such tensor: the mask must be a pure function of ``BlockOptions
 generator seeded by that seed (its offset then starts at 0, as ``manual_seed`` resets it) and
 restored afterwards (the caller's random stream does not move), and the backward is handed the
 ``(seed, 0)`` state built on the device with a fill, not a host-to-device copy.
+
+Limits: the generator is the process's, so two threads running dropout on one device at once
+would see each other's seed (torch's own dropout shares that generator the same way); and torch
+refuses to reseed a CUDA generator while a CUDA graph is being captured, so a fused kernel's
+dropout cannot be captured (it raises; without dropout nothing here runs).
 """
 
 from __future__ import annotations

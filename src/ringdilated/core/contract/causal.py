@@ -7,8 +7,9 @@ xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j``
 ``j <= i + (Lk - Lq)``. Any offset reduces to at most two such calls:
 
 - rows before ``max(0, -offset)`` see no key (output 0, lse ``-inf``);
-- rows whose limit ``i + offset`` is below the last key see a prefix of the keys, and cutting the
-  keys to ``rows + offset`` makes their mask exactly bottom-right;
+- rows whose limit ``i + offset`` is at most the last key see a prefix of the keys, and cutting
+  the keys to ``rows + offset`` makes their mask exactly bottom-right (a diagonal block,
+  ``offset = 0`` with ``Lq = Lk``, is one call on all its keys);
 - the remaining rows see every key and need no mask.
 
 No piece contains an empty row, so a kernel's own convention for empty rows never matters.
@@ -53,7 +54,7 @@ def bottom_right_pieces(q_len: int, k_len: int, offset: int | None) -> tuple[Bot
     if offset is None or offset >= k_len - 1:
         return (BottomRightPiece(0, q_len, k_len, False),)
     first = min(q_len, max(0, -offset))
-    split = min(q_len, max(first, k_len - 1 - offset))
+    split = min(q_len, max(first, k_len - offset))  # rows from here see every key
     pieces = []
     if split > first:
         pieces.append(BottomRightPiece(first, split, split + offset, True))

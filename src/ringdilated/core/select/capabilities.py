@@ -196,9 +196,15 @@ class Environment:
         )
 
     def has_package(self, name: str) -> bool:
+        """Whether ``name`` (a module, possibly dotted) can be found. A dotted name imports its
+        parents (``flash_attn.cute`` imports ``flash_attn``); one that fails to import counts as
+        missing, so a broken install is a reason against the kernels needing it, not an error."""
         if self.packages is not None:
             return name in self.packages
-        return importlib.util.find_spec(name) is not None
+        try:
+            return importlib.util.find_spec(name) is not None
+        except Exception:  # a parent package's import may fail in any way
+            return False
 
     def device_type(self, device: torch.device) -> str:
         """``device.type``, except ``"rocm"`` for the ``cuda`` devices of a ROCm build."""
