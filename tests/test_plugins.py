@@ -28,7 +28,7 @@ from ringdilated.plugins import (
 )
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 
-BUILTIN_KERNELS = {"sdpa", "reference", "flash", "xformers", "flex"}
+BUILTIN_KERNELS = {"sdpa", "torch_flash", "cudnn", "reference", "flash", "xformers", "flex"}
 
 
 @attrs.frozen

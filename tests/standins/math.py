@@ -45,12 +45,17 @@ def attend(
     scale: float,
     visible: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, Lq, H, D) float64, lse (B, H, Lq) float64)``; ``lse = -inf`` on empty rows."""
+    """``(out (B, Lq, H, D) float64, lse (B, H, Lq) float64)``; ``lse = -inf`` on empty rows.
+    ``drop`` ``(B, H, Lq, Lk)`` multiplies the probabilities (dropout: 0 or ``1 / (1 - p)``);
+    the lse is that of the undropped scores, as the fused kernels report it."""
     s = scores(q, k, scale, visible, bias)
     lse = torch.logsumexp(s, -1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - lse.masked_fill(empty, 0).unsqueeze(-1))
+    if drop is not None:
+        p = p * drop
     out = p @ _expand(v, q.shape[2])
     return out.transpose(1, 2), lse
 
@@ -65,18 +70,24 @@ def grads(
     scale: float,
     visible: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernels' backward given ``out`` and ``lse`` (``P = exp(s - lse)``,
-    ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed."""
+    ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed.
+    ``drop`` is the forward's dropout multiplier (as in :func:`attend`)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     s = scores(q, k, scale, visible, bias)
     p = torch.exp(s - lse.double().unsqueeze(-1))
     do = dout.double().transpose(1, 2)
     d = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
-    ds = p * (do @ _expand(v, heads).transpose(-1, -2) - d)
+    dp = do @ _expand(v, heads).transpose(-1, -2)
+    kept = p if drop is None else p * drop
+    if drop is not None:
+        dp = dp * drop
+    ds = p * (dp - d)
     dq = ds @ _expand(k, heads) * scale
     dk = ds.transpose(-1, -2) @ q.double().transpose(1, 2) * scale
-    dv = p.transpose(-1, -2) @ do
+    dv = kept.transpose(-1, -2) @ do
 
     def fold(x: torch.Tensor) -> torch.Tensor:
         b, h, n, e = x.shape
