@@ -118,6 +118,8 @@ class OpContract(TorchDispatchMode):
             assert x.device.type == "cuda" and x.dim() == 4, name
             assert x.stride(-1) == 1, f"{name}: last dimension must be contiguous"
             assert x.dtype == q.dtype and x.dtype in HALF, f"{name}: {x.dtype}"
+            # Both load rows 16 bytes at a time (FA2's cp.async of 128 bits, cuDNN's TMA).
+            assert _aligned(x, 8), f"{name}: start and strides 16-byte aligned"
         d = q.shape[-1]
         assert d % 8 == 0 and d <= 256 and k.shape[-1] == d == v.shape[-1], f"head dim {d}"
         assert k.shape == v.shape, f"key {tuple(k.shape)} and value {tuple(v.shape)}"
@@ -171,8 +173,6 @@ class OpContract(TorchDispatchMode):
             assert state.device.type == "cuda", "rng_state is read on the device"
 
     def _cudnn_common(self, a: dict[str, Any]) -> None:
-        for name in ("query", "key", "value"):
-            assert _aligned(a[name], 8), f"{name}: 16-byte aligned start and strides"
         assert a["key"].shape[2] > 1, "cuDNN takes no key length 1"
         bias = a["attn_bias"]
         if bias is not None:

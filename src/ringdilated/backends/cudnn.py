@@ -80,7 +80,15 @@ from ringdilated.core import (
     mark_non_finite_rows,
 )
 
-__all__ = ["CUDNN_SPEC", "CudnnKernel", "cudnn_priority_rules", "cudnn_spec"]
+__all__ = [
+    "CUDNN_SPEC",
+    "CudnnCall",
+    "CudnnKernel",
+    "cudnn_priority_rules",
+    "cudnn_reasons",
+    "cudnn_spec",
+    "runtime_version",
+]
 
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})

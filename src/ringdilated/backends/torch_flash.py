@@ -82,7 +82,7 @@ from ringdilated.core import (
 from ringdilated.core.contract.causal import BottomRightPiece, bottom_right_pieces
 from ringdilated.core.contract.kernel import derive_seed
 
-__all__ = ["TORCH_FLASH_SPEC", "TorchFlashKernel"]
+__all__ = ["TORCH_FLASH_SPEC", "TorchFlashKernel", "piece_seed", "torch_flash_reasons"]
 
 _aten = torch.ops.aten
 
