@@ -27,7 +27,7 @@ def _cuda_dtypes() -> list[torch.dtype]:
     return dtypes
 
 
-GPU_KERNELS = ["sdpa", "flash", "flash3", "flash4", "xformers", "flex"]
+GPU_KERNELS = ["sdpa", "torch_flash", "cudnn", "flash", "flash3", "flash4", "xformers", "flex"]
 
 
 def _skip_unless_fits(kernel: str, dtype: torch.dtype, gqa: bool = False) -> None:

@@ -28,7 +28,17 @@ from ringdilated.plugins import (
 )
 from ringdilated.plugins.builtins import BUILTIN_PLUGINS
 
-BUILTIN_KERNELS = {"sdpa", "reference", "flash", "flash3", "flash4", "xformers", "flex"}
+BUILTIN_KERNELS = {
+    "sdpa",
+    "torch_flash",
+    "cudnn",
+    "reference",
+    "flash",
+    "flash3",
+    "flash4",
+    "xformers",
+    "flex",
+}
 
 
 @attrs.frozen

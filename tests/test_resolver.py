@@ -76,7 +76,9 @@ def test_reasons_are_explained() -> None:
 def test_kernels_rejected_on_cpu_carry_their_reasons() -> None:
     plan = _resolver().resolve(Request(dtype=torch.float32, head_dim=64, dropout=True))
     reasons = dict(plan.rejected)
-    assert reasons["sdpa"] == ("does not support dropout_p > 0",)
+    assert reasons["sdpa"] == (
+        "does not support dropout_p > 0 on cpu (torch's CPU flash op has no dropout)",
+    )
     assert "runs on cuda, not cpu" in reasons["fakeflash"]
 
 

@@ -92,7 +92,7 @@ def _forward(  # type: ignore[no-untyped-def]
     rng_state = torch.full((2,), -1, dtype=torch.int64)  # torch::empty: only dropout writes it
     drop = None
     if dropout_p > 0.0:
-        seed, offset = philox_state(torch.default_generator)
+        seed, offset = philox_state(torch.default_generator, q.shape[0] * q.shape[2] * 32)
         rng_state = torch.tensor([seed, offset], dtype=torch.int64)
         drop = _drop(seed, offset, q, k, dropout_p)
     visible = bottom_right(q.shape[1], k.shape[1]) if causal else None
@@ -124,7 +124,7 @@ def _backward_into(  # type: ignore[no-untyped-def]
             seed, offset = read_as(rng_state, (2,), (1,), torch.int64).tolist()
             replayed = (seed, offset)
         else:  # mha_bwd draws a fresh state from the generator
-            seed, offset = philox_state(torch.default_generator)
+            seed, offset = philox_state(torch.default_generator, b * h * 32)
         drop = _drop(seed, offset, q, k, dropout_p)
     BACKWARD_CALLS.append({"deterministic": deterministic, "rng_state": replayed})
     # flash_bwd_kernel.h: lse is read at (bidb * h + bidh) * seqlen_q + row, as float32.

@@ -48,13 +48,15 @@ def attend(
     drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, Lq, H, D) float64, lse (B, H, Lq) float64)``; ``lse = -inf`` on empty rows.
-    ``drop`` ``(B, H, Lq, Lk)`` scales the probabilities (dropout: the keep mask divided by the
-    keep probability); the lse is that of the undropped scores."""
+    ``drop`` ``(B, H, Lq, Lk)`` multiplies the probabilities (dropout: 0 or ``1 / (1 - p)``);
+    the lse is that of the undropped scores, as the fused kernels report it."""
     s = scores(q, k, scale, visible, bias)
     lse = torch.logsumexp(s, -1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - lse.masked_fill(empty, 0).unsqueeze(-1))
-    out = (p if drop is None else p * drop) @ _expand(v, q.shape[2])
+    if drop is not None:
+        p = p * drop
+    out = p @ _expand(v, q.shape[2])
     return out.transpose(1, 2), lse
 
 
@@ -72,17 +74,20 @@ def grads(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernels' backward given ``out`` and ``lse`` (``P = exp(s - lse)``,
     ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed.
-    ``drop`` as in :func:`attend`: ``dV = (P * drop)^T dout``, ``dS = P * (drop * dP - D)``."""
+    ``drop`` is the forward's dropout multiplier (as in :func:`attend`)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     s = scores(q, k, scale, visible, bias)
     p = torch.exp(s - lse.double().unsqueeze(-1))
     do = dout.double().transpose(1, 2)
     d = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
     dp = do @ _expand(v, heads).transpose(-1, -2)
-    ds = p * ((dp if drop is None else dp * drop) - d)
+    kept = p if drop is None else p * drop
+    if drop is not None:
+        dp = dp * drop
+    ds = p * (dp - d)
     dq = ds @ _expand(k, heads) * scale
     dk = ds.transpose(-1, -2) @ q.double().transpose(1, 2) * scale
-    dv = (p if drop is None else p * drop).transpose(-1, -2) @ do
+    dv = kept.transpose(-1, -2) @ do
 
     def fold(x: torch.Tensor) -> torch.Tensor:
         b, h, n, e = x.shape

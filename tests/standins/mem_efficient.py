@@ -25,6 +25,13 @@ so a wrapper that hands them the wrong layout gets wrong numbers here, as it wou
   keep the last dimension contiguous and be aligned to 4 elements.
 - forward: ``out`` is ``(B, M, H, K)``-contiguous; ``logsumexp`` is float32 ``(B, H, ceil32(M))``
   with ``+inf`` pad rows and ``0`` for rows with no visible key.
+- dropout (``attention.cu`` ``_efficient_attention_forward``, ``kernel_forward.h``): the forward
+  takes ``(seed, offset)`` from the device's default generator (``philox_cuda_state`` of
+  ``B * H * M * N`` numbers; modelled by :mod:`tests.standins.philox`) and returns them as
+  ``int64`` scalars on the host (eager mode); a probability is kept when its uniform draw
+  exceeds ``p`` and scaled by ``1 / (1 - p)``. The backward reads
+  ``*philox_seed.data_ptr<int64_t>()`` and the offset likewise (``int64`` tensors, else the op
+  raises) and regenerates the mask from them: handed the wrong ones, its gradients are wrong.
 
 :func:`efficient_attention` and :func:`efficient_attention_backward` are the SDPA-level aten ops
 (``_scaled_dot_product_efficient_attention[_backward]``, ``(B, H, L, D)`` arguments), which
@@ -37,6 +44,8 @@ import math
 
 import torch
 
+from ringdilated.backends._philox import default_generator
+from tests.standins import philox
 from tests.standins.math import attend, grads, top_left
 from tests.standins.memory import read_as
 
@@ -101,12 +110,14 @@ def kernel_forward(
     bias: torch.Tensor | None,
     visible: torch.Tensor | None,
     scale: float,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, M, H, K) contiguous, logsumexp float32 (B, H, ceil32(M)))`` from BMHK views."""
+    """``(out (B, M, H, K) contiguous, logsumexp float32 (B, H, ceil32(M)))`` from BMHK views;
+    ``drop`` ``(B, H, M, N)`` is the dropout multiplier."""
     _check_bmhk(q, k, v)
     b, m, h, _ = q.shape
     read_bias = _read_bias(bias, (b, h, m, k.shape[1]), q.dtype)
-    out, lse = attend(q, k, v, scale, visible, read_bias)
+    out, lse = attend(q, k, v, scale, visible, read_bias, drop)
     empty = torch.isneginf(lse)
     result = torch.empty(b, m, h, v.shape[-1], dtype=q.dtype)
     result.copy_(out.masked_fill(empty.transpose(1, 2).unsqueeze(-1), 0.0))
@@ -125,6 +136,7 @@ def kernel_backward(
     logsumexp: torch.Tensor,
     visible: torch.Tensor | None,
     scale: float,
+    drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``, each ``(B, M, H, K)``-contiguous, from BMHK views."""
     _check_bmhk(q, k, v)
@@ -144,7 +156,7 @@ def kernel_backward(
     lse = read_as(logsumexp, (b, h, rows), (*logsumexp.stride()[:2], 1), torch.float32)
     pad_spoils_dv = not bool(torch.isposinf(lse[..., m:]).all())
     read_bias = _read_bias(bias, (b, h, m, n), q.dtype)
-    dq, dk, dv_ = grads(grad_out, q, k, v, out, lse[..., :m], scale, visible, read_bias)
+    dq, dk, dv_ = grads(grad_out, q, k, v, out, lse[..., :m], scale, visible, read_bias, drop)
     if pad_spoils_dv:
         dv_ = torch.full_like(dv_, float("nan"))
     return tuple(torch.empty(g.shape, dtype=q.dtype).copy_(g) for g in (dq, dk, dv_))  # type: ignore[return-value]
@@ -152,6 +164,11 @@ def kernel_backward(
 
 def _scale(scale: float | None, head_dim: int) -> float:
     return 1 / math.sqrt(head_dim) if scale is None else scale
+
+
+def _keep(seed: int, offset: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
+    """The dropout multiplier of ``kernel_forward.h``: kept where the uniform draw exceeds ``p``."""
+    return (philox.uniform(seed, offset, shape) > p).double() / (1 - p)
 
 
 def efficient_attention(
@@ -166,12 +183,19 @@ def efficient_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten._scaled_dot_product_efficient_attention`` on ``(B, H, L, D)`` arguments."""
-    assert dropout_p == 0.0 and compute_log_sumexp, "the wrapper never asks otherwise"
+    assert compute_log_sumexp, "the wrapper never asks otherwise"
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # BMHK views, no copy
-    visible = top_left(q.shape[1], k.shape[1]) if is_causal else None
-    out, lse = kernel_forward(q, k, v, attn_bias, visible, _scale(scale, q.shape[-1]))
-    unused = torch.empty((), dtype=torch.long)
-    return out.transpose(1, 2), lse, unused, unused
+    b, m, h, _ = q.shape
+    n = k.shape[1]
+    seed_t = offset_t = torch.empty((), dtype=torch.long)
+    drop = None
+    if dropout_p > 0.0:
+        seed, offset = philox.take(default_generator(query.device), b * h * m * n)
+        seed_t, offset_t = torch.tensor(seed), torch.tensor(offset)  # int64, on the host
+        drop = _keep(seed, offset, (b, h, m, n), dropout_p)
+    visible = top_left(m, n) if is_causal else None
+    out, lse = kernel_forward(q, k, v, attn_bias, visible, _scale(scale, q.shape[-1]), drop)
+    return out.transpose(1, 2), lse, seed_t, offset_t
 
 
 def efficient_attention_backward(
@@ -191,10 +215,19 @@ def efficient_attention_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
     """``aten._scaled_dot_product_efficient_attention_backward`` on ``(B, H, L, D)`` arguments."""
-    assert dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+    assert list(grad_input_mask) == [True, True, True, False]
     q, k, v, o, g = (x.transpose(1, 2) for x in (query, key, value, out, grad_out_))
-    visible = top_left(q.shape[1], k.shape[1]) if is_causal else None
+    b, m, h, _ = q.shape
+    n = k.shape[1]
+    drop = None
+    if dropout_p > 0.0:  # *philox_seed.data_ptr<int64_t>(), on the host in eager mode
+        for name, x in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+            _check(x.dtype == torch.long, f"{name}: expected scalar type Long, got {x.dtype}")
+            _check(x.device.type == "cpu", f"{name} is read on the host, got {x.device}")
+        seed, offset = int(philox_seed.reshape(-1)[0]), int(philox_offset.reshape(-1)[0])
+        drop = _keep(seed, offset, (b, h, m, n), dropout_p)
+    visible = top_left(m, n) if is_causal else None
     dq, dk, dv = kernel_backward(
-        g, q, k, v, attn_bias, o, logsumexp, visible, _scale(scale, q.shape[-1])
+        g, q, k, v, attn_bias, o, logsumexp, visible, _scale(scale, q.shape[-1]), drop
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None

@@ -1,17 +1,19 @@
-"""The device generator's Philox ``(seed, offset)`` and a fused kernel's dropout mask, emulated on
-the CPU generator so dropout stand-ins fail where the real kernels would.
+"""The CUDA default generator's Philox state, modelled on the CPU generator the stand-ins use.
 
-``CUDAGeneratorImpl::philox_cuda_state(increment)`` returns the generator's seed and its running
-offset, then advances the offset; ``manual_seed`` resets the offset to 0. torch's CPU generator
-(Mersenne twister) has no offset, so :func:`philox_state` derives one from its state: 0 exactly
-when the generator is as ``manual_seed`` left it, otherwise a nonzero value fixed by the state;
-it then advances the generator, as the real call does. A wrapper that does not seed before a
-fused call therefore gets a mask it cannot replay from the seed alone, and one that does not
-restore the generator moves the caller's random stream: both show here.
+A CUDA generator is a seed and an offset: ``manual_seed`` sets the seed and resets the offset to
+0, and each kernel that draws takes the current ``(seed, offset)`` and moves the offset on
+(``philox_cuda_state(n)``). Its random numbers are a pure function of ``(seed, offset)`` and the
+element's position. The stand-ins run on the CPU, whose generator has no offset, so
+:func:`take` keeps one: 0 when the generator is exactly as ``manual_seed(initial_seed())`` left
+it, the offset the last take left when nothing has touched the generator since, and an offset
+made from its state otherwise (someone else drew from it: the running offset is unknown, but a
+function of the state). Each take also draws from the generator, so a caller whose generator is
+not restored afterwards sees its stream move, as it would on a GPU.
 
-:func:`keep_mask` is a pure function of ``(seed, offset)``, the shape and the probability, as
-flash-attn's Philox mask is: ``flash_api.cpp`` keeps an element when its random byte is at most
-``floor((1 - p) * 255)`` (``p_dropout_in_uint8_t``) and scales kept ones by ``1 / (1 - p)``.
+:func:`uniform` gives the numbers a kernel draws for ``(seed, offset)``: a backward handed the
+same pair regenerates the forward's mask, and any other pair gives another one. :func:`keep_mask`
+is flash-attn's keep decision on them: ``flash_api.cpp`` keeps an element when its random byte is
+at most ``floor((1 - p) * 255)`` (``p_dropout_in_uint8_t``).
 """
 
 from __future__ import annotations
@@ -21,30 +23,53 @@ import math
 
 import torch
 
-__all__ = ["keep_mask", "philox_state"]
+__all__ = ["keep_mask", "philox_state", "take", "uniform"]
+
+#: Per generator (by identity): its state after the last take, and the offset that take left.
+_TAKEN: dict[int, tuple[torch.Tensor, int]] = {}
 
 
-def _digest(*parts: object, bits: int = 60) -> int:
+def _fresh(seed: int) -> torch.Tensor:
+    return torch.Generator().manual_seed(seed).get_state()
+
+
+def _hash(*parts: object) -> int:
     text = ",".join(map(str, parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> (64 - bits)
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def philox_state(generator: torch.Generator) -> tuple[int, int]:
-    """``(seed, offset)`` of ``generator`` as a fused kernel's launch reads them (each as the
-    int64 that holds its 64 bits in ``rng_state``), then the generator advanced (as
-    ``philox_cuda_state`` advances its offset)."""
+def take(generator: torch.Generator, increment: int) -> tuple[int, int]:
+    """``(seed, offset)`` for one kernel launch that draws ``increment`` numbers; the offset
+    then moves on by ``increment``."""
     seed = generator.initial_seed()
-    seed = seed - (1 << 64) if seed >= 1 << 63 else seed
     state = generator.get_state()
-    fresh = torch.Generator().manual_seed(seed).get_state()
-    offset = 0 if torch.equal(state, fresh) else 4 * (_digest(state.numpy().tobytes()) + 1)
-    torch.randint(0, 2, (1,), generator=generator)
+    last = _TAKEN.get(id(generator))
+    if torch.equal(state, _fresh(seed)):
+        offset = 0
+    elif last is not None and torch.equal(state, last[0]):
+        offset = last[1]
+    else:
+        offset = 4 * (_hash(state.sum().item(), state.numel()) % (1 << 40)) + 4
+    torch.rand((), generator=generator)
+    _TAKEN[id(generator)] = (generator.get_state(), offset + increment)
     return seed, offset
 
 
+def uniform(seed: int, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """float64 numbers in ``[0, 1)`` for each element of ``shape``: a pure function of
+    ``(seed, offset)`` and the position."""
+    generator = torch.Generator().manual_seed(_hash("philox", seed, offset))
+    return torch.rand(shape, generator=generator, dtype=torch.float64)
+
+
+def philox_state(generator: torch.Generator, increment: int) -> tuple[int, int]:
+    """:func:`take`, with the seed as the int64 that holds its 64 bits (``rng_state``'s dtype in
+    flash-attn 2)."""
+    seed, offset = take(generator, increment)
+    return (seed - (1 << 64) if seed >= 1 << 63 else seed), offset
+
+
 def keep_mask(seed: int, offset: int, shape: tuple[int, ...], p: float) -> torch.Tensor:
-    """flash-attn's keep decision for attention probabilities of ``shape``: a function of
-    ``(seed, offset)``, the shape and ``p`` only."""
-    generator = torch.Generator().manual_seed(_digest(seed, offset))
-    random_bytes = torch.randint(0, 256, shape, generator=generator)
-    return random_bytes <= math.floor((1.0 - p) * 255)
+    """Which elements of ``shape`` an 8-bit Philox dropout keeps for ``(seed, offset)``: a random
+    byte at most ``floor((1 - p) * 255)`` (flash-attn's rule, which torch's flash op shares)."""
+    return (uniform(seed, offset, shape) * 256).floor() <= math.floor((1.0 - p) * 255)

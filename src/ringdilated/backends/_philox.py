@@ -1,13 +1,18 @@
 """Dropout in fused kernels that draw their own mask: make it a function of the contract's seed.
 
-flash-attn and torch's flash op draw the dropout mask from the device's default generator (a
-Philox seed and the generator's running offset) and return the ``(seed, offset)`` they used as
-an ``rng_state`` tensor, which their backward takes to replay the mask. The kernel contract's
-backward gets no such tensor: the mask must be a pure function of ``BlockOptions.dropout_seed``
-(:class:`~ringdilated.core.contract.kernel.BlockOptions`). So the forward runs with the
-generator seeded by that seed (its offset then starts at 0, as ``manual_seed`` resets it) and
-restored afterwards (the caller's random stream does not move), and the backward is handed the
-``(seed, 0)`` state built on the device with a fill, not a host-to-device copy.
+flash-attn and torch's fused CUDA attention ops draw the dropout mask from the device's default
+generator: a Philox seed and the generator's running offset (``philox_cuda_state``), which the op
+reports so its backward can replay the mask. The kernel contract's backward gets no such state: the
+mask must be a pure function of ``BlockOptions.dropout_seed``
+(:class:`~ringdilated.core.contract.kernel.BlockOptions`). So the forward runs with the generator
+seeded by that seed (its offset then starts at 0, as ``manual_seed`` resets it) and restored
+afterwards (the caller's random stream does not move), and the backward is handed ``(seed, 0)`` in
+the form its op reads, built without reading anything back from the device:
+
+- :func:`replay_state`: one 2-element tensor on the device, ``[seed, offset]`` (torch's flash op
+  at 2.13 returns ``rng_state``, ``uint64[2]``, and its backward reads it as ``philox_seed``);
+- :func:`replay_scalars`: two 0-d tensors, seed and offset (torch's memory-efficient op returns
+  ``int64`` scalars on the host in eager mode and its backward reads them there).
 
 Limits: the generator is the process's, so two threads running dropout on one device at once
 would see each other's seed (torch's own dropout shares that generator the same way); and torch
@@ -22,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["replay_state", "seeded_generator"]
+__all__ = ["default_generator", "replay_scalars", "replay_state", "seeded_generator"]
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -53,3 +58,14 @@ def replay_state(seed: int, device: torch.device, dtype: torch.dtype) -> torch.T
     state = torch.zeros(2, dtype=dtype, device=device)
     state.narrow(0, 0, 1).fill_(seed)
     return state
+
+
+def replay_scalars(
+    seed: int, device: torch.device, dtype: torch.dtype = torch.int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seed, 0)`` as two 0-d ``dtype`` tensors on ``device``: the Philox seed and offset a
+    forward run under :func:`seeded_generator` reports as separate scalars, made by fills."""
+    return (
+        torch.zeros((), dtype=dtype, device=device).fill_(seed),
+        torch.zeros((), dtype=dtype, device=device),
+    )

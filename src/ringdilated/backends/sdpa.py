@@ -2,12 +2,36 @@
 
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which read every
   tensor through its real strides. A fully masked row comes back with ``lse = 0``; this kernel
-  reports ``-inf`` as the contract says.
+  reports ``-inf`` as the contract says. No dropout (the op raises "Currently do not support
+  dropout > 0").
 - CUDA: ``aten._scaled_dot_product_efficient_attention`` and its backward
-  (:class:`EfficientAttention`). Not yet run on GPU hardware by this project: it is checked on
-  FakeTensor ``cuda`` tensors and against a stand-in that reads memory the way the kernel does.
+  (:class:`EfficientAttention`), the memory-efficient op: every fp16/fp32 GPU from sm50, bf16
+  from sm80, and the fallback of torch's two faster CUDA ops, which are kernels of their own:
+  ``torch_flash`` (:mod:`ringdilated.backends.torch_flash`, torch's FlashAttention 2 op, sm80 on)
+  and ``cudnn`` (:mod:`ringdilated.backends.cudnn`, cuDNN's op). Not yet run on GPU hardware by
+  this project: it is checked on FakeTensor ``cuda`` tensors and against a stand-in that reads
+  memory the way the kernel does.
 
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
+
+Grouped-query heads: the CPU op takes ``k``, ``v`` with fewer heads (its backward runs one
+thread per key/value head); the memory-efficient op does not (``_efficient_attention_forward``
+and ``_efficient_attention_backward`` check ``query.size(2) == key.size(2)``), so ``k``, ``v``
+are repeated for it and their gradients summed back.
+
+Dropout (CUDA): the memory-efficient op draws its mask from the CUDA default generator
+(``philox_cuda_state``) and returns the Philox seed and offset as ``int64`` scalars on the host
+(eager mode); its backward reads them there (``*philox_seed.data_ptr<int64_t>()``). So the
+forward runs under :func:`~ringdilated.backends._philox.seeded_generator` with the block's
+``dropout_seed`` and the backward gets :func:`~ringdilated.backends._philox.replay_scalars` of it
+on the host: the mask is a function of the seed, as the contract asks. The keep test compares a
+uniform float with ``p`` and kept values are scaled by ``1 / (1 - p)``.
+
+Deterministic: the CPU backward parallelises over (batch, key/value head), each gradient element
+written by one thread in a fixed order (``cpu_flash_attention_backward`` in
+``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``); the memory-efficient backward sets
+``num_splits_key = 1`` when ``torch.are_deterministic_algorithms_enabled()``
+(``_efficient_attention_backward``, ``attention_backward.cu``).
 
 Non-finite inputs (docs/spec.md, section 4). Neither op is exact for NaN or infinity, so their
 results are repaired on the device, with no host read, each path by what its op gets wrong:
@@ -39,7 +63,8 @@ rule; the cost of the repair is measured by ``benchmarks/bench_non_finite.py`` a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,11 +72,14 @@ import torch
 from ringdilated.backends import _dense
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.backends._memeff import packed_bmhk, padded_bias, padded_lse
+from ringdilated.backends._philox import replay_scalars, seeded_generator
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
+    Environment,
     KernelSpec,
+    Request,
     Target,
     accumulation_dtype,
     mark_non_finite_problems,
@@ -116,6 +144,11 @@ class CpuFlashAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if options.dropout_p:  # the spec refuses it; an instance called directly says so too
+            raise NotImplementedError(
+                f"sdpa has no dropout on cpu (dropout_p={options.dropout_p}): torch's CPU "
+                "flash op refuses it"
+            )
         is_causal, mask = _mask_args(q, k, options)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
@@ -176,9 +209,17 @@ class EfficientAttention:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
         kd, vd = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        out, lse, _, _ = self._forward(
-            q, kd, vd, padded_bias(mask, q), True, 0.0, is_causal, scale=options.scale
-        )
+        with _drawing(q.device, options):
+            out, lse, _, _ = self._forward(
+                q,
+                kd,
+                vd,
+                padded_bias(mask, q),
+                True,
+                options.dropout_p,
+                is_causal,
+                scale=options.scale,
+            )
         lse = lse.narrow(-1, 0, q.shape[-2])
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
@@ -195,7 +236,7 @@ class EfficientAttention:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
         heads = q.shape[1]
-        unused = torch.empty((), dtype=torch.long)  # philox seed and offset: no dropout
+        philox_seed, philox_offset = _replayed(options)
         dq, dk, dv, _ = self._backward(
             dout,
             q,
@@ -204,9 +245,9 @@ class EfficientAttention:
             padded_bias(mask, q),
             packed_bmhk(out),
             padded_lse(lse),
-            unused,
-            unused,
-            0.0,
+            philox_seed,
+            philox_offset,
+            options.dropout_p,
             [True, True, True, False],
             is_causal,
             scale=options.scale,
@@ -216,6 +257,27 @@ class EfficientAttention:
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
+
+
+_HOST = torch.device("cpu")
+
+
+def _drawing(
+    device: torch.device, options: BlockOptions
+) -> contextlib.AbstractContextManager[None]:
+    """The generator state the forward draws its mask from (nothing to seed without dropout)."""
+    if options.dropout_p == 0.0:
+        return contextlib.nullcontext()
+    return seeded_generator(device, options.dropout_seed)
+
+
+def _replayed(options: BlockOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(philox_seed, philox_offset)`` as the forward returns them in eager mode: ``int64``
+    scalars on the host, ``(dropout_seed, 0)`` with dropout (unread without)."""
+    if options.dropout_p == 0.0:
+        unused = torch.empty((), dtype=torch.long)
+        return unused, unused
+    return replay_scalars(options.dropout_seed, _HOST)
 
 
 class SdpaKernel:
@@ -249,6 +311,13 @@ class SdpaKernel:
         return self._path(q).backward(dout, q, k, v, out, lse, options)
 
 
+def sdpa_reasons(request: Request, env: Environment) -> Iterable[str]:
+    """Dropout is the CUDA path's only: the CPU flash op refuses ``dropout_p > 0``."""
+    if request.dropout and request.device_type == "cpu":
+        return ("does not support dropout_p > 0 on cpu (torch's CPU flash op has no dropout)",)
+    return ()
+
+
 SDPA_SPEC = KernelSpec(
     name="sdpa",
     factory=SdpaKernel,
@@ -276,10 +345,12 @@ SDPA_SPEC = KernelSpec(
         ),
         causal=True,
         backward=True,
-        dropout=False,
+        dropout=True,
         gqa=True,
+        deterministic=True,
         batch_limit=FUSED_GRID_LIMIT,
     ),
     priority=100,
     description="PyTorch's fused attention ops (flash for CPU; memory-efficient on CUDA)",
+    extra_reasons=sdpa_reasons,
 )

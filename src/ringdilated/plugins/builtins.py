@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from ringdilated.backends.allgather import ALLGATHER_SPEC
+from ringdilated.backends.cudnn import CUDNN_SPEC
 from ringdilated.backends.flash import FLASH_SPEC
 from ringdilated.backends.flash3 import FLASH3_SPEC
 from ringdilated.backends.flash4 import FLASH4_SPEC
@@ -20,6 +21,7 @@ from ringdilated.backends.local import LOCAL_SPEC
 from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.ringpass import RINGPASS_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC
+from ringdilated.backends.torch_flash import TORCH_FLASH_SPEC
 from ringdilated.backends.ulysses import ULYSSES_SPEC
 from ringdilated.backends.xformers import XFORMERS_SPEC
 from ringdilated.core.select.capabilities import KernelSpec
@@ -56,6 +58,8 @@ def _plugin(module: str, *specs: KernelSpec | CommunicatorSpec) -> BuiltinPlugin
 
 BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
     _plugin("sdpa", SDPA_SPEC),
+    _plugin("torch_flash", TORCH_FLASH_SPEC),
+    _plugin("cudnn", CUDNN_SPEC),
     _plugin("reference", REFERENCE_SPEC),
     _plugin("flash", FLASH_SPEC),
     _plugin("flash3", FLASH3_SPEC),
