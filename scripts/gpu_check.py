@@ -9,7 +9,8 @@
 
 Offline, with the machine's own torch: it imports only the standard library, torch,
 ringdilated (and its dependencies attrs and pluggy), and, each guarded, hypothesis (for the
-conformance kits), flash_attn, flash_attn_interface, xformers, triton and transformers.
+conformance kits), flash_attn, flash_attn_interface (FlashAttention 3), flash_attn.cute
+(FlashAttention 4), xformers, triton and transformers.
 Nothing is installed or downloaded.
 
 Sections, each with its own time budget and its own failure (a section that raises is recorded
@@ -109,12 +110,23 @@ BUDGETS = {
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Kernels in the order they are checked: the fused ones first, flex (which compiles) last.
-KERNEL_ORDER = ("flash", "sdpa", "xformers", "reference", "flex")
+KERNEL_ORDER = (
+    "flash4",
+    "flash3",
+    "flash",
+    "cudnn",
+    "torch_flash",
+    "sdpa",
+    "xformers",
+    "reference",
+    "flex",
+)
 # Kernels the throughput section times (the reference kernel is plain math, not a fast path).
-FAST_KERNELS = ("flash", "sdpa", "xformers", "flex")
+FAST_KERNELS = ("flash4", "flash3", "flash", "cudnn", "torch_flash", "sdpa", "xformers", "flex")
 OPTIONAL_PACKAGES = (
     "flash_attn",
     "flash_attn_interface",
+    "flash_attn.cute",
     "xformers",
     "triton",
     "transformers",
@@ -591,10 +603,10 @@ def _git_revision() -> str:
 
 
 def _try_import(name: str) -> str:
-    if importlib.util.find_spec(name) is None:
-        return "not installed"
     try:
         with _quiet():
+            if importlib.util.find_spec(name) is None:  # a dotted name imports its parent
+                return "not installed"
             module = importlib.import_module(name)
     except Exception as exc:  # a broken build is worth reporting, not fatal
         return f"installed, import fails: {type(exc).__name__}: {first_line(exc, 160)}"

@@ -616,9 +616,20 @@ def applicable_checks(spec: KernelSpec, device: str = "cpu") -> tuple[str, ...]:
 def _applies(check: str, spec: KernelSpec, device: str) -> bool:
     if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
         return False
-    if check == "dropout" and not spec.capabilities.dropout:
+    if check == "dropout" and not _has_dropout(spec, device):
         return False
     return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
+
+
+def _has_dropout(spec: KernelSpec, device: str) -> bool:
+    """Whether ``spec`` serves dropout on ``device``: it declares dropout, and a request with it
+    meets no reason that one without it does not (a spec may refuse dropout on one device in
+    its ``extra_reasons``)."""
+    if not spec.capabilities.dropout:
+        return False
+    env = Environment(frozenset(spec.capabilities.requires))
+    plain = set(spec.reasons(Request(device_type=device), env))
+    return set(spec.reasons(Request(device_type=device, dropout=True), env)) <= plain
 
 
 def _runner(
