@@ -76,14 +76,12 @@ def test_reasons_are_explained() -> None:
 def test_kernels_rejected_on_cpu_carry_their_reasons() -> None:
     plan = _resolver().resolve(Request(dtype=torch.float32, head_dim=64, dropout=True))
     reasons = dict(plan.rejected)
-    assert reasons["sdpa"] == (
-        "does not support dropout_p > 0 on cpu (torch's CPU flash op has no dropout)",
-    )
+    assert reasons["sdpa"] == ("no dropout on cpu (flash attention for CPU)",)
     assert "runs on cuda, not cpu" in reasons["fakeflash"]
 
 
 def test_forced_unfit_kernel_raises_with_reasons() -> None:
-    with pytest.raises(ResolutionError, match=r"kernel 'sdpa' .* does not support dropout_p > 0"):
+    with pytest.raises(ResolutionError, match=r"kernel 'sdpa' .* no dropout on cpu"):
         _resolver().resolve(Request(dropout=True), "sdpa")
     with pytest.raises(ResolutionError, match=r"needs compute capability >= 8\.0"):
         _resolver({"flash_attn"}).resolve(cuda((7, 0)), "fakeflash")

@@ -240,9 +240,9 @@ def test_cpu_dropout_on_the_default_resolver_names_sdpa(monkeypatch: pytest.Monk
     from ringdilated.functional import default_resolver
 
     resolver = default_resolver()
-    sdpa = resolver.specs["sdpa"]
-    if sdpa.capabilities.dropout or sdpa.capabilities.batch_limit.query_elements is not None:
-        pytest.skip("sdpa serves dropout on CPU now, or is not fused: nothing to warn about")
+    sdpa = resolver.specs["sdpa"].capabilities
+    assert sdpa.missing_features(Request(head_dim=8, dropout=True)) == ("dropout",)
+    assert sdpa.batch_limit_for(Request(head_dim=8)).query_elements is None
     with pytest.warns(ringdilated.SlowFeatureWarning, match=r"'sdpa'.*'reference' was chosen"):
         _call(resolver)
     choice = resolver.resolve(Request(head_dim=8, dropout=True))

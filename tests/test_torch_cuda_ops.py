@@ -487,7 +487,7 @@ def test_sdpa_serves_dropout_on_cuda_only() -> None:
     env = Environment(packages=frozenset())
     assert SDPA_SPEC.reasons(cuda((8, 0), torch.float16, dropout=True), env) == ()
     assert SDPA_SPEC.reasons(Request("cpu", torch.float32, 64, dropout=True), env) == (
-        "does not support dropout_p > 0 on cpu (torch's CPU flash op has no dropout)",
+        "no dropout on cpu (flash attention for CPU)",
     )
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(NotImplementedError, match=r"sdpa has no dropout on cpu \(dropout_p=0.1\)"):

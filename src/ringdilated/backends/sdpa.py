@@ -64,7 +64,7 @@ rule; the cost of the repair is measured by ``benchmarks/bench_non_finite.py`` a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,9 +77,7 @@ from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
-    Environment,
     KernelSpec,
-    Request,
     Target,
     accumulation_dtype,
     mark_non_finite_problems,
@@ -311,13 +309,6 @@ class SdpaKernel:
         return self._path(q).backward(dout, q, k, v, out, lse, options)
 
 
-def sdpa_reasons(request: Request, env: Environment) -> Iterable[str]:
-    """Dropout is the CUDA path's only: the CPU flash op refuses ``dropout_p > 0``."""
-    if request.dropout and request.device_type == "cpu":
-        return ("does not support dropout_p > 0 on cpu (torch's CPU flash op has no dropout)",)
-    return ()
-
-
 SDPA_SPEC = KernelSpec(
     name="sdpa",
     factory=SdpaKernel,
@@ -327,6 +318,7 @@ SDPA_SPEC = KernelSpec(
                 "cpu",
                 frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64}),
                 note="flash attention for CPU",
+                dropout=False,  # torch's CPU flash op has none
             ),
             Target(
                 "cuda",
@@ -352,5 +344,4 @@ SDPA_SPEC = KernelSpec(
     ),
     priority=100,
     description="PyTorch's fused attention ops (flash for CPU; memory-efficient on CUDA)",
-    extra_reasons=sdpa_reasons,
 )

@@ -272,7 +272,8 @@ class Target:
 
     ``min_capability``/``max_capability`` bound the CUDA compute capability (inclusive);
     ``head_dim_multiple`` and ``max_head_dim`` bound the head dim (``None``: no bound).
-    ``backward=False`` declares a forward-only target (a backend with gradients elsewhere).
+    ``backward=False`` declares a forward-only target (a backend with gradients elsewhere);
+    ``dropout=False`` a target without the dropout its backend declares elsewhere.
     ``batch_limit`` replaces the capabilities' :class:`BatchLimit` on this target (``None``: it
     applies), for a backend fused on one device and materialising scores on another.
     Every field is validated on construction (:mod:`ringdilated.core.contract.rules`): ``dtypes``
@@ -294,6 +295,7 @@ class Target:
     head_dim_multiple: int = attrs.field(default=1, validator=rules.positive_int)
     note: str = attrs.field(default="", validator=rules.strs)
     backward: bool = attrs.field(default=True, validator=rules.bools)
+    dropout: bool = attrs.field(default=True, validator=rules.bools, kw_only=True)
     batch_limit: BatchLimit | None = attrs.field(
         default=None,
         validator=rules.optional(rules.Rule("a BatchLimit", lambda v: isinstance(v, BatchLimit))),
@@ -328,6 +330,8 @@ class Target:
             )
         if request.backward and not self.backward:
             out.append(f"no backward (gradients) on {self.device_type}{label}")
+        if request.dropout and not self.dropout:
+            out.append(f"no dropout on {self.device_type}{label}")
         if request.head_dim is not None:
             if self.max_head_dim is not None and request.head_dim > self.max_head_dim:
                 out.append(f"head_dim {request.head_dim} exceeds {self.max_head_dim}{label}")
@@ -402,19 +406,20 @@ class Capabilities:
 
     def missing_features(self, request: Request) -> tuple[str, ...]:
         """The features ``request`` needs that this backend lacks (names of :data:`FEATURES`, in
-        that order): those its flags leave out, and ``backward`` where every declared target
-        that would serve the request without it is forward-only. Empty: none is missing
-        (:meth:`reasons` may still hold others)."""
+        that order): those its flags leave out, and ``backward`` or ``dropout`` where every
+        declared target that would serve the request without it lacks it. Empty: none is
+        missing (:meth:`reasons` may still hold others)."""
         missing = {name for name in request.features if not getattr(self, name)}
-        if request.backward and "backward" not in missing:
-            forward = attrs.evolve(request, backward=False)
-            serving = [
-                t
-                for t in self.targets
-                if t.device_type == request.device_type and not t.reasons(forward)
-            ]
-            if serving and not any(t.backward for t in serving):
-                missing.add("backward")
+        for feature in ("backward", "dropout"):  # the features a target may also lack
+            if getattr(request, feature) and feature not in missing:
+                without = request.without((feature,))
+                serving = [
+                    t
+                    for t in self.targets
+                    if t.device_type == request.device_type and not t.reasons(without)
+                ]
+                if serving and not any(getattr(t, feature) for t in serving):
+                    missing.add(feature)
         return tuple(name for name in FEATURES if name in missing)
 
 
