@@ -82,6 +82,7 @@ def nccl_without_set_device(payload: dict[str, Any]) -> dict[str, Any]:
     dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"  # type: ignore[assignment]
     torch.cuda.current_device = lambda: 0
     os.environ["RINGDILATED_COMPUTE_CAPABILITY"] = "8.0"  # rank 0 resolves a kernel for its call
+    ringdilated.default_resolver.cache_clear()  # read when the default resolver is built
     try:
         with FakeTensorMode():
             q = torch.empty(1, 8, 2, 8, device=f"cuda:{rank}")
@@ -95,3 +96,4 @@ def nccl_without_set_device(payload: dict[str, Any]) -> dict[str, Any]:
             del os.environ["RINGDILATED_COMPUTE_CAPABILITY"]
         else:
             os.environ["RINGDILATED_COMPUTE_CAPABILITY"] = saved[2]
+        ringdilated.default_resolver.cache_clear()

@@ -41,7 +41,7 @@ def test_training_mode_dropout_is_served_by_a_kernel_that_declares_it(
     with pytest.warns(ringdilated.SlowFeatureWarning, match=r"dropout .* 'sdpa' .* 'reference'"):
         attn(q, q, q)
     assert attn.plan is not None and attn.plan.kernel_name == "reference"
-    assert "rejected sdpa: does not support dropout_p > 0" in attn.plan.explain()
+    assert "rejected sdpa: no dropout on cpu (flash attention for CPU)" in attn.plan.explain()
 
 
 def test_eval_mode_drops_nothing_and_is_deterministic() -> None:

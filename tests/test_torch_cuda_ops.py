@@ -60,12 +60,12 @@ def efficient_kernel() -> EfficientAttention:
 
 def test_torch_flash_conforms() -> None:
     report = check_kernel(_with(TORCH_FLASH_SPEC, flash_kernel), max_examples=12)
-    assert report.passed == CHECKS
+    assert report.passed == CHECKS  # dropout included
 
 
 def test_cudnn_conforms() -> None:
     report = check_kernel(_with(cudnn_spec(), cudnn_kernel), max_examples=12)
-    assert report.passed == CHECKS
+    assert report.passed == CHECKS[:-1]  # no dropout declared
 
 
 @pytest.mark.parametrize("kernel", [flash_kernel, cudnn_kernel])
