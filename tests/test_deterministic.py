@@ -62,9 +62,18 @@ def test_describe_lists_it_after_the_features() -> None:
     assert "deterministic" not in Request(window=CAUSAL).describe()
 
 
-def test_a_kernel_without_a_deterministic_mode_is_still_chosen_and_named() -> None:
+def test_a_kernel_without_a_deterministic_mode_ranks_after_those_with_one() -> None:
+    """Under the switch, ranked after a lower-priority kernel that has one, and said so; when
+    it is the only kernel that fits it is still chosen, with the note."""
     resolver = Resolver([_spec("fastnd", False, priority=10), _spec("slowdet", True)])
-    chosen = resolver.resolve(Request(head_dim=8, deterministic=True))
+    passed_over = resolver.resolve(Request(head_dim=8, deterministic=True))
+    assert passed_over.kernel_name == "slowdet"
+    assert "not chosen fastnd: fits, priority 10, but no deterministic mode" in (
+        passed_over.explain()
+    )
+    assert resolver.resolve(Request(head_dim=8)).kernel_name == "fastnd"  # switch off
+    alone = Resolver([_spec("fastnd", False, priority=10)])
+    chosen = alone.resolve(Request(head_dim=8, deterministic=True))
     assert chosen.kernel_name == "fastnd" and chosen.deterministic is False
     assert "  note: " + NOTE.format("fastnd") in chosen.explain()
     # Switch off: the same kernel, no note.

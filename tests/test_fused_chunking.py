@@ -29,6 +29,7 @@ from ringdilated.core.run.local import (
 from ringdilated.core.select.capabilities import (
     DEFAULT_QUERY_ELEMENTS,
     FUSED_GRID_LIMIT,
+    FUSED_QUERY_ELEMENTS,
     GRID_LIMIT,
     UNLIMITED,
     BatchLimit,
@@ -80,12 +81,16 @@ def _meta(batch: int, length: int, heads: int, kv_heads: int) -> tuple[torch.Ten
 
 
 def _run_both_ways(
-    pattern: DilationPattern, limit: BatchLimit, batch: int = 1, kv_heads: int = H
+    pattern: DilationPattern,
+    limit: BatchLimit,
+    batch: int = 1,
+    kv_heads: int = H,
+    length: int = L,
 ) -> ShapeKernel:
     """One forward and one backward of ``pattern`` over ``(batch, L, H, D)`` meta tensors, causal,
     on a :class:`ShapeKernel` declared with ``limit``."""
     kernel = ShapeKernel()
-    q, k, v = _meta(batch, L, H, kv_heads)
+    q, k, v = _meta(batch, length, H, kv_heads)
     run = pattern_run(
         kernel, pattern, q, k, window=CAUSAL, scale=None, dropout_p=0.0, batch_limit=limit
     )
@@ -100,13 +105,15 @@ def _grid_calls(blocks: tuple[Block, ...], per_call: int) -> int:
     return sum(-(-block.selection.num_segments // per_call) for block in blocks)
 
 
-def _budget_calls(blocks: tuple[Block, ...], budget: int) -> int:
+def _budget_calls(blocks: tuple[Block, ...], budget: int, per_call: int | None = None) -> int:
     """Calls one sequence needs when each holds at most ``budget`` query elements, in whole
-    segments (of ``count x heads x D`` query elements each)."""
+    segments (of ``count x heads x D`` query elements each), and at most ``per_call``
+    segments (the grid) when given."""
     calls = 0
     for block in blocks:
         per_segment = block.selection.count * block.heads.num_heads * D
-        calls += -(-block.selection.num_segments // (budget // per_segment))
+        most = budget // per_segment if per_call is None else min(per_call, budget // per_segment)
+        calls += -(-block.selection.num_segments // most)
     return calls
 
 
@@ -114,20 +121,24 @@ def _budget_calls(blocks: tuple[Block, ...], budget: int) -> int:
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_fused_calls_at_1m_are_what_the_grid_limit_requires(name: str, mode: str) -> None:
     """The issue's case: at L = 2^20 every block of these patterns holds at most 512 segments,
-    so a fused kernel needs one call per block, forward and backward; one that keeps the
-    default bound needs several per block (LongNet's published pattern in longnet mode: 21
-    calls against 134)."""
+    far below the grid limit, so a fused kernel's calls are bounded by its 2^28 query elements
+    only: one or two per block, forward and backward; one that keeps the default bound needs
+    several per block (LongNet's published pattern in longnet mode: 22 calls against 134)."""
     segments, rates = PATTERNS[name]
     pattern = DilationPattern(segments, rates, mode)  # type: ignore[arg-type]
     blocks = pattern.blocks(L, H, H)
     fused = _run_both_ways(pattern, FUSED_GRID_LIMIT)
-    expected = _grid_calls(blocks, GRID_LIMIT)
-    assert expected == len(blocks)  # no block of these patterns reaches the grid limit
+    assert FUSED_GRID_LIMIT.query_elements == FUSED_QUERY_ELEMENTS == 1 << 28
+    expected = _budget_calls(blocks, FUSED_QUERY_ELEMENTS, GRID_LIMIT)
+    assert _grid_calls(blocks, GRID_LIMIT) == len(blocks)  # the grid alone: one call a block
+    assert len(blocks) <= expected <= 2 * len(blocks)
     assert len(fused.forwards) == expected and len(fused.backwards) == expected
     assert max(n for n, _ in fused.forwards) <= GRID_LIMIT
+    assert max(e for _, e in fused.forwards + fused.backwards) <= FUSED_QUERY_ELEMENTS
 
     bounded = _run_both_ways(pattern, UNLIMITED)  # declares nothing: the default bound
     assert UNLIMITED.query_elements == DEFAULT_QUERY_ELEMENTS == 1 << 23
+    assert UNLIMITED.bounds_scratch and not FUSED_GRID_LIMIT.bounds_scratch
     assert len(bounded.forwards) == _budget_calls(blocks, DEFAULT_QUERY_ELEMENTS)
     assert len(bounded.backwards) == len(bounded.forwards)
     assert max(e for _, e in bounded.forwards + bounded.backwards) <= DEFAULT_QUERY_ELEMENTS
@@ -140,9 +151,10 @@ def test_the_headline_counts_for_longnets_pattern() -> None:
     """Worked by hand: longnet mode, H = 8, rates 1, 2, 4, 6, 12: 1 + 2 + 4 + 6 + 8 head runs
     (blocks). At 8M elements a call: 64 (2048-segments of 8 heads, 2^20 elements each: 8 a
     call, 512 in all) + 2 x 16 + 4 x 4 + 14 (rate 6: runs of 2, 1, 1, 2, 1, 1 heads, 23 or 47
-    or 48 segments of 64 a call) + 8 = 134."""
+    or 48 segments of 64 a call) + 8 = 134. At 2^28: the rate-1 block's 512 segments of 2^20
+    elements take 2 calls (256 a call), every other block 1: 22."""
     pattern = DilationPattern(*PATTERNS["longnet-paper"], "longnet")  # type: ignore[arg-type]
-    assert len(_run_both_ways(pattern, FUSED_GRID_LIMIT).forwards) == 21
+    assert len(_run_both_ways(pattern, FUSED_GRID_LIMIT).forwards) == 22
     assert len(_run_both_ways(pattern, UNLIMITED).forwards) == 134
 
 
@@ -175,10 +187,14 @@ def test_the_grid_limit_binds_for_many_small_segments(
 
 
 def test_batch_rows_share_a_fused_call() -> None:
-    """Four rows of 2^20 positions, 2048-segments: 4 x 512 problems, still one call a block."""
+    """Four rows of 2^18 positions, 2048-segments: 4 x 128 problems of 3 heads (2^28 / 4 query
+    elements a row at most), one call a block; at 2^20 a row fills a call by itself."""
     pattern = DilationPattern(*PATTERNS["bench"])  # type: ignore[arg-type]
-    kernel = _run_both_ways(pattern, FUSED_GRID_LIMIT, batch=4)
-    assert [n for n, _ in kernel.forwards] == [4 * 512, 4 * 256, 4 * 128]
+    kernel = _run_both_ways(pattern, FUSED_GRID_LIMIT, batch=4, length=L // 4)
+    assert [n for n, _ in kernel.forwards] == [4 * 128, 4 * 64, 4 * 32]
+    whole = _run_both_ways(pattern, FUSED_GRID_LIMIT, batch=4)
+    assert [n for n, _ in whole.forwards] == [512] * 6 + [512]  # rows of 2^20: one a call
+    assert max(e for _, e in whole.forwards) <= FUSED_QUERY_ELEMENTS
 
 
 def test_the_resolvers_choice_carries_the_fused_bound_into_the_call() -> None:
@@ -198,8 +214,9 @@ def test_the_resolvers_choice_carries_the_fused_bound_into_the_call() -> None:
     _, _, plan = attend(
         pattern, q, k, v, causal=True, scale=None, dropout_p=0.0, kernel="auto", resolver=resolver
     )
-    assert plan is not None and plan.kernel.batch_limit.query_elements is None
-    assert len(kernel.forwards) == len(pattern.blocks(L, H, H)) == 7
+    assert plan is not None and plan.kernel.batch_limit == FUSED_GRID_LIMIT
+    blocks = pattern.blocks(L, H, H)
+    assert len(kernel.forwards) == _budget_calls(blocks, FUSED_QUERY_ELEMENTS, GRID_LIMIT) == 8
 
 
 def test_a_targets_own_bound_replaces_the_kernels() -> None:
@@ -213,7 +230,7 @@ def test_a_targets_own_bound_replaces_the_kernels() -> None:
     cpu = resolver.resolve(Request(head_dim=16, backward=False), "flex")
     cuda = resolver.resolve(Request("cuda", torch.bfloat16, 64, (8, 0)), "flex")
     assert cpu.batch_limit.query_elements == DEFAULT_QUERY_ELEMENTS
-    assert cuda.batch_limit.query_elements is None
+    assert cuda.batch_limit.query_elements == FUSED_QUERY_ELEMENTS
     with pytest.raises(TypeError, match="batch_limit must be None or a BatchLimit, got 8"):
         Target("cpu", frozenset({torch.float32}), batch_limit=8)  # type: ignore[arg-type]
 

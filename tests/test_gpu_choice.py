@@ -47,14 +47,14 @@ def _choice(cc: tuple[int, int], packages: frozenset[str], **request: object):  
         ((8, 0), frozenset({FA2}), "flash"),
         ((8, 0), frozenset({FA3, FA4}), "torch_flash"),  # FA3 is sm90 only; FA4 trains on 9.0+
         ((8, 0), EVERY, "flash"),
-        ((9, 0), frozenset(), "cudnn"),  # torch 2.13's order on sm90 with cuDNN > 9.15
+        ((9, 0), frozenset(), "torch_flash"),  # cuDNN (240) just below it where torch prefers it
         ((9, 0), frozenset({FA2}), "flash"),
         ((9, 0), frozenset({FA4}), "flash4"),
         ((9, 0), frozenset({FA2, FA4}), "flash4"),
         ((9, 0), EVERY, "flash3"),  # Hopper: flash3 450 > flash4 400 > flash 300
-        ((10, 0), frozenset(), "cudnn"),
+        ((10, 0), frozenset(), "torch_flash"),
         ((10, 0), frozenset({FA2}), "flash"),
-        ((10, 0), frozenset({FA3}), "cudnn"),  # FA3 does not run on Blackwell
+        ((10, 0), frozenset({FA3}), "torch_flash"),  # FA3 does not run on Blackwell
         ((10, 0), EVERY, "flash4"),  # Blackwell: flash4 500
     ],
 )
@@ -77,12 +77,21 @@ def test_the_reasons_name_what_each_kernel_lacks() -> None:
     hopper = _choice((9, 0), EVERY).explain()
     assert "kernel: flash3 (priority 450, highest priority that fits)" in hopper
     for line in ("flash4: fits, priority 400", "flash: fits, priority 300",
-                 "cudnn: fits, priority 275", "torch_flash: fits, priority 250"):  # fmt: skip
+                 "torch_flash: fits, priority 250", "cudnn: fits, priority 240"):  # fmt: skip
         assert f"not chosen {line}" in hopper, hopper
 
     blackwell = _choice((10, 0), frozenset({FA3})).explain()
     flash3 = blackwell.split("rejected flash3:")[1].split("\n")[0]
     assert "compute capability <= 9.0" in flash3, blackwell
+
+
+def test_a_deterministic_request_ranks_kernels_with_a_deterministic_mode_first() -> None:
+    """cuDNN has none (torch never picks it under the switch): it ranks after every kernel
+    that has one, and explain() says why it was passed over."""
+    plan = _choice((9, 0), frozenset(), deterministic=True)
+    assert plan.kernel_name == "torch_flash", plan.explain()
+    assert "not chosen cudnn: fits, priority 240, but no deterministic mode" in plan.explain()
+    assert _choice((9, 0), EVERY, deterministic=True).kernel_name == "flash3"
 
 
 def test_dropout_moves_the_choice_to_a_kernel_that_implements_it() -> None:
@@ -98,7 +107,7 @@ GROUPED = [
     ((8, 0), frozenset(), "torch_flash"),
     ((9, 0), EVERY, "flash3"),
     ((10, 0), EVERY, "flash4"),
-    ((9, 0), frozenset(), "cudnn"),
+    ((9, 0), frozenset(), "torch_flash"),
 ]
 
 

@@ -242,7 +242,7 @@ def test_cpu_dropout_on_the_default_resolver_names_sdpa(monkeypatch: pytest.Monk
     resolver = default_resolver()
     sdpa = resolver.specs["sdpa"].capabilities
     assert sdpa.missing_features(Request(head_dim=8, dropout=True)) == ("dropout",)
-    assert sdpa.batch_limit_for(Request(head_dim=8)).query_elements is None
+    assert not sdpa.batch_limit_for(Request(head_dim=8)).bounds_scratch
     with pytest.warns(ringdilated.SlowFeatureWarning, match=r"'sdpa'.*'reference' was chosen"):
         _call(resolver)
     choice = resolver.resolve(Request(head_dim=8, dropout=True))

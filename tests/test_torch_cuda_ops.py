@@ -343,10 +343,11 @@ def cuda(cc: tuple[int, int], dtype: torch.dtype, head_dim: int = 64, **kw: Any)
         ((8, 0), torch.bfloat16, 64, BOTH, "flash"),  # the flash-attn package first (300)
         ((8, 0), torch.bfloat16, 64, frozenset(), "torch_flash"),  # then torch's flash (250)
         ((8, 6), torch.float16, 128, frozenset(), "torch_flash"),  # cuDNN last off sm90/sm100
-        ((9, 0), torch.float16, 64, frozenset(), "cudnn"),  # torch's order there: cuDNN first
+        ((9, 0), torch.float16, 64, frozenset(), "torch_flash"),  # cuDNN next (240) there
+        ((9, 0), torch.float16, 192, frozenset(), "torch_flash"),
         ((9, 0), torch.float16, 64, BOTH, "flash"),
-        ((10, 0), torch.bfloat16, 128, frozenset(), "cudnn"),
-        ((10, 3), torch.bfloat16, 64, frozenset(), "cudnn"),
+        ((10, 0), torch.bfloat16, 128, frozenset(), "torch_flash"),
+        ((10, 3), torch.bfloat16, 64, frozenset(), "torch_flash"),
         ((12, 0), torch.bfloat16, 64, frozenset(), "torch_flash"),
         ((9, 0), torch.float16, 256, frozenset(), "torch_flash"),  # cuDNN 9.16: 128 at most
         ((9, 0), torch.float16, 512, frozenset(), "sdpa"),
@@ -391,11 +392,11 @@ def test_cudnn_priority_follows_torchs_preference(
     everywhere else after torch's math fallback (below ``reference``)."""
     spec = cudnn_spec(version=version, cuda=cuda_version, deprioritized=deprioritized)
     ranked = {cc: spec.priority_for(cuda(cc, torch.float16)) for cc in EVERY_CC}
-    assert {cc for cc, priority in ranked.items() if priority == 275} == preferred
+    assert {cc for cc, priority in ranked.items() if priority == 240} == preferred
     assert {priority for cc, priority in ranked.items() if cc not in preferred} == {-5}
     assert (
         REFERENCE_SPEC.priority > -5
-        and TORCH_FLASH_SPEC.priority_for(cuda((9, 0), torch.float16)) < 275
+        and TORCH_FLASH_SPEC.priority_for(cuda((9, 0), torch.float16)) > 240 > 100
     )
 
 
@@ -472,14 +473,24 @@ def test_cudnn_head_dims_follow_the_cudnn_version(
 
 @pytest.mark.usefixtures("cuda_torch")
 def test_deterministic_requests_name_the_kernel_without_a_deterministic_mode() -> None:
-    """``cudnn`` declares none (torch only warns); ``torch_flash`` and ``sdpa`` switch."""
+    """``cudnn`` declares none (torch only warns); ``torch_flash`` and ``sdpa`` switch. Under
+    the switch a kernel without a deterministic mode ranks after every kernel with one (torch
+    never picks cuDNN then); named, it runs, and explain() says it has none."""
     resolver = Resolver(_specs(), env=Environment(packages=frozenset()))
-    on_hopper = resolver.resolve(cuda((9, 0), torch.float16, deterministic=True))
-    assert on_hopper.kernel_name == "cudnn"
-    assert "cudnn declares no deterministic mode" in on_hopper.explain()
+    on_hopper = resolver.resolve(cuda((9, 0), torch.float16, 256, deterministic=True))
+    assert on_hopper.kernel_name == "torch_flash"  # cuDNN 9.16: no 256 anyway
+    preferred = Resolver(_specs(92300), env=Environment(packages=frozenset()))
+    wide = cuda((9, 0), torch.float16, 64, deterministic=True)
+    assert preferred.resolve(wide).kernel_name == "torch_flash"
+    cudnn_only = [s for s in _specs() if s.name in ("cudnn", "reference")]
+    sole = Resolver(cudnn_only, env=Environment(packages=frozenset())).resolve(wide)
+    assert sole.kernel_name == "reference", sole.explain()  # deterministic outranks priority
+    assert "not chosen cudnn: fits, priority 240, but no deterministic mode" in sole.explain()
+    named = resolver.resolve(wide, "cudnn")
+    assert "cudnn declares no deterministic mode" in named.explain()
     on_ampere = resolver.resolve(cuda((8, 0), torch.float16, deterministic=True))
     assert on_ampere.kernel_name == "torch_flash"
-    assert "no deterministic mode" not in on_ampere.explain()
+    assert "declares no deterministic mode" not in on_ampere.explain()
     assert SDPA_SPEC.capabilities.deterministic and TORCH_FLASH_SPEC.capabilities.deterministic
 
 

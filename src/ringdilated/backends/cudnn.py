@@ -47,11 +47,16 @@ takes 256 but nothing between 128 and 256 (``check_cudnn_d256_bprop_head_dim``);
 at most 65535. Priority by torch 2.13's own dispatcher order (``sdp_utils.cpp``
 ``priority_order``, ``check_prefer_cudnn_attention``; ``ATen/Context.h``): cuDNN first on
 sm90 and sm100/sm103 (any 9.x and 10.x with CUDA 13) when the runtime cuDNN is newer than
-9.15.0 and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is not 1, read when this module is imported:
-priority 275 there, above ``torch_flash`` (250), below the flash-attn package (300), which
-torch's order does not rank and which builds no graph per new shape-and-stride signature
-(cuDNN does, once per signature, in a thread-local cache). Everywhere else torch tries cuDNN
-last, after its math fallback: priority -5, below ``reference`` (0), so it runs when named.
+9.15.0 and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is not 1, read when this module is imported.
+There it gets priority 240: above ``sdpa`` (100), but below ``torch_flash`` (250) and the
+flash-attn packages, unlike torch's order, because here cuDNN costs what a dense single call
+does not: a graph built per new shape-and-stride signature (thread-local, so forward and
+backward threads each build one; dilated blocks, documents and suffixes make many), and a dense
+``(Lq, Lk)`` bias for a causal offset inside the keys (a query suffix, a crossing piece). Not
+measured on a GPU yet: the measurement decides whether it moves up. Everywhere else torch tries
+cuDNN last, after its math fallback: priority -5, below ``reference`` (0), so it runs when
+named. It declares no deterministic mode (torch never picks it under the switch), so a
+deterministic request ranks it after every kernel that has one.
 Not yet run on GPU hardware by this project: checked on FakeTensor ``cuda`` tensors and against
 a stand-in of the ops (tests/standins/cudnn.py).
 """
@@ -66,6 +71,7 @@ import attrs
 import torch
 
 from ringdilated.backends import _dense
+from ringdilated.backends._layouts import dense_float32
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
@@ -192,7 +198,7 @@ class CudnnKernel:
         rows = q.shape[-2] - call.first
         if not rows:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        stats = _dense_float32(call.rows(lse.unsqueeze(-1)))  # (B, H, rows, 1)
+        stats = dense_float32(call.rows(lse.unsqueeze(-1)))  # (B, H, rows, 1)
         unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox: no dropout
         dq_rows, dk, dv = self._backward(
             call.rows(dout),
@@ -223,19 +229,14 @@ class CudnnKernel:
         return dq, dk, dv
 
 
-def _dense_float32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as float32 in contiguous memory (a copy unless it is). ``clone``, not
-    ``contiguous``: the latter has no fake-CUDA kernel in a CPU-only torch."""
-    x = x.to(torch.float32)
-    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-
-
 # -- what the spec cannot hold as data -------------------------------------------------------------
 
 #: ``sdp_utils.cpp``: D256 needs cuDNN newer than this, on sm90 and sm10x.
 D256_AFTER = 92200
 #: ``check_prefer_cudnn_attention``: torch prefers cuDNN only with cuDNN newer than this.
 PREFERRED_AFTER = 91500
+#: cuDNN's priority where torch prefers it: below torch_flash (module docstring).
+PREFERRED_PRIORITY = 240
 #: ``can_use_cudnn_attention``: torch's cuDNN attention needs cuDNN 9.0.
 MIN_VERSION = 90000
 DEPRIORITIZED_ENV_VAR = "TORCH_CUDNN_SDPA_DEPRIORITIZED"
@@ -292,9 +293,9 @@ def cudnn_priority_rules(
     if deprioritized or version is None or version <= PREFERRED_AFTER:
         return ()
     if cuda is not None and int(cuda.split(".")[0]) >= 13:
-        return (PriorityRule(275, "cuda", min_capability=(9, 0), max_capability=(10, 9)),)
+        return (PriorityRule(PREFERRED_PRIORITY, "cuda", (9, 0), (10, 9)),)
     return tuple(
-        PriorityRule(275, "cuda", min_capability=cc, max_capability=cc)
+        PriorityRule(PREFERRED_PRIORITY, "cuda", min_capability=cc, max_capability=cc)
         for cc in ((9, 0), (9, 3), (10, 0), (10, 3))
     )
 

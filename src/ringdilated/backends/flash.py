@@ -60,10 +60,11 @@ from ringdilated.core import (
     PriorityRule,
     Request,
     Target,
+    deterministic_algorithms,
     mark_non_finite_problems,
     mark_non_finite_rows,
 )
-from ringdilated.core.contract.causal import backward_in_pieces, forward_in_pieces
+from ringdilated.core.contract.causal import backward_in_pieces, forward_in_pieces, right_bound
 from ringdilated.core.contract.kernel import derive_seed
 
 __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
@@ -177,7 +178,7 @@ class FlashKernel(GuardedBottomRightKernel):
             causal=causal,
             softcap=0.0,
             alibi_slopes=None,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=deterministic_algorithms(),
             rng_state=rng_state,
             **self._window,
         )
@@ -214,7 +215,7 @@ class FlashKernel(GuardedBottomRightKernel):
             p = options.dropout_p
             return self._native_forward(q, k, v, causal, options.scale, p, next(seeds))
 
-        out, lse = forward_in_pieces(native, q, k, v, options.window.right)
+        out, lse = forward_in_pieces(native, q, k, v, right_bound(options))
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
 
@@ -244,7 +245,7 @@ class FlashKernel(GuardedBottomRightKernel):
             p, scale = options.dropout_p, options.scale
             return self._native_backward(dout, q, k, v, out, lse, causal, scale, p, next(seeds))
 
-        right = options.window.right
+        right = right_bound(options)
         dq, dk, dv = backward_in_pieces(native, dout, q, k, v, out, lse, right)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options

@@ -70,6 +70,7 @@ from ringdilated.core import (
     PriorityRule,
     Request,
     Target,
+    deterministic_algorithms,
 )
 
 __all__ = [
@@ -189,7 +190,7 @@ class Flash3Kernel(GuardedBottomRightKernel):
             dk=dk,
             dv=dv,
             softmax_scale=scale,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=deterministic_algorithms(),
             **{self._causal: causal},
             **self._backward_extra,
         )

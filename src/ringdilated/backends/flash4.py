@@ -54,6 +54,7 @@ from ringdilated.core import (
     KernelSpec,
     PriorityRule,
     Target,
+    deterministic_algorithms,
 )
 
 __all__ = ["FLASH4_SPEC", "MIN_VERSION", "Flash4Kernel"]
@@ -132,7 +133,7 @@ class Flash4Kernel(GuardedBottomRightKernel):
             lse=dense_float32(lse),
             softmax_scale=scale,
             causal=causal,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=deterministic_algorithms(),
             dq=dq,
             dk=dk,
             dv=dv,

@@ -64,6 +64,7 @@ from ringdilated.backends._flex_blocks import (
     saturated_offset,
 )
 from ringdilated.core import (
+    FUSED_QUERY_ELEMENTS,
     GRID_LIMIT,
     BatchLimit,
     BlockOptions,
@@ -127,7 +128,7 @@ def _block_mask(
 def _cached_block_mask(
     q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize
 ) -> Any:
-    mask_mod = offset_mask(torch.tensor(offset, device=device))
+    mask_mod = offset_mask(torch.full((), offset, device=device))  # a fill: no host copy
     return offset_block_mask(q_len, k_len, offset, mask_mod, device, block_size)
 
 
@@ -272,7 +273,9 @@ FLEX_SPEC = KernelSpec(
         gqa=True,
         deterministic=True,
         batch_limit=BatchLimit(
-            problems=GRID_LIMIT, problems_x_kv_heads=GRID_LIMIT, query_elements=None
+            problems=GRID_LIMIT,
+            problems_x_kv_heads=GRID_LIMIT,
+            query_elements=FUSED_QUERY_ELEMENTS,
         ),
     ),
     priority=-10,

@@ -66,6 +66,7 @@ from typing import Any
 import attrs
 import torch
 
+from ringdilated.backends._layouts import dense_float32
 from ringdilated.backends._philox import replay_state, seeded_generator
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
@@ -189,7 +190,7 @@ class TorchFlashKernel:
             k,
             v,
             out,
-            _dense_float32(lse),  # read by address
+            dense_float32(lse),  # read by address
             None,
             None,
             q.shape[-2],
@@ -248,13 +249,6 @@ def _replayed(
     if options.dropout_p == 0.0:
         return torch.empty(2, dtype=torch.uint64, device=device), unused
     return replay_state(piece_seed(options, causal), device, torch.uint64), unused
-
-
-def _dense_float32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as float32 in contiguous memory (a copy unless it is). ``clone``, not
-    ``contiguous``: the latter has no fake-CUDA kernel in a CPU-only torch."""
-    x = x.to(torch.float32)
-    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
 
 # -- what the spec cannot hold as data -------------------------------------------------------------

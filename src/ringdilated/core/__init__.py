@@ -41,6 +41,7 @@ from ringdilated.core.plan.shards import ShardPlan
 from ringdilated.core.plan.window import CAUSAL, FULL, KeyWindow
 from ringdilated.core.select.capabilities import (
     FUSED_GRID_LIMIT,
+    FUSED_QUERY_ELEMENTS,
     GRID_LIMIT,
     BatchLimit,
     Capabilities,
@@ -49,6 +50,7 @@ from ringdilated.core.select.capabilities import (
     PriorityRule,
     Request,
     Target,
+    deterministic_algorithms,
 )
 from ringdilated.core.select.communicator_spec import CommunicatorSpec
 from ringdilated.core.select.resolver import KERNEL_ENV_VAR, KernelChoice, Plan, Resolver
@@ -70,6 +72,7 @@ __all__ = [
     "CAUSAL",
     "FULL",
     "FUSED_GRID_LIMIT",
+    "FUSED_QUERY_ELEMENTS",
     "GRID_LIMIT",
     "KERNEL_ENV_VAR",
     "MODES",
@@ -109,6 +112,7 @@ __all__ = [
     "TransferStats",
     "accumulation_dtype",
     "backward_in_pieces",
+    "deterministic_algorithms",
     "every_peer_at_once",
     "forward_in_pieces",
     "mark_non_finite_problems",

@@ -46,7 +46,7 @@ from ringdilated.core.run.local import (
     pattern_run,
 )
 from ringdilated.core.run.sharded import ShardedRun
-from ringdilated.core.select.capabilities import Request
+from ringdilated.core.select.capabilities import Request, deterministic_algorithms
 from ringdilated.core.select.communicator_spec import CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
 from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
@@ -563,7 +563,7 @@ def plan_key(
         (type(return_lse), return_lse),
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
-        torch.are_deterministic_algorithms_enabled(),  # the request's, read per call
+        deterministic_algorithms(),  # the request's, read per call
         options["communicator"],
         resolver,
     )

@@ -34,6 +34,7 @@ __all__ = [
     "backward_in_pieces",
     "bottom_right_pieces",
     "forward_in_pieces",
+    "right_bound",
 ]
 
 
@@ -162,7 +163,7 @@ class BottomRightKernel:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return self.native_forward(q, k, v, causal, options.scale)
 
-        return forward_in_pieces(native, q, k, v, _right(options))
+        return forward_in_pieces(native, q, k, v, right_bound(options))
 
     def backward(
         self,
@@ -182,12 +183,13 @@ class BottomRightKernel:
             v,
             out,
             lse,
-            _right(options),
+            right_bound(options),
         )
 
 
-def _right(options: BlockOptions) -> int | None:
-    """The window's right bound: all a bottom-right mask can serve (no left bound)."""
+def right_bound(options: BlockOptions) -> int | None:
+    """The window's right bound, for the pieces: all a bottom-right mask serves. Raises
+    ``NotImplementedError`` for a window bounded on the left."""
     if options.window.left is not None:
         raise NotImplementedError(f"{options.window!r}: bottom-right masks serve no left bound")
     return options.window.right

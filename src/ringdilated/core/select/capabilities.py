@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_QUERY_ELEMENTS",
     "FEATURES",
     "FUSED_GRID_LIMIT",
+    "FUSED_QUERY_ELEMENTS",
     "GRID_LIMIT",
     "PACKAGES_ENV_VAR",
     "BatchLimit",
@@ -36,6 +37,7 @@ __all__ = [
     "PriorityRule",
     "Request",
     "Target",
+    "deterministic_algorithms",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -63,6 +65,17 @@ FEATURES: Mapping[str, str] = MappingProxyType(
 )
 
 
+def deterministic_algorithms() -> bool:
+    """Whether torch's deterministic switch is on and strict: ``torch.use_deterministic_algorithms
+    (True)`` without ``warn_only``. torch's own attention backwards keep their nondeterministic
+    path in warn-only mode (``attention_backward.cu`` only warns), and so does every kernel here:
+    this is the one reading of the switch a kernel or a request makes."""
+    return (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    )
+
+
 @attrs.frozen
 class Request:
     """What an attention call needs, frozen and hashable so resolutions can be cached.
@@ -72,7 +85,8 @@ class Request:
     ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
     CUDA devices, ``None`` otherwise. ``window``: the call's key window (a bool: causal or not),
     needing the ``causal`` feature when bounded on the right, ``sliding_window`` on the left.
-    ``deterministic``: ``torch.are_deterministic_algorithms_enabled()`` when the call was made.
+    ``deterministic``: :func:`deterministic_algorithms` (torch's switch, strict) when the call
+    was made.
     It refuses no kernel (torch's own switch decides what raises): a kernel that declares no
     deterministic mode is named as such by :meth:`KernelChoice.explain
     <ringdilated.core.select.resolver.KernelChoice.explain>`.
@@ -142,7 +156,7 @@ class Request:
             backward=backward,
             dropout=dropout,
             gqa=q.shape[2] != k.shape[2],
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=deterministic_algorithms(),
         )
 
     def describe(self) -> str:
@@ -237,8 +251,9 @@ class BatchLimit:
     call may hold, bounding the scratch memory of a kernel that materialises scores (the
     ``reference`` kernel: ``DEFAULT_QUERY_ELEMENTS`` by default, so a kernel that declares
     nothing keeps that bound). A fused kernel, whose memory is linear in its inputs, declares
-    ``None``: its calls are then split by the grid limits only. Each field is ``None`` or a
-    positive int.
+    :data:`FUSED_QUERY_ELEMENTS` (:data:`FUSED_GRID_LIMIT`), which bounds the float32
+    temporaries around a call rather than the kernel's scratch; ``None`` is no bound. Each
+    field is ``None`` or a positive int.
     """
 
     problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
@@ -248,6 +263,12 @@ class BatchLimit:
     query_elements: int | None = attrs.field(
         default=DEFAULT_QUERY_ELEMENTS, validator=rules.optional(rules.positive_int), kw_only=True
     )
+
+    @property
+    def bounds_scratch(self) -> bool:
+        """Whether :attr:`query_elements` is at most the default scratch bound: the mark of a
+        kernel that materialises scores (what the slow-feature rule calls unfused)."""
+        return self.query_elements is not None and self.query_elements <= DEFAULT_QUERY_ELEMENTS
 
     def per_call(self, kv_heads: int) -> int | None:
         """The most problems a call with ``kv_heads`` key/value heads may hold (``None``: any)."""
@@ -261,9 +282,15 @@ class BatchLimit:
 GRID_LIMIT = 65535
 #: No limit on problems per call (the default scratch bound only).
 UNLIMITED = BatchLimit()
-#: A fused CUDA kernel's limits: the launch grid's ``gridDim.y`` holds the problems; no scratch
-#: bound.
-FUSED_GRID_LIMIT = BatchLimit(problems=GRID_LIMIT, query_elements=None)
+#: A fused kernel's bound on query elements per call: 2^28 (1 GiB in float32). The kernel's own
+#: scratch is linear in its inputs, but what scales with a call is not only its inputs: the
+#: driver's float32 temporaries around it (merging partial results, lse gradients) and the
+#: kernels' own float32 accumulators (flash-attn's ``dq_accum``). At this bound each stays at
+#: 1 GiB, and a call still holds 32 times what the scratch bound allows.
+FUSED_QUERY_ELEMENTS = 1 << 28
+#: A fused CUDA kernel's limits: the launch grid's ``gridDim.y`` holds the problems, and
+#: :data:`FUSED_QUERY_ELEMENTS` the query elements.
+FUSED_GRID_LIMIT = BatchLimit(problems=GRID_LIMIT, query_elements=FUSED_QUERY_ELEMENTS)
 
 
 @attrs.frozen

@@ -1,14 +1,14 @@
 """What a request's features cost an automatic kernel choice, as data, and the warning about it.
 
-A fused kernel (its ``BatchLimit.query_elements`` is ``None``: memory linear in its inputs) is
-many times faster than one that materialises each block's scores (the ``reference`` kernel:
-8.2x at L = 16K on CPU, issue 23). When the resolver chooses the slower kind only because the
-fused kernels it prefers lack a feature the request needs (dropout, say), the choice carries a
-:class:`FeatureCost`; :meth:`KernelChoice.explain
-<ringdilated.core.select.resolver.KernelChoice.explain>` shows it and a call warns once per
-process and (features, kernel) with :class:`SlowFeatureWarning`, as a float16 call on an old GPU
-warns with ``SlowDtypeWarning``. A forced kernel (by name, ``RINGDILATED_KERNEL`` or an instance)
-carries none: that choice was made knowingly.
+A fused kernel (its ``BatchLimit`` does not bound scratch:
+:attr:`~ringdilated.core.select.capabilities.BatchLimit.bounds_scratch` is false) is many times
+faster than one that materialises each block's scores (the ``reference`` kernel: 8.2x at L = 16K on
+CPU, issue 23). When the resolver chooses the slower kind only because the fused kernels it prefers
+lack a feature the request needs (dropout, say), the choice carries a :class:`FeatureCost`;
+:meth:`KernelChoice.explain <ringdilated.core.select.resolver.KernelChoice.explain>` shows it and a
+call warns once per process and (features, kernel) with :class:`SlowFeatureWarning`, as a float16
+call on an old GPU warns with ``SlowDtypeWarning``. A forced kernel (by name, ``RINGDILATED_KERNEL``
+or an instance) carries none: that choice was made knowingly.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def feature_cost_of(
     """The :class:`FeatureCost` of choosing ``chosen`` for ``request`` over ``preferred`` (the
     specs ranked above it, in order), or ``None``: when ``chosen`` is fused, or no fused one of
     ``preferred`` was turned away by features alone (:func:`_declined_features`)."""
-    if chosen.capabilities.batch_limit_for(request).query_elements is None:
+    if not chosen.capabilities.batch_limit_for(request).bounds_scratch:
         return None
     declined = [(spec.name, _declined_features(spec, request, env)) for spec in preferred]
     faster = tuple(name for name, features in declined if features)
@@ -71,7 +71,7 @@ def _declined_features(spec: KernelSpec, request: Request, env: Environment) -> 
     reason against the request (whatever it raises is one)."""
     try:
         missing = spec.capabilities.missing_features(request)
-        if spec.capabilities.batch_limit_for(request.without(missing)).query_elements is not None:
+        if spec.capabilities.batch_limit_for(request.without(missing)).bounds_scratch:
             return ()
         serves = bool(missing) and not tuple(spec.reasons(request.without(missing), env))
     except Exception:  # a plugin's spec may fail in any way: then it serves nothing

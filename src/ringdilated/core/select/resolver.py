@@ -67,7 +67,9 @@ class KernelChoice:
     ``deterministic``: whether the chosen kernel declares a deterministic mode
     (:attr:`Capabilities.deterministic
     <ringdilated.core.select.capabilities.Capabilities.deterministic>`); an instance passed as
-    the kernel declares nothing and counts as having one. ``feature_cost``: for an automatic
+    the kernel declares nothing and counts as having one. ``demoted``: the kernels ranked after
+    every kernel with a deterministic mode, whatever their priority, because the request is
+    deterministic and they have none. ``feature_cost``: for an automatic
     choice that the request's features made slow, which features and which faster kernels
     declined them (:class:`~ringdilated.core.select.feature_cost.FeatureCost`; ``None``
     otherwise, and always for a forced kernel).
@@ -83,6 +85,7 @@ class KernelChoice:
     batch_limit: BatchLimit = UNLIMITED
     target_note: str = ""
     deterministic: bool = True
+    demoted: tuple[str, ...] = ()
     feature_cost: FeatureCost | None = None
 
     def explain(self) -> str:
@@ -106,7 +109,8 @@ class KernelChoice:
             if reasons:
                 lines.append(f"  rejected {name}: " + "; ".join(reasons))
             else:
-                lines.append(f"  not chosen {name}: fits, priority {priority.get(name)}")
+                demoted = ", but no deterministic mode" if name in self.demoted else ""
+                lines.append(f"  not chosen {name}: fits, priority {priority.get(name)}{demoted}")
         lines.extend(f"  plugin failed: {failure}" for failure in self.plugin_failures)
         return "\n".join(lines)
 
@@ -170,7 +174,15 @@ class Resolver:
         self, request: Request, kernel: str, forced_by: str | None
     ) -> KernelChoice:
         judged = {name: _judge(spec, request, self.env) for name, spec in self.specs.items()}
-        ranked = sorted(self.specs.values(), key=lambda s: (-judged[s.name][0], s.name))
+        # Under torch's deterministic switch, kernels with a deterministic mode come first.
+        demote = {
+            name
+            for name, spec in self.specs.items()
+            if request.deterministic and not spec.capabilities.deterministic
+        }
+        ranked = sorted(
+            self.specs.values(), key=lambda s: (s.name in demote, -judged[s.name][0], s.name)
+        )
         verdicts = {name: reasons for name, (_, reasons) in judged.items()}
         candidates = [self.specs[kernel]] if kernel != "auto" else ranked
         for place, spec in enumerate(candidates):
@@ -195,6 +207,7 @@ class Resolver:
                 batch_limit=spec.capabilities.batch_limit_for(request),
                 target_note=getattr(spec.capabilities.target_for(request), "note", ""),
                 deterministic=spec.capabilities.deterministic,
+                demoted=tuple(sorted(demote - {spec.name})),
                 feature_cost=cost,
             )
         if kernel != "auto":
