@@ -127,3 +127,45 @@ def test_a_functional_call_under_the_switch_runs_and_carries_it(
 
 def test_capabilities_default_to_no_deterministic_mode() -> None:
     assert Capabilities(targets=REFERENCE_SPEC.capabilities.targets).deterministic is False
+
+
+def test_the_header_says_when_determinism_passed_a_kernel_over() -> None:
+    resolver = Resolver([_spec("fastnd", False, priority=50), _spec("slowdet", True)])
+    text = resolver.resolve(Request(head_dim=8, deterministic=True)).explain()
+    assert "kernel: slowdet (priority 0, highest priority with a deterministic mode that fits)" in (
+        text
+    )
+    plain = resolver.resolve(Request(head_dim=8)).explain()
+    assert "kernel: fastnd (priority 50, highest priority that fits)" in plain
+
+
+def test_warn_only_mode_counts_as_off() -> None:
+    """torch's own attention backwards keep their nondeterministic path when it only warns."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    q = torch.randn(1, 8, 2, 8)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        request = Request.for_tensors(q, q, window=FULL, dropout=False, backward=True)
+        assert not ringdilated.core.deterministic_algorithms() and not request.deterministic
+        torch.use_deterministic_algorithms(True)
+        assert ringdilated.core.deterministic_algorithms()
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+class BrokenCapabilities:
+    """A plugin's capabilities object whose every attribute read fails."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"broken plugin: {name}")
+
+
+def test_a_broken_plugin_spec_is_contained_under_the_switch() -> None:
+    broken = attrs.evolve(_spec("broken", False, priority=10))
+    object.__setattr__(broken, "capabilities", BrokenCapabilities())
+    resolver = Resolver([broken, _spec("slowdet", True)])
+    for deterministic in (False, True):
+        chosen = resolver.resolve(Request(head_dim=8, deterministic=deterministic))
+        assert chosen.kernel_name == "slowdet", chosen.explain()
+        assert "rejected broken" in chosen.explain()

@@ -210,6 +210,11 @@ def test_missing_features_name_what_the_backend_lacks() -> None:
     forward_only = Capabilities(targets=(Target("cpu", CPU, backward=False),))
     assert forward_only.missing_features(Request()) == ("backward",)
     assert forward_only.missing_features(Request(backward=False)) == ()
+    # A target may lack dropout too (sdpa's CPU op), and both at once.
+    no_dropout = Capabilities(targets=(Target("cpu", CPU, dropout=False),), dropout=True)
+    assert no_dropout.missing_features(Request(dropout=True)) == ("dropout",)
+    neither = Capabilities(targets=(Target("cpu", CPU, backward=False, dropout=False),))
+    assert neither.missing_features(Request(dropout=True)) == ("backward", "dropout")
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ pointer it is given (no dtype or shape check) and replays the mask. Each native 
 calls, so its backward is handed :func:`~ringdilated.backends._philox.replay_state` of the same
 seed: the mask is a function of the contract's seed, the caller's random stream does not move.
 The backward is deterministic (``deterministic=True``, a per-split ``dq`` accumulator) whenever
-``torch.are_deterministic_algorithms_enabled()``; the forward always is.
+``ringdilated.core.deterministic_algorithms()`` (torch's switch, strict: not in warn-only
+mode, as torch's own attention backwards read it); the forward always is.
 
 Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
 capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``. Not yet

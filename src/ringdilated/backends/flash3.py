@@ -31,7 +31,7 @@ of 2025-11-17 on): ``hopper/flash_attn_interface.py`` and ``hopper/flash_api.cpp
   16-byte alignment (:mod:`ringdilated.backends._layouts`).
 - The causal mask is bottom-right aligned (``flash_attn_func``'s docstring and ``mask.h``), so any
   causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
-- ``deterministic=True`` (when ``torch.are_deterministic_algorithms_enabled()``) serialises the
+- ``deterministic=True`` (when ``ringdilated.core.deterministic_algorithms()``) serialises the
   ``dq`` (and, with grouped heads, ``dk``/``dv``) accumulation. 3.0.0's ``mha_bwd`` refuses it
   for head dims above 192 ("Deterministic backward not supported for hdim 256", since
   2025-09-17), and before commit ``832d5448`` (2025-08-25, after ``v2.8.3``; builds still

@@ -24,7 +24,7 @@ Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
   misaligned ones itself), so inputs are aligned first (:mod:`ringdilated.backends._layouts`).
 - The causal mask is bottom-right aligned (``mask.py``: ``seqlen_k - seqlen_q`` row offset), so
   any causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
-- ``deterministic`` (when ``torch.are_deterministic_algorithms_enabled()``): b5 is the first
+- ``deterministic`` (when ``ringdilated.core.deterministic_algorithms()``): b5 is the first
   release that takes it on sm90 (b0 to b4 assert "bwd deterministic only supported for
   sm100/sm110"), and the first whose backward takes ``dlse``: the minimum this kernel accepts.
   Versions are read from the ``flash-attn-4`` distribution (``flash_attn.cute.__version__``

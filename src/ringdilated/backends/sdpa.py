@@ -30,8 +30,9 @@ uniform float with ``p`` and kept values are scaled by ``1 / (1 - p)``.
 Deterministic: the CPU backward parallelises over (batch, key/value head), each gradient element
 written by one thread in a fixed order (``cpu_flash_attention_backward`` in
 ``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``); the memory-efficient backward sets
-``num_splits_key = 1`` when ``torch.are_deterministic_algorithms_enabled()``
-(``_efficient_attention_backward``, ``attention_backward.cu``).
+``num_splits_key = 1`` when ``torch.are_deterministic_algorithms_enabled()`` and not in warn-only
+mode (``_efficient_attention_backward``, ``attention_backward.cu``), the strict switch
+``ringdilated.core.deterministic_algorithms()`` reads.
 
 Non-finite inputs (docs/spec.md, section 4). Neither op is exact for NaN or infinity, so their
 results are repaired on the device, with no host read, each path by what its op gets wrong:

@@ -24,11 +24,13 @@ proportional to anything but the number of kernel calls.
 
 Steps are chunks of whole segments so that no kernel call holds more query elements than
 :attr:`LocalRun.query_budget` (the kernel's ``BatchLimit.query_elements``, or
-``LocalRun.chunk_elements`` when set; steps gathered into one call stay within it too): for a
-kernel that materialises scores, peak memory beyond the inputs and outputs stays bounded whatever
-the sequence length; a fused kernel (linear memory) declares no such bound and its calls are split
-by its launch grid only. Nothing here checks capabilities or catches exceptions: the resolver and
-the input validation ran before."""
+``LocalRun.chunk_elements`` when set; steps gathered into one call stay within it too): for a kernel
+that materialises scores, peak memory beyond the inputs and outputs stays bounded whatever the
+sequence length; a fused kernel (linear memory) declares a bound 32 times larger, which keeps the
+float32 temporaries around a call at 1 GiB. A call holds at least one whole segment, so a segment
+larger than the bound runs alone in its call. Nothing here checks capabilities or catches
+exceptions: the resolver and the input validation ran before.
+"""
 
 from __future__ import annotations
 

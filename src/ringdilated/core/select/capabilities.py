@@ -88,8 +88,8 @@ class Request:
     ``deterministic``: :func:`deterministic_algorithms` (torch's switch, strict) when the call
     was made.
     It refuses no kernel (torch's own switch decides what raises): a kernel that declares no
-    deterministic mode is named as such by :meth:`KernelChoice.explain
-    <ringdilated.core.select.resolver.KernelChoice.explain>`.
+    deterministic mode ranks after every kernel that has one and is named as such by
+    :meth:`KernelChoice.explain <ringdilated.core.select.resolver.KernelChoice.explain>`.
     """
 
     device_type: str = "cpu"
@@ -268,7 +268,8 @@ class BatchLimit:
     def bounds_scratch(self) -> bool:
         """Whether :attr:`query_elements` is at most the default scratch bound: the mark of a
         kernel that materialises scores (what the slow-feature rule calls unfused)."""
-        return self.query_elements is not None and self.query_elements <= DEFAULT_QUERY_ELEMENTS
+        bound = self.query_elements
+        return isinstance(bound, int) and bound <= DEFAULT_QUERY_ELEMENTS
 
     def per_call(self, kv_heads: int) -> int | None:
         """The most problems a call with ``kv_heads`` key/value heads may hold (``None``: any)."""
@@ -374,12 +375,12 @@ class Target:
 class Capabilities:
     """Everything a backend supports, as data. See :meth:`reasons`.
 
-    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`).
-    ``deterministic``: the kernel gives bitwise-identical results run to run whenever
-    ``torch.are_deterministic_algorithms_enabled()`` (always, or by switching to a deterministic
-    mode of its op); it is not a requirement a request can fail (:class:`Request`). ``targets`` is a
-    non-empty tuple of :class:`Target`, ``requires`` a tuple of package names; every field is
-    validated on construction.
+    ``batch_limit``: how many problems one call may hold (:class:`BatchLimit`). ``deterministic``:
+    the kernel gives bitwise-identical results run to run whenever :func:`deterministic_algorithms`
+    (always, or by switching to a deterministic mode of its op); it is not a requirement a request
+    can fail, it ranks kernels (:class:`Request`). ``targets`` is a non-empty tuple of
+    :class:`Target`, ``requires`` a tuple of package names; every field is validated on
+    construction.
     """
 
     targets: tuple[Target, ...] = attrs.field(
@@ -437,16 +438,14 @@ class Capabilities:
         declared target that would serve the request without it lacks it. Empty: none is
         missing (:meth:`reasons` may still hold others)."""
         missing = {name for name in request.features if not getattr(self, name)}
-        for feature in ("backward", "dropout"):  # the features a target may also lack
-            if getattr(request, feature) and feature not in missing:
-                without = request.without((feature,))
-                serving = [
-                    t
-                    for t in self.targets
-                    if t.device_type == request.device_type and not t.reasons(without)
-                ]
-                if serving and not any(getattr(t, feature) for t in serving):
-                    missing.add(feature)
+        per_target = ("backward", "dropout")  # the features a target may also lack
+        without = request.without(per_target)
+        on_device = [t for t in self.targets if t.device_type == request.device_type]
+        serving = [t for t in on_device if not t.reasons(without)]
+        for feature in per_target:
+            lacking = serving and not any(getattr(t, feature) for t in serving)
+            if getattr(request, feature) and lacking:
+                missing.add(feature)
         return tuple(name for name in FEATURES if name in missing)
 
 

@@ -8,7 +8,8 @@ Call flow::
     print(plan.explain())
 
 ``"auto"`` picks the highest-priority backend with no reasons against it (ties: by name; for
-communicators, :meth:`Resolver.choose_communicator`). A name forces that backend: it fits, or
+communicators, :meth:`Resolver.choose_communicator`); under torch's deterministic switch, among
+those with a deterministic mode first. A name forces that backend: it fits, or
 :class:`ResolutionError` lists its reasons. It never falls back silently. ``RINGDILATED_KERNEL``
 forces a backend wherever ``"auto"`` was asked.
 
@@ -92,7 +93,18 @@ class KernelChoice:
         """A human-readable account: the request, the choice and why each other one lost."""
         priority = dict(self.priorities)
         lines = [f"request: {self.request.describe()}"]
-        how = f"forced by {self.forced_by}" if self.forced_by else "highest priority that fits"
+        passed_over = any(
+            name in self.demoted
+            and not reasons
+            and priority.get(name, 0) > priority.get(self.kernel_name, 0)
+            for name, reasons in self.rejected
+        )
+        fits = (
+            "highest priority with a deterministic mode that fits"
+            if passed_over
+            else ("highest priority that fits")
+        )
+        how = f"forced by {self.forced_by}" if self.forced_by else fits
         note = f": {self.target_note}" if self.target_note else ""
         lines.append(
             f"kernel: {self.kernel_name} (priority {priority.get(self.kernel_name)}, {how}){note}"
@@ -178,7 +190,7 @@ class Resolver:
         demote = {
             name
             for name, spec in self.specs.items()
-            if request.deterministic and not spec.capabilities.deterministic
+            if request.deterministic and not _has_deterministic_mode(spec)
         }
         ranked = sorted(
             self.specs.values(), key=lambda s: (s.name in demote, -judged[s.name][0], s.name)
@@ -501,6 +513,14 @@ def _check_choice(
 
 #: The rank of a backend whose priority could not be read: below every real one.
 _UNRANKED = -(2**63)
+
+
+def _has_deterministic_mode(spec: KernelSpec) -> bool:
+    """``spec.capabilities.deterministic is True``; never raises (a broken spec has none)."""
+    try:
+        return getattr(spec.capabilities, "deterministic", False) is True
+    except Exception:  # a plugin's spec may fail in any way
+        return False
 
 
 def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, tuple[str, ...]]:
