@@ -528,3 +528,26 @@ def test_the_kit_rejects_a_backward_that_weights_a_merged_infinite_lse_by_zero()
     spec = _attrs.evolve(REFERENCE_SPEC, name="zero-weight", factory=ZeroWeight)
     with pytest.raises(ConformanceError, match="merged lse of inf"):
         check_kernel(spec, checks=("non-finite-gradients",), max_examples=40)
+
+
+def test_the_dropout_check_applies_where_a_target_serves_dropout() -> None:
+    """Per target and device: sdpa's CPU op has none, its CUDA op has it; a spec with one CPU
+    target without dropout beside one with it is checked (on the dtype that serves it)."""
+    from ringdilated.backends.sdpa import SDPA_SPEC
+    from ringdilated.core import Environment
+    from ringdilated.testing import applicable_checks
+
+    assert "dropout" not in applicable_checks(SDPA_SPEC, "cpu")
+    ampere = Environment(packages=frozenset(), compute_capability=(8, 0))
+    assert "dropout" in applicable_checks(SDPA_SPEC, "cuda", ampere)
+    mixed = attrs.evolve(
+        REFERENCE_SPEC.capabilities,
+        targets=(
+            Target("cpu", frozenset({torch.float32}), dropout=False),
+            Target("cpu", frozenset({torch.float64})),
+        ),
+    )
+    spec = KernelSpec(name="mixed", factory=ReferenceKernel, capabilities=mixed)
+    assert "dropout" in applicable_checks(spec, "cpu")
+    none = attrs.evolve(mixed, targets=mixed.targets[:1])
+    assert "dropout" not in applicable_checks(attrs.evolve(spec, capabilities=none), "cpu")

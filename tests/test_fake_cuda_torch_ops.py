@@ -337,6 +337,22 @@ def test_any_causal_offset_on_strided_views(kernel: type, offset: int | None) ->
     assert contract.calls == _expected_calls(made, plan, name)
 
 
+@pytest.mark.parametrize("kernel", [TorchFlashKernel, CudnnKernel])
+def test_a_misaligned_caller_view_reaches_the_op_aligned(kernel: type) -> None:
+    """A caller's tensor starting one element into its storage (not 16-byte aligned: the ops'
+    128-bit loads and cuDNN's descriptors assume it) is copied before the op sees it."""
+    contract = OpContract()
+    options = BlockOptions(scale=0.25, window=KeyWindow(None, 0))
+    with FakeTensorMode(), contract:
+        base = torch.empty(1 + 2 * 40 * 16, dtype=torch.float16, device="cuda")
+        q = base.as_strided((1, 2, 40, 16), (2 * 40 * 16, 16, 32, 1), 1)
+        assert q.storage_offset() * q.element_size() % 16
+        contract.expected = Expected(options, kv_heads=2)
+        out, lse = kernel().forward(q, q, q, options)
+        kernel().backward(out, q, q, q, out, lse, options)
+    assert len(contract.calls) == 2
+
+
 @pytest.mark.parametrize(("kernel", "op"), [(TorchFlashKernel, "flash"), (CudnnKernel, "cudnn")])
 def test_the_contract_catches_grouped_heads_repeated_for_an_op_that_takes_them(
     kernel: type, op: str

@@ -9,7 +9,9 @@ strides that are multiples of 16 bytes. A Hopper tensor map
 with that divisibility assumed (``assumed_align=16``, strides ``divisibility=8`` for 2-byte
 types, ``flash_attn/cute/interface.py`` of 4.0.0b5). ``flash_api.cpp`` of FlashAttention 3 does
 not check it. The driver's views meet it whenever the head dim is a multiple of 8 and the
-caller's tensor starts aligned; :func:`aligned` copies the rare view that does not.
+caller's tensor starts aligned; :func:`aligned` copies the rare view that does not. The
+flash-attn 2, torch flash and cuDNN wrappers apply it too: their kernels load 128 bits at a time
+(``cp.async`` in flash-attn 2) and cuDNN's descriptors assume the same alignment.
 
 Both read only metadata (storage offset and strides), never the device, and copy with
 ``clone(memory_format=...)``, not ``contiguous()``, so they also run on FakeTensor ``cuda``

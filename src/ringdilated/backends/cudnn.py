@@ -71,7 +71,7 @@ import attrs
 import torch
 
 from ringdilated.backends import _dense
-from ringdilated.backends._layouts import dense_float32
+from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
@@ -166,8 +166,9 @@ class CudnnKernel:
         if call.first == q.shape[-2]:  # no row sees a key
             out = q.new_zeros(*q.shape[:-1], v.shape[-1])
             return out, q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
+        qa, ka, va = (aligned(x) for x in (call.rows(q), k, v))  # a misaligned view: a copy
         part, part_lse, *_ = self._forward(
-            call.rows(q), k, v, call.bias, True, 0.0, call.causal, False, scale=options.scale
+            qa, ka, va, call.bias, True, 0.0, call.causal, False, scale=options.scale
         )
         part_lse = part_lse.squeeze(-1)
         if call.first:  # rows before it see no key: 0 and -inf
@@ -200,12 +201,15 @@ class CudnnKernel:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         stats = dense_float32(call.rows(lse.unsqueeze(-1)))  # (B, H, rows, 1)
         unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox: no dropout
+        dout_a, qa, ka, va, out_a = (
+            aligned(x) for x in (call.rows(dout), call.rows(q), k, v, call.rows(out))
+        )
         dq_rows, dk, dv = self._backward(
-            call.rows(dout),
-            call.rows(q),
-            k,
-            v,
-            call.rows(out),
+            dout_a,
+            qa,
+            ka,
+            va,
+            out_a,
             stats,
             unused,
             unused,

@@ -49,7 +49,7 @@ import torch
 
 from ringdilated.backends import _philox
 from ringdilated.backends._dense import GuardedBottomRightKernel
-from ringdilated.backends._layouts import dense_float32
+from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import distribution_version, parameter_names
 from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
@@ -131,7 +131,7 @@ class FlashKernel(GuardedBottomRightKernel):
         dropout_p: float = 0.0,
         seed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))  # 128-bit loads
         keywords = {
             "dropout_p": dropout_p,
             "softmax_scale": scale,
@@ -161,15 +161,15 @@ class FlashKernel(GuardedBottomRightKernel):
         dropout_p: float = 0.0,
         seed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         rng_state = _philox.replay_state(seed, q.device, torch.int64) if dropout_p else None
         self._backward(
-            dout.transpose(1, 2),
+            dout_t,
             qt,
             kt,
             vt,
-            out.transpose(1, 2),
+            out_t,
             dense_float32(lse),
             dq,
             dk,

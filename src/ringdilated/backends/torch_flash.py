@@ -66,7 +66,7 @@ from typing import Any
 import attrs
 import torch
 
-from ringdilated.backends._layouts import dense_float32
+from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._philox import replay_state, seeded_generator
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
@@ -166,6 +166,7 @@ class TorchFlashKernel:
     def _native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = (aligned(x) for x in (q, k, v))  # the rare misaligned caller view: a copy
         with _drawing(q.device, options, causal):
             out, lse, *_ = self._forward(
                 q, k, v, options.dropout_p, causal, False, scale=options.scale
@@ -184,6 +185,7 @@ class TorchFlashKernel:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rng_state, unused = _replayed(q.device, options, causal)
+        dout, q, k, v, out = (aligned(x) for x in (dout, q, k, v, out))
         return self._backward(
             dout,
             q,

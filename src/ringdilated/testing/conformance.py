@@ -607,29 +607,41 @@ def _has_backward(spec: KernelSpec, device: str) -> bool:
     )
 
 
-def applicable_checks(spec: KernelSpec, device: str = "cpu") -> tuple[str, ...]:
-    """The checks of :data:`CHECKS` that apply to what ``spec`` declares on ``device``, in
-    order: what a report of a conforming kernel lists as passed."""
-    return tuple(check for check in CHECKS if _applies(check, spec, device))
+def applicable_checks(
+    spec: KernelSpec, device: str = "cpu", env: Environment | None = None
+) -> tuple[str, ...]:
+    """The checks of :data:`CHECKS` that apply to what ``spec`` declares on ``device`` (in
+    ``env``, as :func:`check_kernel` takes it), in order: what a report of a conforming kernel
+    lists as passed."""
+    return tuple(check for check in CHECKS if _applies(check, spec, device, env))
 
 
-def _applies(check: str, spec: KernelSpec, device: str) -> bool:
+def _applies(check: str, spec: KernelSpec, device: str, env: Environment | None = None) -> bool:
     if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
         return False
-    if check == "dropout" and not _has_dropout(spec, device):
+    if check == "dropout" and not _has_dropout(spec, device, env):
         return False
     return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
 
 
-def _has_dropout(spec: KernelSpec, device: str) -> bool:
-    """Whether ``spec`` serves dropout on ``device``: it declares dropout, and a request with it
-    meets no reason that one without it does not (a spec may refuse dropout on one device in
-    its ``extra_reasons``)."""
+def _has_dropout(spec: KernelSpec, device: str, env: Environment | None) -> bool:
+    """Whether ``spec`` serves dropout on ``device``: it declares dropout, and on some declared
+    target of the device a request with it meets no reason that one without it does not (a
+    target may lack dropout, and a spec may refuse it in its ``extra_reasons``), in ``env``
+    (``None``: its required packages present) at the compute capability ``env`` reports."""
     if not spec.capabilities.dropout:
         return False
-    env = Environment(frozenset(spec.capabilities.requires))
-    plain = set(spec.reasons(Request(device_type=device), env))
-    return set(spec.reasons(Request(device_type=device, dropout=True), env)) <= plain
+    env = env or Environment(frozenset(spec.capabilities.requires))
+    capability = env.compute_capability if device == "cuda" else None
+    for target in spec.capabilities.targets:
+        if target.device_type != device:
+            continue
+        dtype = min(target.dtypes, key=str)
+        plain = Request(device, dtype, None, capability)
+        with_dropout = attrs.evolve(plain, dropout=True)
+        if set(spec.reasons(with_dropout, env)) <= set(spec.reasons(plain, env)):
+            return True
+    return False
 
 
 def _runner(
@@ -643,7 +655,13 @@ def _runner(
 ) -> Callable[[], None]:
     backward = _has_backward(spec, device)
     cases = kernel_cases(
-        spec, device, env, causal=_CAUSAL_CASES.get(check), backward=backward, space=space
+        spec,
+        device,
+        env,
+        causal=_CAUSAL_CASES.get(check),
+        backward=backward,
+        space=space,
+        dropout=check == "dropout",  # drawn where a target serves it
     )
 
     @settings(
@@ -722,7 +740,7 @@ def check_kernel(
     failed_as_expected: list[str] = []
     not_applicable: list[str] = []
     for check in checks:
-        if not _applies(check, spec, device):
+        if not _applies(check, spec, device, env):
             not_applicable.append(check)
             continue
         if check == "capabilities":

@@ -158,11 +158,13 @@ def kernel_cases(
     causal: bool | None = None,
     backward: bool = True,
     space: CaseSpace = DEFAULT_SPACE,
+    dropout: bool = False,
 ) -> st.SearchStrategy[KernelCase]:
     """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
 
     ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
-    ``backward``: draw only problems whose request needs (and the backend declares) gradients.
+    ``backward``: draw only problems whose request needs (and the backend declares) gradients;
+    ``dropout``: the same for dropout.
     """
     env = env or Environment.from_environ()
     capability = env.capability(torch.device(device))
@@ -214,6 +216,7 @@ def kernel_cases(
             window=offset is not None,
             gqa=heads != kv_heads,
             backward=backward,
+            dropout=dropout,
         )
         d(st.just(None).filter(lambda _: not spec.reasons(request, env)))
         return case
