@@ -80,16 +80,16 @@ def deterministic_algorithms() -> bool:
 class Request:
     """What an attention call needs, frozen and hashable so resolutions can be cached.
 
-    ``device_type`` is ``"cpu"``, ``"cuda"`` (NVIDIA), ``"rocm"`` (a ``cuda`` device of a ROCm
-    build of torch: its kernels differ, so targets tell them apart) or another torch device type.
+    ``device_type`` is ``"cpu"``, ``"cuda"`` (NVIDIA), ``"rocm"`` (a ``cuda`` device of a ROCm build
+    of torch: its kernels differ, so targets tell them apart) or another torch device type.
     ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
     CUDA devices, ``None`` otherwise. ``window``: the call's key window (a bool: causal or not),
     needing the ``causal`` feature when bounded on the right, ``sliding_window`` on the left.
-    ``deterministic``: :func:`deterministic_algorithms` (torch's switch, strict) when the call
-    was made.
-    It refuses no kernel (torch's own switch decides what raises): a kernel that declares no
-    deterministic mode ranks after every kernel that has one and is named as such by
-    :meth:`KernelChoice.explain <ringdilated.core.select.resolver.KernelChoice.explain>`.
+    ``deterministic``: :func:`deterministic_algorithms` (torch's switch, strict) when the call was
+    made. The core refuses no kernel for it (a backend's own reasons may: ``flash3`` above head dim
+    192); a kernel that declares no deterministic mode ranks after every kernel that has one and is
+    named as such by :meth:`KernelChoice.explain
+    <ringdilated.core.select.resolver.KernelChoice.explain>`.
     """
 
     device_type: str = "cpu"
@@ -252,8 +252,11 @@ class BatchLimit:
     ``reference`` kernel: ``DEFAULT_QUERY_ELEMENTS`` by default, so a kernel that declares
     nothing keeps that bound). A fused kernel, whose memory is linear in its inputs, declares
     :data:`FUSED_QUERY_ELEMENTS` (:data:`FUSED_GRID_LIMIT`), which bounds the float32
-    temporaries around a call rather than the kernel's scratch; ``None`` is no bound. Each
-    field is ``None`` or a positive int.
+    temporaries around a call rather than the kernel's scratch; ``None`` is no bound. The
+    driver holds every call of a single-process run to it; a sharded run's crossing pieces are
+    split by problems only. Whether a kernel materialises scores is read from this bound
+    (:attr:`bounds_scratch`: at most the default), so a fused plugin kernel should declare
+    :data:`FUSED_GRID_LIMIT` or its own larger bound. Each field is ``None`` or a positive int.
     """
 
     problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
