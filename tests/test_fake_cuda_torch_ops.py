@@ -22,13 +22,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ringdilated
-from ringdilated.backends import _philox
 from ringdilated.backends._heads import repeat_kv
 from ringdilated.backends.cudnn import CudnnKernel
 from ringdilated.backends.sdpa import SdpaKernel
 from ringdilated.backends.torch_flash import TorchFlashKernel
 from ringdilated.core import KeyWindow
-from ringdilated.core.contract.causal import bottom_right_pieces
 from ringdilated.core.contract.kernel import BlockOptions
 from tests.standins import (
     cudnn_attention,
@@ -258,9 +256,16 @@ def q_shape(layouts: tuple[Layout, ...]) -> tuple[int, int]:
 
 
 def flash_plan(q_len: int, k_len: int, right: int | None) -> list[tuple[int, int, bool]]:
-    """The calls torch's bottom-right ``is_causal`` needs for ``window.right = right``."""
-    return [(p.row_stop - p.row_start, p.keys, p.causal) for p in bottom_right_pieces(
-        q_len, k_len, right)]  # fmt: skip
+    """The calls torch's bottom-right ``is_causal`` needs for ``window.right = right``, worked
+    out here, not by the code under test: rows before ``-right`` see no key (no call); rows
+    whose last visible key is at or past the last key see every key (one unmasked call); the
+    rows between are one bottom-right causal call on keys ``[0, stop + right)``."""
+    if right is None or right >= k_len - 1:
+        return [(q_len, k_len, False)]
+    first = min(q_len, max(0, -right))
+    stop = min(q_len, max(first, k_len - right))  # first row that sees every key
+    calls = [(stop - first, stop + right, True)] if stop > first else []
+    return calls + ([(q_len - stop, k_len, False)] if q_len > stop else [])
 
 
 def cudnn_plan(q_len: int, k_len: int, right: int | None) -> list[tuple[int, int, bool, bool]]:
@@ -391,9 +396,10 @@ def test_the_contract_catches_a_strided_lse_handed_to_the_flash_backward() -> No
 
 @pytest.fixture
 def cuda_generator(monkeypatch: pytest.MonkeyPatch) -> torch.Generator:
-    """A CPU generator standing in for the (absent) CUDA default generator."""
+    """A CPU generator standing in for the (absent) default generator of ``cuda:0``, where the
+    wrapper and the stand-in each look it up by their own rule."""
     generator = torch.Generator().manual_seed(7)
-    monkeypatch.setattr(_philox, "default_generator", lambda device: generator)
+    monkeypatch.setattr(torch.cuda, "default_generators", (generator,))
     return generator
 
 

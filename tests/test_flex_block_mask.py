@@ -83,7 +83,11 @@ def test_the_analytic_block_mask_equals_create_block_mask(block_size: tuple[int,
         for offset in _offsets(q_len, k_len, bq, bk):
             case = (q_len, k_len, offset, block_size)
             dense = offset_mask(torch.tensor(offset))
-            expected = create_block_mask(dense, None, None, q_len, k_len, "cpu", block_size)
+
+            def reference(b, h, q, kv, offset=offset):  # type: ignore[no-untyped-def]
+                return kv <= q + offset  # the rule, not the code under test
+
+            expected = create_block_mask(reference, None, None, q_len, k_len, "cpu", block_size)
             _assert_same(_block_mask(q_len, k_len, offset, "cpu", block_size), expected, case)
             built = offset_block_mask(q_len, k_len, offset, dense, "cpu", block_size)
             _assert_same(built, expected, case)

@@ -508,3 +508,20 @@ def test_sdpa_serves_dropout_on_cuda_only() -> None:
 def test_this_torch_reports_the_flash_rng_state_the_kernel_replays() -> None:
     """Asked of the wheel's own meta kernel: ``rng_state`` is ``uint64[2]`` (torch 2.13)."""
     assert torch_flash._replays_rng_state()
+
+
+def test_kernels_without_dropout_refuse_it_when_called_directly() -> None:
+    """Their specs refuse dropout; an instance handed it raises rather than ignoring it."""
+    from ringdilated.backends._dense import GuardedBottomRightKernel
+
+    class Native(GuardedBottomRightKernel):
+        def native_forward(self, q, k, v, causal, scale):  # type: ignore[no-untyped-def]
+            raise AssertionError("never reached")
+
+    q = torch.randn(1, 2, 8, 16)
+    options = BlockOptions(0.25, dropout_p=0.1)
+    for kernel in (cudnn_kernel(), Native()):
+        with pytest.raises(NotImplementedError, match=r"has no dropout \(dropout_p=0.1\)"):
+            kernel.forward(q, q, q, options)
+        with pytest.raises(NotImplementedError, match=r"has no dropout \(dropout_p=0.1\)"):
+            kernel.backward(q, q, q, q, q, q[..., 0], options)

@@ -44,7 +44,6 @@ import math
 
 import torch
 
-from ringdilated.backends._philox import default_generator
 from tests.standins import philox
 from tests.standins.math import attend, grads, top_left
 from tests.standins.memory import read_as
@@ -58,6 +57,14 @@ __all__ = [
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LSE_ALIGN = 32
+
+
+def _op_generator(device: torch.device) -> torch.Generator:
+    """The generator the op draws from, as upstream picks it (``getDefaultCUDAGenerator()`` of
+    the device the op's guard sets; the CPU generator for a stand-in run on the CPU)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index or 0]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -190,7 +197,7 @@ def efficient_attention(
     seed_t = offset_t = torch.empty((), dtype=torch.long)
     drop = None
     if dropout_p > 0.0:
-        seed, offset = philox.take(default_generator(query.device), b * h * m * n)
+        seed, offset = philox.take(_op_generator(query.device), b * h * m * n)
         seed_t, offset_t = torch.tensor(seed), torch.tensor(offset)  # int64, on the host
         drop = _keep(seed, offset, (b, h, m, n), dropout_p)
     visible = top_left(m, n) if is_causal else None

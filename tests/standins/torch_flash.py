@@ -39,7 +39,6 @@ import math
 
 import torch
 
-from ringdilated.backends._philox import default_generator
 from tests.standins import philox
 from tests.standins.math import attend, bottom_right, grads
 from tests.standins.memory import read_as
@@ -47,6 +46,14 @@ from tests.standins.memory import read_as
 __all__ = ["flash_attention", "flash_attention_backward"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _op_generator(device: torch.device) -> torch.Generator:
+    """The generator the op draws from, as upstream picks it (``getDefaultCUDAGenerator()`` of
+    the device the op's guard sets; the CPU generator for a stand-in run on the CPU)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[device.index or 0]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -101,7 +108,7 @@ def flash_attention(
     unused = torch.empty((), dtype=torch.uint64)
     drop = None
     if dropout_p > 0.0:
-        seed, offset = philox.take(default_generator(query.device), b * h * 32)
+        seed, offset = philox.take(_op_generator(query.device), b * h * 32)
         rng_state = torch.tensor([seed, offset], dtype=torch.uint64)
         drop = _keep(seed, offset, (b, h, q_len, k_len), dropout_p)
     visible = bottom_right(q_len, k_len) if is_causal else None

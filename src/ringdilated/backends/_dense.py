@@ -30,7 +30,14 @@ from ringdilated.core import (
     mark_non_finite_rows,
 )
 
-__all__ = ["TILE_ELEMENTS", "GuardedBottomRightKernel", "backward", "forward", "visible_keys"]
+__all__ = [
+    "TILE_ELEMENTS",
+    "GuardedBottomRightKernel",
+    "backward",
+    "forward",
+    "refuse_dropout",
+    "visible_keys",
+]
 
 #: Score elements (problems x heads x rows x keys) computed at once.
 TILE_ELEMENTS = 1 << 24
@@ -141,18 +148,28 @@ def backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def refuse_dropout(name: str, options: BlockOptions) -> None:
+    """Raise ``NotImplementedError`` for ``options.dropout_p > 0``: for a kernel without dropout
+    called directly (its spec refuses dropout, so the resolver never sends it)."""
+    if options.dropout_p:
+        raise NotImplementedError(f"{name} has no dropout (dropout_p={options.dropout_p})")
+
+
 class GuardedBottomRightKernel(BottomRightKernel):
-    """A fused kernel whose native causal mask is bottom-right aligned (flash-attn, xformers),
+    """A fused kernel whose native causal mask is bottom-right aligned (flash-attn 2, 3 and 4,
+    xformers),
     its results repaired on the device for non-finite inputs: flash-style kernels return zeros
     for a row whose scores are all ``-inf`` (flash-attn's ``softmax.h``: a zero row sum gives
     ``inv_sum = 1``; torch's memory-efficient epilogue: ``s_prime == 0`` gives ``1``), which an
     infinite query or key produces. :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`
     and :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and
-    problems that hold NaN or infinity NaN, as the kernel contract allows, with no host read."""
+    problems that hold NaN or infinity NaN, as the kernel contract allows, with no host read.
+    It has no dropout (a subclass with dropout handles it before calling this class)."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        refuse_dropout(type(self).__name__, options)
         out, lse = super().forward(q, k, v, options)
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
@@ -167,6 +184,7 @@ class GuardedBottomRightKernel(BottomRightKernel):
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        refuse_dropout(type(self).__name__, options)
         dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options

@@ -13,8 +13,9 @@ caller's tensor starts aligned; :func:`aligned` copies the rare view that does n
 flash-attn 2, torch flash and cuDNN wrappers apply it too: their kernels load 128 bits at a time
 (``cp.async`` in flash-attn 2) and cuDNN's descriptors assume the same alignment.
 
-Both read only metadata (storage offset and strides), never the device, and copy with
-``clone(memory_format=...)``, not ``contiguous()``, so they also run on FakeTensor ``cuda``
+:func:`is_aligned` and :func:`aligned` read only metadata (storage offset and strides), never
+the device; :func:`aligned` and :func:`dense_float32` copy with ``clone(memory_format=...)``,
+not ``contiguous()``, so they also run on FakeTensor ``cuda``
 tensors in a CPU-only torch (whose ``contiguous()`` of a strided fake ``cuda`` tensor fails).
 """
 

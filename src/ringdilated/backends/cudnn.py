@@ -23,9 +23,11 @@ listed in tests/standins/cudnn.py):
   ``dk``, ``dv`` like ``key``, ``value``. ``k``, ``v`` go with their ``Hkv`` heads.
 - Layout: ``build_graph`` gives cuDNN every tensor's sizes and strides, so the driver's strided
   views go as they are (last dimension contiguous; with the head dim a multiple of 8, every
-  row starts 16 bytes apart). The backward declares ``logsumexp``'s sizes and strides as the
-  float ``Stats`` tensor: it gets the merged lse as a contiguous float32 ``(B, H, Lq, 1)``, the
-  layout the forward returns; ``grad_out`` is copied by the op only if its last stride is not 1.
+  row starts 16 bytes apart); a caller's view that is not 16-byte aligned is copied
+  (:func:`~ringdilated.backends._layouts.aligned`). The backward declares ``logsumexp``'s
+  sizes and strides as the float ``Stats`` tensor: it gets the merged lse as a contiguous
+    float32 ``(B, H, Lq, 1)``, the layout the forward returns; ``grad_out`` is copied by the op only
+  if its last stride is not 1.
 - Calls that cuDNN does not serve run the dense math (:mod:`ringdilated.backends._dense`), which
   is exact: a key length of 1 (``check_cudnn_tensor_shapes``: "cudnn SDPA does not support
   key/value sequence length 1") and empty tensors (``run_cudnn_SDP_fprop`` returns without
@@ -160,6 +162,7 @@ class CudnnKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        _dense.refuse_dropout("cudnn", options)
         call = CudnnCall.of(q, k, options)
         if call.dense:
             return _dense.forward(q, k, v, options)
@@ -193,6 +196,7 @@ class CudnnKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _dense.refuse_dropout("cudnn", options)
         call = CudnnCall.of(q, k, options)
         if call.dense:
             return _dense.backward(dout, q, k, v, out, lse, options)

@@ -15,9 +15,11 @@ is given. Their signatures changed, read from the released ``flash_attn_interfac
 construction, so an unknown signature fails there (the resolver falls back, with the reason)
 rather than on the first call. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
 ``(batch, heads, seqlen_q)`` array with no check, so it is passed contiguous; every other tensor
-needs only a contiguous last dimension. flash-attn's causal mask is bottom-right aligned, so any
-causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`). Key/value
-heads are never repeated: ``flash_api.cpp`` takes ``num_heads_k`` dividing ``num_heads``.
+needs a contiguous last dimension and 16-byte alignment (its 128-bit loads): a misaligned view
+is copied (:func:`~ringdilated.backends._layouts.aligned`). flash-attn's causal mask is
+bottom-right aligned, so any causal offset runs as at most two calls
+(:mod:`ringdilated.core.contract.causal`). Key/value heads are never repeated: ``flash_api.cpp``
+takes ``num_heads_k`` dividing ``num_heads``.
 
 Dropout is flash-attn's own (``flash_api.cpp``, 2.6.3 to 2.8.3): ``mha_fwd`` takes the Philox
 ``(seed, offset)`` from the device's default CUDA generator (``philox_cuda_state``, advancing it

@@ -19,7 +19,8 @@ are listed in tests/standins/torch_flash.py):
   contract.
 - Grouped heads natively: ``mha_fwd``/``mha_bwd`` check ``num_heads % num_heads_k == 0`` and the
   backward sums ``dk``, ``dv`` over each group, so ``k``, ``v`` go with their ``Hkv`` heads.
-- ``q``, ``k``, ``v`` need only a contiguous last dimension (``mha_fwd`` reads their strides);
+- ``q``, ``k``, ``v`` need a contiguous last dimension (``mha_fwd`` reads their strides) and
+  16-byte alignment (128-bit loads): a misaligned view is copied (``_layouts.aligned``);
   ``_flash_attention_backward`` makes ``grad_out`` and ``out`` contiguous itself; ``mha_bwd``
   reads ``softmax_lse`` by address as dense float32 ``(B, H, Lq)`` with no check, so the merged
   lse is handed over as a dense float32 copy. The head dim is a multiple of 8 (``mha_fwd``:
@@ -108,6 +109,7 @@ class TorchFlashKernel:
         self._backward: FlashBackward = (
             backward_op or _aten._scaled_dot_product_flash_attention_backward
         )
+        self._replays_dropout = _replays_rng_state()  # asked of the meta kernel once, here
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
@@ -167,6 +169,11 @@ class TorchFlashKernel:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = (aligned(x) for x in (q, k, v))  # the rare misaligned caller view: a copy
+        if options.dropout_p and not self._replays_dropout:  # the spec refuses it too
+            raise NotImplementedError(
+                f"torch_flash cannot replay dropout (dropout_p={options.dropout_p}) on this "
+                "torch: its flash op does not report its dropout state as one uint64[2] rng_state"
+            )
         with _drawing(q.device, options, causal):
             out, lse, *_ = self._forward(
                 q, k, v, options.dropout_p, causal, False, scale=options.scale
