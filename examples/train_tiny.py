@@ -6,10 +6,12 @@
 The task: sequences walk a fixed permutation of the vocabulary from a random start, with one
 token in eight replaced at random, so the next token is mostly a function of the current one.
 (The model is small and trains for seconds; the point is the equality of the two curves.)
-Sharded, every rank holds a contiguous slice of every sequence; only attention communicates,
-the per-rank loss sums and parameter gradients are all-reduced, and every rank takes the same
-optimizer step. Under torchrun, rank 0 also trains the same model on one process and prints both
-loss curves and their largest relative difference: they must agree to rounding.
+Sharded, ``ringdilated.shard_batch`` gives every rank a contiguous slice of every sequence
+(labels shifted before sharding, global positions, the batch's layout); only attention
+communicates, ``ringdilated.sharded_cross_entropy`` gives every rank the whole batch's mean loss,
+the parameter gradients are summed over the ranks, and every rank takes the same optimizer step.
+Under torchrun, rank 0 also trains the same model on one process and prints both loss curves and
+their largest relative difference: they must agree to rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from ringdilated import DilatedTransformerBlock
+from ringdilated import (
+    DilatedTransformerBlock,
+    SequenceLayout,
+    shard_batch,
+    sharded_cross_entropy,
+)
 
 VOCAB, EMBED, HEADS, SEQ_LEN, BATCH = 16, 32, 4, 64, 4
 
@@ -47,24 +54,25 @@ class TinyLongNet(nn.Module):
         self.norm = nn.LayerNorm(EMBED, dtype=dtype)
         self.head = nn.Linear(EMBED, VOCAB, dtype=dtype)
 
-    def forward(self, tokens: torch.Tensor, first_position: int = 0) -> torch.Tensor:
-        """Logits for ``tokens``, a slice of each sequence starting at ``first_position``."""
-        positions = torch.arange(first_position, first_position + tokens.shape[1])
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, layout: SequenceLayout
+    ) -> torch.Tensor:
+        """Logits for ``tokens``, a slice of each sequence at global ``positions``."""
         x = self.embed(tokens) + self.position(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, layout=layout)
         return self.head(self.norm(x))
 
 
-def synthetic_batch(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, next tokens)``, each ``(BATCH, SEQ_LEN)``."""
-    noise = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=generator)
-    replace = torch.rand(BATCH, SEQ_LEN + 1, generator=generator) < 1 / 8
+def synthetic_batch(generator: torch.Generator) -> torch.Tensor:
+    """``(BATCH, SEQ_LEN)`` tokens: the target at each position is the next token."""
+    noise = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=generator)
+    replace = torch.rand(BATCH, SEQ_LEN, generator=generator) < 1 / 8
     tokens = noise.clone()
-    for t in range(1, SEQ_LEN + 1):
+    for t in range(1, SEQ_LEN):
         walk = (5 * tokens[:, t - 1] + 3) % VOCAB
         tokens[:, t] = torch.where(replace[:, t], noise[:, t], walk)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens
 
 
 def train(
@@ -73,40 +81,36 @@ def train(
     dtype: torch.dtype = torch.float32,
     position_losses: list[torch.Tensor] | None = None,
 ) -> list[float]:
-    """The loss (mean over every token of every sequence) at each step.
+    """The loss (mean over every predicted token of every sequence) at each step.
 
     ``position_losses``, when given, receives at each step this process's own loss per sequence
-    position (summed over the batch, before any all-reduce): ``(SEQ_LEN,)`` on one process, the
-    rank's slice of positions when sharded.
+    position (summed over the batch, 0 at the last position, which predicts nothing):
+    ``(SEQ_LEN,)`` on one process, the rank's slice of positions when sharded.
     """
     sharded = process_group is not None
-    rank = dist.get_rank(process_group) if sharded else 0
-    world = dist.get_world_size(process_group) if sharded else 1
     torch.manual_seed(0)  # the same initial parameters on every rank and on one process
     model = TinyLongNet(process_group, dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(1)
-    shard = slice(rank * SEQ_LEN // world, (rank + 1) * SEQ_LEN // world)
+    data = torch.Generator().manual_seed(1)  # the same batches on every rank
     losses = []
     for _ in range(steps):
-        tokens, targets = synthetic_batch(data)
-        logits = model(tokens[:, shard], shard.start)
-        token_losses = F.cross_entropy(
-            logits.reshape(-1, VOCAB), targets[:, shard].reshape(-1), reduction="none"
-        ).view(BATCH, -1)
+        shard = shard_batch(synthetic_batch(data), process_group=process_group)
+        logits = model(shard.input_ids, shard.position_ids, shard.layout)
+        # The batch's mean on every rank; backward gives each rank its tokens' share.
+        loss = sharded_cross_entropy(logits, shard.labels, process_group)
         if position_losses is not None:
-            position_losses.append(token_losses.detach().sum(0))
-        loss = token_losses.sum() / targets.numel()
+            token_losses = F.cross_entropy(
+                logits.detach().reshape(-1, VOCAB), shard.labels.reshape(-1), reduction="none"
+            )
+            position_losses.append(token_losses.view(BATCH, -1).sum(0))
         optimizer.zero_grad()
         loss.backward()
-        total = loss.detach().clone()
-        if sharded:
-            dist.all_reduce(total, group=process_group)
+        if sharded:  # the shares' sum is the one-process gradient
             for p in model.parameters():
                 assert p.grad is not None
                 dist.all_reduce(p.grad, group=process_group)
         optimizer.step()
-        losses.append(float(total))
+        losses.append(loss.item())
     return losses
 
 

@@ -13,10 +13,14 @@
     out, _ = mha(x, x, x)  # x: (B, L, 512)
     layout = ringdilated.SequenceLayout(cu_seqlens=cu)  # once per batch, for every layer
     out, _ = mha(x, x, x, layout=layout)
+    shard = ringdilated.shard_batch(input_ids, process_group=group)  # this rank's part
+    logits = model(shard.input_ids, shard.position_ids, layout=shard.layout)
+    loss = ringdilated.sharded_cross_entropy(logits, shard.labels, group)  # the batch's mean
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ringdilated.batch import BatchShard, shard_batch
 from ringdilated.cache import DilatedKVCache
 from ringdilated.core import (
     AgreementError,
@@ -45,6 +49,7 @@ from ringdilated.core.support import (
     SlowFeatureWarning,
 )
 from ringdilated.functional import dilated_attention
+from ringdilated.loss import sharded_cross_entropy, token_weighted_mean
 from ringdilated.modules import DilatedAttention
 from ringdilated.multihead import MultiheadDilatedAttention
 from ringdilated.registry import default_resolver
@@ -57,6 +62,7 @@ except PackageNotFoundError:  # running from a source tree without installing
 
 __all__ = [
     "AgreementError",
+    "BatchShard",
     "CallMismatchError",
     "CudaDeviceNotSetError",
     "DilatedAttention",
@@ -85,4 +91,7 @@ __all__ = [
     "default_resolver",
     "dilated_attention",
     "recommended_dtype",
+    "shard_batch",
+    "sharded_cross_entropy",
+    "token_weighted_mean",
 ]

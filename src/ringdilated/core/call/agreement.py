@@ -46,6 +46,7 @@ Layout = dist.ProcessGroup | Grid
 """A process group, or a 2-D :class:`~ringdilated.core.call.grid.Grid` of two."""
 
 __all__ = [
+    "BatchSignature",
     "CallSignature",
     "LayoutSignature",
     "agree",
@@ -135,6 +136,20 @@ class LayoutSignature(_Fields):
     shape: str
     shard_length: str
     agree_every_call: str
+
+
+@attrs.frozen
+class BatchSignature(_Fields):
+    """What every rank of a sequence-parallel group must pass identically to
+    :func:`ringdilated.shard_batch`: each tensor of the batch (shape, dtype and, where compared,
+    a digest of its values; ``"none"`` when not passed) and the options."""
+
+    input_ids: str
+    labels: str
+    attention_mask: str
+    position_ids: str
+    cu_seqlens: str
+    options: str
 
 
 def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
