@@ -331,6 +331,70 @@ def batch_limited_shards(payload: dict[str, Any]) -> dict[str, Any]:
     return {"most": max(seen), "error": float((out - expected).abs().max())}
 
 
+def row_limited_shards(payload: dict[str, Any]) -> dict[str, Any]:
+    """A sharded call on a kernel bounded to ``payload['bound']`` query elements a call: shards
+    of 16, a 32-segment crossing them, 4 query heads on 2 key/value heads, causal, the lse
+    returned with a gradient. Returns the most query rows and elements a call held and the
+    largest errors of ``out``, ``lse``, ``dq``, ``dk``, ``dv`` against the oracle."""
+    import attrs
+
+    from ringdilated.backends.local import LOCAL_SPEC
+    from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
+    from ringdilated.backends.ringpass import RINGPASS_SPEC
+    from ringdilated.core import Resolver
+    from ringdilated.core.select.capabilities import BatchLimit
+    from ringdilated.functional import attend
+    from ringdilated.testing import oracle
+
+    seen: list[tuple[int, int]] = []
+
+    class Spy(ReferenceKernel):
+        def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+            seen.append((q.shape[2], q.numel()))
+            return super().forward(q, k, v, options)
+
+        def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+            seen.append((q.shape[2], q.numel()))
+            return super().backward(dout, q, k, v, out, lse, options)
+
+    limit = BatchLimit(query_elements=payload["bound"])
+    capabilities = attrs.evolve(REFERENCE_SPEC.capabilities, batch_limit=limit)
+    spec = attrs.evolve(REFERENCE_SPEC, name="spy", factory=Spy, capabilities=capabilities)
+    resolver = Resolver([spec], communicators=[LOCAL_SPEC, RINGPASS_SPEC])
+    rank, mine = dist.get_rank(), slice(16 * dist.get_rank(), 16 * (dist.get_rank() + 1))
+    g = torch.Generator().manual_seed(9)
+    full = [torch.randn(2, 32, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    dout = torch.randn(2, 32, 4, 8, generator=g, dtype=torch.float64)
+    dlse = torch.randn(2, 4, 32, generator=g, dtype=torch.float64)
+    shard = [x[:, mine].contiguous().requires_grad_() for x in full]
+    out, lse, _ = attend(
+        ([16, 32], [1, 2]), *shard, causal=True, scale=None, dropout_p=0.0, kernel="spy",
+        process_group=dist.group.WORLD, resolver=resolver, communicator="ringpass",
+        return_lse=True, full_precision_lse=True,
+    )  # fmt: skip
+    exact = [x.clone().requires_grad_() for x in full]
+    expected, expected_lse = oracle(*exact, [16, 32], [1, 2], causal=True, return_lse=True)
+    finite = expected_lse.isfinite()  # a head's positions its pattern leaves out: -inf, no gradient
+    wanted = torch.autograd.grad(
+        (expected * dout).sum() + (expected_lse * dlse)[finite].sum(), exact
+    )
+    grads = torch.autograd.grad(
+        (out * dout[:, mine]).sum() + (lse * dlse[..., mine])[finite[..., mine]].sum(), shard
+    )
+    errors = [
+        (out - expected[:, mine]).abs().max(),
+        (lse - expected_lse[..., mine])[finite[..., mine]].abs().max(),
+        *((got - want[:, mine]).abs().max() for got, want in zip(grads, wanted, strict=True)),
+    ]
+    return {
+        "rows": max(r for r, _ in seen),
+        "elements": max(e for _, e in seen),
+        "errors": [float(e.detach()) for e in errors],
+        "rank": rank,
+        "same_lse_rows": bool(torch.equal(lse.isfinite(), finite[..., mine])),
+    }
+
+
 def interleaved_groups(payload: dict[str, Any]) -> dict[str, Any]:
     """A 4-rank world split into the interleaved groups [0, 2] and [1, 3] (created once, on
     every rank, in the same order, outside any call), each pair running its own problem with

@@ -1,7 +1,8 @@
 """Kernel calls per forward follow the kernel's declared bound (issue 23): a kernel that
 materialises scores keeps the default scratch bound (``DEFAULT_QUERY_ELEMENTS``, 8M query
 elements a call); a fused kernel (``FUSED_GRID_LIMIT``: no scratch bound) is split by its launch
-grid only, so at L = 2^20 its calls drop to what 65535 problems a call require.
+grid and its 2^28 query elements a call, so at L = 2^20 its calls drop to one or two a block; a
+single segment larger than the bound is split by query rows.
 
 The counts at L = 2^20 with H = 8 and D = 64 run on ``meta`` tensors: they hold no data, so the
 driver's real calls (their number and shapes) cost nothing to make. The expected counts are
@@ -20,9 +21,10 @@ from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.core import Capabilities, KernelSpec, Resolver, Target
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.core.plan.pattern import Block, DilationPattern
-from ringdilated.core.plan.window import CAUSAL
+from ringdilated.core.plan.window import CAUSAL, KeyWindow
 from ringdilated.core.run.local import (
     BackwardInputs,
+    BatchLimitedKernel,
     CallState,
     pattern_run,
 )
@@ -309,3 +311,58 @@ def test_calls_split_by_the_declared_bound_stay_exact(
     if limit.problems is None and limit.query_elements is None:
         # Every block's 3 rows x its segments in one call: 48 problems of the 4-segments.
         assert problems == 3 * 64 // 4
+
+
+class RowKernel(ShapeKernel):
+    """A :class:`ShapeKernel` that also records each call's query rows, key rows and window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, int, KeyWindow]] = []
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        self.rows.append((q.shape[2], k.shape[2], options.window))
+        return super().forward(q, k, v, options)
+
+
+def test_one_segment_larger_than_the_bound_is_split_by_query_rows() -> None:
+    """The case the grid and whole segments cannot bound: one segment of 2^20 positions with
+    H = 32, D = 128 is one problem of 2^32 query elements, 16 times the fused bound. Worked by
+    hand: 2^28 / (32 x 128) = 2^16 rows a call, so 16 calls forward and 16 backward, each of
+    exactly 2^28 query elements against all 2^20 keys (8 grouped key/value heads), the causal
+    window shifted to the call's first row: ``right = 2^16 x i`` for call ``i``."""
+    heads, kv_heads, dim = 32, 8, 128
+    q = torch.empty(1, L, heads, dim, device="meta")
+    k, v = (torch.empty(1, L, kv_heads, dim, device="meta") for _ in "kv")
+    kernel = RowKernel()
+    run = pattern_run(
+        kernel, DilationPattern([L], [1]), q, k, window=CAUSAL, scale=None, dropout_p=0.0,
+        batch_limit=FUSED_GRID_LIMIT,
+    )  # fmt: skip
+    out, lse = run.forward(q, k, v, CallState())
+    run.backward(BackwardInputs(torch.empty_like(out), None, q, k, v, out, lse), CallState())
+    chunk = 1 << 16
+    assert kernel.forwards == [(1, FUSED_QUERY_ELEMENTS)] * 16
+    assert kernel.backwards == [(1, FUSED_QUERY_ELEMENTS)] * 16
+    assert kernel.rows == [(chunk, L, KeyWindow(None, chunk * i)) for i in range(16)]
+
+
+def test_the_crossing_path_splits_a_large_problem_by_rows_too() -> None:
+    """:class:`BatchLimitedKernel` (a sharded run's crossing pieces): two problems of 32 heads,
+    2^18 rows, D = 128 (2^30 query elements each) take 4 calls of 2^16 rows each, problem by
+    problem; 40 problems of 2^23 elements take 32 and then 8 (the bound, by problems); 3 such
+    problems fit one call, which goes through untouched."""
+    kernel = RowKernel()
+    limited = BatchLimitedKernel(kernel, FUSED_GRID_LIMIT)
+    q = torch.empty(2, 32, 1 << 18, 128, device="meta")
+    k = torch.empty(2, 8, 1 << 18, 128, device="meta")
+    out, lse = limited.forward(q, k, k, BlockOptions(0.1, CAUSAL))
+    limited.backward(out, q, k, k, out, lse, BlockOptions(0.1, CAUSAL))
+    assert kernel.forwards == kernel.backwards == [(1, FUSED_QUERY_ELEMENTS)] * 8
+    assert [window.right for _, _, window in kernel.rows] == [(1 << 16) * i for i in range(4)] * 2
+    for n, calls in ((40, [32, 8]), (3, [3])):
+        kernel = RowKernel()
+        q = torch.empty(n, 8, 1 << 14, 64, device="meta")
+        BatchLimitedKernel(kernel, FUSED_GRID_LIMIT).forward(q, q, q, BlockOptions(0.1))
+        assert [problems for problems, _ in kernel.forwards] == calls
+        assert {rows for rows, _, _ in kernel.rows} == {1 << 14}

@@ -27,9 +27,13 @@ Steps are chunks of whole segments so that no kernel call holds more query eleme
 ``LocalRun.chunk_elements`` when set; steps gathered into one call stay within it too): for a kernel
 that materialises scores, peak memory beyond the inputs and outputs stays bounded whatever the
 sequence length; a fused kernel (linear memory) declares a bound 32 times larger, which keeps the
-float32 temporaries around a call at 1 GiB. A call holds at least one whole segment, so a segment
-larger than the bound runs alone in its call. Nothing here checks capabilities or catches
-exceptions: the resolver and the input validation ran before.
+float32 temporaries around a call at 1 GiB. A segment larger than the bound is split further,
+along its query rows (:func:`~ringdilated.core.run.limited.row_chunks`): each chunk is a step of
+its own, with every key of the segment, the window shifted to its first row and, with dropout, a
+seed of its own (its step number), so a block's mask is a function of the call's seed and the
+chunking (:mod:`ringdilated.core.run.limited`). A call holds at least one query row of one
+problem. Nothing here checks capabilities or catches exceptions: the resolver and the input
+validation ran before.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import torch
@@ -51,6 +55,7 @@ from ringdilated.core.plan.documents import DocumentLayout
 from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 from ringdilated.core.plan.window import FULL, KeyWindow
+from ringdilated.core.run.limited import BatchLimitedKernel, row_chunks
 from ringdilated.core.select.capabilities import DEFAULT_QUERY_ELEMENTS, UNLIMITED, BatchLimit
 from ringdilated.core.select.dtypes import autocast_off
 
@@ -155,6 +160,14 @@ class StridedView:
     def of(self, x: torch.Tensor) -> torch.Tensor:
         return x.as_strided(self.size, self.stride, x.storage_offset() + self.offset)
 
+    def rows(self, start: int, stop: int) -> StridedView:
+        """This view's rows ``[start, stop)`` (its third dimension: a query view's or an lse's
+        query rows)."""
+        if (start, stop) == (0, self.size[2]):
+            return self
+        size = (*self.size[:2], stop - start, *self.size[3:])
+        return StridedView(size, self.stride, self.offset + start * self.stride[2])
+
 
 def selection_view(
     selection: Selection,
@@ -207,7 +220,10 @@ class _Step:
     """One block's chunk, the unit of a kernel call: the views of the query side (``q``, ``out``,
     ``dout``, ``dq``, all of ``q``'s strides), of ``k`` and of ``v`` (their own strides), of the
     key/value gradients (contiguous), of the lse (:func:`lse_buffer`), and the options. ``index``
-    numbers the step (its dropout seed derives from it)."""
+    numbers the step (its dropout seed derives from it). ``shares_keys``: the step holds some of
+    its problems' query rows, other steps the rest
+    (:func:`~ringdilated.core.run.limited.row_chunks`), so its key and value gradients are
+    added, never written."""
 
     q: StridedView
     k: StridedView
@@ -216,6 +232,7 @@ class _Step:
     lse: StridedView
     options: BlockOptions
     index: int
+    shares_keys: bool = False
 
 
 #: A kernel call fuses steps of one shape (every size but ``N``) and options, without dropout,
@@ -242,6 +259,7 @@ class _KernelCall:
 
     steps: tuple[_Step, ...]
     sizes: tuple[int, ...] = attrs.field(init=False)
+    shares_keys: bool = attrs.field(init=False)
     _indices: dict[tuple[object, str, torch.device], tuple[torch.Tensor, int]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
@@ -249,6 +267,10 @@ class _KernelCall:
     @sizes.default
     def _sizes(self) -> tuple[int, ...]:
         return tuple(step.q.size[0] for step in self.steps)
+
+    @shares_keys.default
+    def _shares_keys(self) -> bool:
+        return any(step.shares_keys for step in self.steps)
 
     def options(self, seed: int) -> BlockOptions:
         """The call's options (a fused call's steps have equal ones, without dropout), with
@@ -445,6 +467,14 @@ class LocalRun:
             return self.chunk_elements
         return self.batch_limit.query_elements
 
+    @property
+    def call_limit(self) -> BatchLimit:
+        """What one kernel call may hold: ``batch_limit`` with :attr:`query_budget` as its query
+        elements (for :class:`~ringdilated.core.run.limited.BatchLimitedKernel`)."""
+        if self.chunk_elements is None:
+            return self.batch_limit
+        return attrs.evolve(self.batch_limit, query_elements=self.chunk_elements)
+
     def _make_steps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Iterator[_Step]:
         B, Lq, H, D = q.shape
         L, Hkv = k.shape[1], k.shape[2]
@@ -470,16 +500,26 @@ class LocalRun:
                 chunks = _split(sel, batches, tiles, per_segment, budget, most)
                 for chunk_rows, selection in chunks:
                     qs = selection if block.queries is None else block.queries
-                    yield _Step(
-                        q=selection_view(qs, q_strides, chunk_rows, hq, D, origin),
-                        k=selection_view(selection, k.stride(), chunk_rows, hkv, D),
-                        v=selection_view(selection, v.stride(), chunk_rows, hkv, D),
-                        kv_grad=selection_view(selection, kv_grad_strides, chunk_rows, hkv, D),
-                        lse=selection_view(qs, lse_strides, chunk_rows, hq, None, origin),
-                        options=options,
-                        index=index,
-                    )
-                    index += 1
+                    q_view = selection_view(qs, q_strides, chunk_rows, hq, D, origin)
+                    lse_view = selection_view(qs, lse_strides, chunk_rows, hq, None, origin)
+                    k_view = selection_view(selection, k.stride(), chunk_rows, hkv, D)
+                    v_view = selection_view(selection, v.stride(), chunk_rows, hkv, D)
+                    kv_grad = selection_view(selection, kv_grad_strides, chunk_rows, hkv, D)
+                    # A problem larger than the budget: its query rows in chunks (each a step).
+                    n, heads, q_rows = q_view.size[:3]
+                    parts = tuple(row_chunks(q_rows, n * heads * D, budget, options))
+                    for part in parts:
+                        yield _Step(
+                            q=q_view.rows(part.start, part.stop),
+                            k=k_view,
+                            v=v_view,
+                            kv_grad=kv_grad,
+                            lse=lse_view.rows(part.start, part.stop),
+                            options=part.options,
+                            index=index,
+                            shares_keys=len(parts) > 1,
+                        )
+                        index += 1
 
     def zero_heads(self, heads: int, kv: bool) -> tuple[tuple[int, int], ...]:
         """Head ranges of a result buffer written by no rate-1 block (so some position of them
@@ -543,16 +583,21 @@ class LocalRun:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in the input dtype; with ``cast=False`` in whatever the buffers hold."""
         dout, dlse, q, k, v, out, lse = inputs
+        calls = self.calls(q, k, v)
         # A gradient written once per element is written in the input dtype (the kernel's result,
         # no second rounding); one that sums several contributions accumulates in float32/64.
-        kv_once = self.exclusive and _kv_exclusive(self.blocks)
+        kv_once = (
+            self.exclusive
+            and _kv_exclusive(self.blocks)
+            and not any(kernel_call.shares_keys for kernel_call in calls)
+        )
         q_once = self.exclusive and self.complete and dlse is None
         k_once = kv_once and self.complete and dlse is None
         v_once = kv_once and self.complete
         dq = self._result_buffer(q, q_once)
         dk, dv = self._result_buffer(k, k_once, kv=True), self._result_buffer(v, v_once, kv=True)
         kernel, seed = self.kernel, call.seed
-        for kernel_call in self.calls(q, k, v):
+        for kernel_call in calls:
             options = kernel_call.options(seed)
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
             dout_c, out_c = kernel_call.gather(dout, _Q), kernel_call.gather(out, _Q)
@@ -643,64 +688,6 @@ def lse_gradient(
         grad, q, k, e0, torch.zeros_like(grad), lse, attrs.evolve(options, dropout_p=0.0)
     )
     return dq, dk
-
-
-_Results = TypeVar("_Results", bound=tuple[torch.Tensor, ...])
-
-
-class BatchLimitedKernel:
-    """``kernel`` with every call split along the problem dimension ``N`` to its
-    :class:`~ringdilated.core.select.capabilities.BatchLimit`, results concatenated: for calls the
-    driver cannot split by segments (a sharded run's crossing pieces hold one problem per batch
-    row)."""
-
-    def __init__(self, kernel: Kernel, limit: BatchLimit) -> None:
-        self.kernel, self.limit = kernel, limit
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._call(self.kernel.forward, (q, k, v), options, k.shape[1])
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        inputs = (dout, q, k, v, out, lse)
-        return self._call(self.kernel.backward, inputs, options, k.shape[1])
-
-    def _call(
-        self,
-        method: Callable[..., _Results],
-        inputs: tuple[torch.Tensor, ...],
-        options: BlockOptions,
-        kv_heads: int,
-    ) -> _Results:
-        """``method(*inputs, options)``, in pieces of at most the limit along ``N`` when one call
-        may not take all of it, results concatenated."""
-        n, step = inputs[0].shape[0], self.limit.per_call(kv_heads)
-        if step is None or n <= step:
-            return method(*inputs, options)
-        parts = [
-            method(*(x[i : i + step] for x in inputs), self._options(options, i // step))
-            for i in range(0, n, step)
-        ]
-        results = tuple(torch.cat(part) for part in zip(*parts, strict=True))
-        return results  # type: ignore[return-value]
-
-    @staticmethod
-    def _options(options: BlockOptions, piece: int) -> BlockOptions:
-        """Piece ``piece``'s options: its own dropout seed (pieces of one shape would otherwise
-        draw the same mask); forward and backward split alike, so they agree."""
-        if piece == 0 or options.dropout_p == 0.0:
-            return options
-        return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
 
 
 class Executor(Protocol):

@@ -40,13 +40,8 @@ from ringdilated.core.plan.shards import Crossing, ShardPlan
 from ringdilated.core.plan.window import FULL
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
-from ringdilated.core.run.local import (
-    BackwardInputs,
-    BatchLimitedKernel,
-    CallState,
-    LocalRun,
-    lse_gradient,
-)
+from ringdilated.core.run.limited import BatchLimitedKernel
+from ringdilated.core.run.local import BackwardInputs, CallState, LocalRun, lse_gradient
 
 __all__ = ["ShardedRun"]
 
@@ -73,9 +68,11 @@ class ShardedRun:
 
     @property
     def kernel(self) -> Kernel:
-        """The kernel for crossing pieces (one problem per batch row), split to the kernel's
-        declared batch limit where the batch exceeds it."""
-        return BatchLimitedKernel(self.inner.kernel, self.inner.batch_limit)
+        """The kernel for crossing pieces (one problem per batch row, every row of a segment),
+        each call split to what one call may hold (the inner run's
+        :attr:`~ringdilated.core.run.local.LocalRun.call_limit`): by problems, and a problem
+        larger than the query bound by query rows."""
+        return BatchLimitedKernel(self.inner.kernel, self.inner.call_limit)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True

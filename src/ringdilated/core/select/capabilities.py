@@ -253,10 +253,13 @@ class BatchLimit:
     nothing keeps that bound). A fused kernel, whose memory is linear in its inputs, declares
     :data:`FUSED_QUERY_ELEMENTS` (:data:`FUSED_GRID_LIMIT`), which bounds the float32
     temporaries around a call rather than the kernel's scratch; ``None`` is no bound. The
-    driver holds every call of a single-process run to it; a sharded run's crossing pieces are
-    split by problems only. Whether a kernel materialises scores is read from this bound
-    (:attr:`bounds_scratch`: at most the default), so a fused plugin kernel should declare
-    :data:`FUSED_GRID_LIMIT` or its own larger bound. Each field is ``None`` or a positive int.
+    driver holds every call to it, a sharded run's crossing pieces included: by whole segments
+    (problems) where they fit, and a problem larger than the bound by its query rows (each
+    chunk with every key, the window shifted, with dropout a seed of its own; one query row of
+    one problem at least: :mod:`ringdilated.core.run.limited`). Whether a kernel materialises
+    scores is read from this bound (:attr:`bounds_scratch`: at most the default), so a fused
+    plugin kernel should declare :data:`FUSED_GRID_LIMIT` or its own larger bound. Each field
+    is ``None`` or a positive int.
     """
 
     problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
