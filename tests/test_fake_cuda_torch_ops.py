@@ -36,6 +36,7 @@ from tests.standins import (
     flash_attention,
     flash_attention_backward,
 )
+from tests.standins.mem_efficient import cutlass_backward, cutlass_forward
 from tests.test_fake_cuda import GRID, EfficientAttentionContract, Layout, Recorder
 
 _aten = torch.ops.aten
@@ -70,6 +71,8 @@ def bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
         (CUDNN_BACKWARD, cudnn_attention_backward),
         (EFFICIENT, efficient_attention),
         (EFFICIENT_BACKWARD, efficient_attention_backward),
+        (_aten._efficient_attention_forward.default, cutlass_forward),
+        (_aten._efficient_attention_backward.default, cutlass_backward),
     ],
 )
 def test_standins_take_the_schemas_arguments(op: Any, standin: Callable[..., Any]) -> None:

@@ -286,7 +286,7 @@ def test_sdpa_cuda_path_dropout_matches_the_oracle(
         (flash_kernel, torch_flash, "replay_state",
          lambda seed, device, dtype: torch.tensor([seed, 4], dtype=dtype)),
         (efficient_kernel, sdpa, "replay_scalars",
-         lambda seed, device: (torch.tensor(seed), torch.tensor(4))),
+         lambda seed, device, offset=0: (torch.tensor(seed), torch.tensor(offset + 4))),
         (flash_kernel, torch_flash, "replay_state",
          lambda seed, device, dtype: torch.tensor([seed + 1, 0], dtype=dtype)),
     ],

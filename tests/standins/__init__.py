@@ -6,16 +6,19 @@ they would be wrong on a GPU:
 
 - :mod:`.flash_attn`: each supported flash-attn version's exact Python signatures and return
   tuples, ``flash_api.cpp``'s checks, ``softmax_lse`` read as dense float32 by address;
-- :mod:`.mem_efficient`: torch's memory-efficient kernels (the sdpa CUDA path), ``out`` read with
-  the backward's hard-coded row stride, the lse read in 32-row blocks, the bias over-read, the
-  dropout mask drawn from the generator's Philox state and replayed from the scalars given;
+- :mod:`.mem_efficient`: torch's memory-efficient kernels and ops (the sdpa CUDA path, and the
+  ``aten._efficient_attention_*`` ops xformers' ``cutlass`` operators call), keys and values
+  read through their strides, ``out`` read with the backward's hard-coded row stride, the lse
+  read in 32-row blocks, the bias over-read, the dropout mask drawn from the generator's Philox
+  state and replayed from the scalars given;
 - :mod:`.torch_flash`: torch's flash op (``torch_flash``): bottom-right ``is_causal``, the lse
   read by address, dropout replayed from ``rng_state``;
 - :mod:`.cudnn`: torch's cuDNN op (``cudnn``): top-left ``is_causal``, an expanded additive
   bias, the lse read through its own strides, unwritten outputs for empty inputs;
 - :mod:`.philox`: the CUDA generator's ``(seed, offset)`` state and the draws made from it;
-- :mod:`.xformers`: xformers 0.0.35's ``fmha`` API over the same kernels, and its refusal of CUDA
-  calls when its compiled extension did not load;
+- :mod:`.xformers`: xformers 0.0.35's ``fmha`` API over the same ops (its input validation,
+  operator checks, BMGHK forward and BMHK-only backward), and its refusal of CUDA calls when
+  its compiled extension did not load;
 - :mod:`.flex`: ``flex_attention``'s signature in differentiable math, a ``BlockMask`` read
   block by block as the Triton kernels read it;
 - :mod:`.memory`: reading a tensor's memory with the addressing a kernel assumes.

@@ -1,14 +1,14 @@
 """The CUDA default generator's Philox state, modelled on the CPU generator the stand-ins use.
 
-A CUDA generator is a seed and an offset: ``manual_seed`` sets the seed and resets the offset to
-0, and each kernel that draws takes the current ``(seed, offset)`` and moves the offset on
-(``philox_cuda_state(n)``). Its random numbers are a pure function of ``(seed, offset)`` and the
-element's position. The stand-ins run on the CPU, whose generator has no offset, so
-:func:`take` keeps one: 0 when the generator is exactly as ``manual_seed(initial_seed())`` left
-it, the offset the last take left when nothing has touched the generator since, and an offset
-made from its state otherwise (someone else drew from it: the running offset is unknown, but a
-function of the state). Each take also draws from the generator, so a caller whose generator is
-not restored afterwards sees its stream move, as it would on a GPU.
+A CUDA generator is a seed and an offset: ``manual_seed`` sets the seed and resets the offset to 0,
+and each kernel that draws takes the current ``(seed, offset)`` and moves the offset on
+(``philox_cuda_state(n)``: by ``n`` rounded up to a multiple of 4). Its random numbers are a pure
+function of ``(seed, offset)`` and the element's position. The stand-ins run on the CPU, whose
+generator has no offset, so :func:`take` keeps one: 0 when the generator is exactly as
+``manual_seed(initial_seed())`` left it, the offset the last take left when nothing has touched the
+generator since, and an offset made from its state otherwise (someone else drew from it: the running
+offset is unknown, but a function of the state). Each take also draws from the generator, so a
+caller whose generator is not restored afterwards sees its stream move, as it would on a GPU.
 
 :func:`uniform` gives the numbers a kernel draws for ``(seed, offset)``: a backward handed the
 same pair regenerates the forward's mask, and any other pair gives another one. :func:`keep_mask`
@@ -40,7 +40,8 @@ def _hash(*parts: object) -> int:
 
 def take(generator: torch.Generator, increment: int) -> tuple[int, int]:
     """``(seed, offset)`` for one kernel launch that draws ``increment`` numbers; the offset
-    then moves on by ``increment``."""
+    then moves on by ``increment`` rounded up to a multiple of 4, as ``philox_cuda_state`` moves
+    it (torch's ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``)."""
     seed = generator.initial_seed()
     state = generator.get_state()
     last = _TAKEN.get(id(generator))
@@ -51,7 +52,8 @@ def take(generator: torch.Generator, increment: int) -> tuple[int, int]:
     else:
         offset = 4 * (_hash(state.sum().item(), state.numel()) % (1 << 40)) + 4
     torch.rand((), generator=generator)
-    _TAKEN[id(generator)] = (generator.get_state(), offset + increment)
+    step = -(-increment // 4) * 4  # philox_cuda_state rounds up to a multiple of 4
+    _TAKEN[id(generator)] = (generator.get_state(), offset + step)
     return seed, offset
 
 

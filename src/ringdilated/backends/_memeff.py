@@ -3,7 +3,14 @@
 tensors out that way. Read from torch 2.13's ``kernel_forward.h``, ``kernel_backward.h`` and
 ``attention_backward.cu``; used by the ``sdpa`` (CUDA) and ``xformers`` kernels. Written with
 ``narrow`` rather than slicing, so the CUDA path also runs on FakeTensor ``cuda`` tensors in a
-CPU-only torch (tests/test_fake_cuda.py)."""
+CPU-only torch (tests/test_fake_cuda.py).
+
+``q``, ``k`` and ``v`` are read through their own strides (``key_ptr + head_id * k_strideH``),
+which need a contiguous last dimension and multiples of the alignment, 0 included; the ops check
+equal head counts, and the backward allocates its gradients dense, one per query head. So
+grouped heads reach them as stride-0 expansions (:func:`~ringdilated.backends._heads.kv_groups`),
+and since the backward's ``out`` row stride is ``head_dim_value * num_heads`` *of the call*, each
+call's ``out`` is packed on its own."""
 
 from __future__ import annotations
 

@@ -14,6 +14,10 @@ the form its op reads, built without reading anything back from the device:
 - :func:`replay_scalars`: two 0-d tensors, seed and offset (torch's memory-efficient op returns
   ``int64`` scalars on the host in eager mode and its backward reads them there).
 
+A forward that makes several op calls under one seeding (the memory-efficient op's grouped
+heads, one call per key/value head) moves the offset on with each: call ``i`` starts at the sum
+of the earlier calls' :func:`philox_increment`, and its backward is handed that offset.
+
 Limits: the generator is the process's, so two threads running dropout on one device at once
 would see each other's seed (torch's own dropout shares that generator the same way); and torch
 refuses to reseed a CUDA generator while a CUDA graph is being captured, so a fused kernel's
@@ -27,7 +31,13 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["default_generator", "replay_scalars", "replay_state", "seeded_generator"]
+__all__ = [
+    "default_generator",
+    "philox_increment",
+    "replay_scalars",
+    "replay_state",
+    "seeded_generator",
+]
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -60,12 +70,20 @@ def replay_state(seed: int, device: torch.device, dtype: torch.dtype) -> torch.T
     return state
 
 
+def philox_increment(count: int) -> int:
+    """How far an op that draws ``count`` numbers moves its generator's offset:
+    ``philox_cuda_state(count)`` rounds the increment up to a multiple of 4 (torch's
+    ``aten/src/ATen/cuda/CUDAGeneratorImpl.cpp``, "Why enforce RNG offset % 4 == 0?")."""
+    return -(-count // 4) * 4
+
+
 def replay_scalars(
-    seed: int, device: torch.device, dtype: torch.dtype = torch.int64
+    seed: int, device: torch.device, dtype: torch.dtype = torch.int64, *, offset: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(seed, 0)`` as two 0-d ``dtype`` tensors on ``device``: the Philox seed and offset a
-    forward run under :func:`seeded_generator` reports as separate scalars, made by fills."""
+    """``(seed, offset)`` as two 0-d ``dtype`` tensors on ``device``: the Philox seed and offset
+    a forward run under :func:`seeded_generator` reports as separate scalars (``offset`` 0 for
+    its first draw), made by fills."""
     return (
         torch.zeros((), dtype=dtype, device=device).fill_(seed),
-        torch.zeros((), dtype=dtype, device=device),
+        torch.zeros((), dtype=dtype, device=device).fill_(offset),
     )

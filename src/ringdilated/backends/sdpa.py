@@ -15,9 +15,22 @@
 Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
 
 Grouped-query heads: the CPU op takes ``k``, ``v`` with fewer heads (its backward runs one
-thread per key/value head); the memory-efficient op does not (``_efficient_attention_forward``
-and ``_efficient_attention_backward`` check ``query.size(2) == key.size(2)``), so ``k``, ``v``
-are repeated for it and their gradients summed back.
+thread per key/value head). The memory-efficient op checks equal head counts
+(``_efficient_attention_forward`` and ``_efficient_attention_backward``: ``query.size(2) ==
+key.size(2)``) but reads ``k``, ``v`` through their strides (``attention.cu`` and
+``attention_backward.cu`` pass ``key.stride(0..2)`` as ``k_strideB/M/H``; the kernels address
+``key_ptr + batch_id * k_strideB + head_id * k_strideH``; the only stride rules are a contiguous
+last dimension and strides that are multiples of the alignment, which 0 is), and its backward
+allocates its own dense ``grad_k = at::empty(key.sizes())``, one gradient per query head. So a
+key/value head is handed over *expanded* to its group's query heads with stride 0
+(:func:`~ringdilated.backends._heads.kv_groups`): a view, nothing repeated; one call per
+key/value head (one call for a single key/value head), the results joined along heads and the
+per-query-head ``dk``, ``dv`` summed over each group. Read in pytorch's
+``aten/src/ATen/native/transformers/cuda/attention.cu``, ``attention_backward.cu`` and
+``mem_eff_attention/kernel_forward.h``/``kernel_backward.h`` (``check_supported``) as stored
+near the 2.13 release (an older, ``c10::optional``-era copy allocates ``grad_k`` the same way);
+pytorch pull request 191085 reports the op matching the math backend's forward and gradients
+on zero-stride expanded key/value views.
 
 Dropout (CUDA): the memory-efficient op draws its mask from the CUDA default generator
 (``philox_cuda_state``) and returns the Philox seed and offset as ``int64`` scalars on the host
@@ -25,7 +38,11 @@ Dropout (CUDA): the memory-efficient op draws its mask from the CUDA default gen
 forward runs under :func:`~ringdilated.backends._philox.seeded_generator` with the block's
 ``dropout_seed`` and the backward gets :func:`~ringdilated.backends._philox.replay_scalars` of it
 on the host: the mask is a function of the seed, as the contract asks. The keep test compares a
-uniform float with ``p`` and kept values are scaled by ``1 / (1 - p)``.
+uniform float with ``p`` and kept values are scaled by ``1 / (1 - p)``. Grouped heads make one
+call per key/value head under that one seeding; each draws ``N * r * Lq * Lk`` numbers, which
+moves the offset on by that count rounded up to a multiple of 4
+(:func:`~ringdilated.backends._philox.philox_increment`), so call ``g``'s backward replays from
+``g`` times that.
 
 Deterministic: the CPU backward parallelises over (batch, key/value head), each gradient element
 written by one thread in a fixed order (``cpu_flash_attention_backward`` in
@@ -71,9 +88,9 @@ from typing import Any
 import torch
 
 from ringdilated.backends import _dense
-from ringdilated.backends._heads import repeat_kv, sum_kv
+from ringdilated.backends._heads import join_heads, kv_groups
 from ringdilated.backends._memeff import packed_bmhk, padded_bias, padded_lse
-from ringdilated.backends._philox import replay_scalars, seeded_generator
+from ringdilated.backends._philox import philox_increment, replay_scalars, seeded_generator
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
@@ -185,7 +202,9 @@ class EfficientAttention:
     stride (``o_strideM() = head_dim_value * num_heads``), so the driver's strided ``out`` is
     packed (:func:`packed_bmhk`); the lse and the bias are laid out by :func:`padded_lse` and
     :func:`padded_bias`; the op makes ``dout`` contiguous itself, and reads ``q``, ``k``, ``v``
-    through their strides (the kernel contract keeps their last dimension contiguous).
+    through their strides (the kernel contract keeps their last dimension contiguous), so
+    grouped heads reach it as stride-0 expansions, one call per key/value head (module
+    docstring), each with its own packed ``out`` and padded lse.
 
     ``forward_op`` and ``backward_op`` default to the aten ops; tests pass stand-ins that read
     memory as the CUDA kernels do.
@@ -207,19 +226,22 @@ class EfficientAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        kd, vd = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        with _drawing(q.device, options):
-            out, lse, _, _ = self._forward(
-                q,
-                kd,
-                vd,
-                padded_bias(mask, q),
-                True,
-                options.dropout_p,
-                is_causal,
-                scale=options.scale,
-            )
-        lse = lse.narrow(-1, 0, q.shape[-2])
+        outs, lses = [], []
+        with _drawing(q.device, options):  # the calls draw one after another
+            for group in kv_groups(q, k, v):
+                out, lse, _, _ = self._forward(
+                    group.q,
+                    group.k,
+                    group.v,
+                    padded_bias(mask, group.q),
+                    True,
+                    options.dropout_p,
+                    is_causal,
+                    scale=options.scale,
+                )
+                outs.append(out)
+                lses.append(lse.narrow(-1, 0, q.shape[-2]))
+        out, lse = join_heads(outs), join_heads(lses)
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
 
@@ -234,24 +256,29 @@ class EfficientAttention:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
-        heads = q.shape[1]
-        philox_seed, philox_offset = _replayed(options)
-        dq, dk, dv, _ = self._backward(
-            dout,
-            q,
-            repeat_kv(k, heads),
-            repeat_kv(v, heads),
-            padded_bias(mask, q),
-            packed_bmhk(out),
-            padded_lse(lse),
-            philox_seed,
-            philox_offset,
-            options.dropout_p,
-            [True, True, True, False],
-            is_causal,
-            scale=options.scale,
-        )
-        dk, dv = sum_kv(dk, k.shape[1]), sum_kv(dv, v.shape[1])
+        grads = []
+        for group in kv_groups(q, k, v):
+            scores = group.q.shape[0] * group.q.shape[1] * q.shape[2] * k.shape[2]
+            philox_seed, philox_offset = _replayed(
+                options, offset=group.index * philox_increment(scores)
+            )
+            dq, dk, dv, _ = self._backward(
+                group.query_heads(dout),
+                group.q,
+                group.k,
+                group.v,
+                padded_bias(mask, group.q),
+                packed_bmhk(group.query_heads(out)),
+                padded_lse(group.query_heads(lse)),
+                philox_seed,
+                philox_offset,
+                options.dropout_p,
+                [True, True, True, False],
+                is_causal,
+                scale=options.scale,
+            )
+            grads.append((dq, group.kv_grad(dk), group.kv_grad(dv)))
+        dq, dk, dv = (join_heads(part) for part in zip(*grads, strict=True))
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
@@ -270,13 +297,13 @@ def _drawing(
     return seeded_generator(device, options.dropout_seed)
 
 
-def _replayed(options: BlockOptions) -> tuple[torch.Tensor, torch.Tensor]:
+def _replayed(options: BlockOptions, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(philox_seed, philox_offset)`` as the forward returns them in eager mode: ``int64``
-    scalars on the host, ``(dropout_seed, 0)`` with dropout (unread without)."""
+    scalars on the host, ``(dropout_seed, offset)`` with dropout (unread without)."""
     if options.dropout_p == 0.0:
         unused = torch.empty((), dtype=torch.long)
         return unused, unused
-    return replay_scalars(options.dropout_seed, _HOST)
+    return replay_scalars(options.dropout_seed, _HOST, offset=offset)
 
 
 class SdpaKernel:

@@ -13,7 +13,28 @@ kernels do not split batches beyond the 65535 launch-grid limit, so the kernel d
 The CUTLASS operators have no "partial" mode, which is why ``memory_efficient_attention_partial``
 is not used: the lse from ``forward_requires_grad`` is the same quantity. Causal offsets use
 ``LowerTriangularFromBottomRightMask`` in at most two calls
-(:mod:`ringdilated.core.contract.causal`). Key/value heads are repeated for grouped-query attention.
+(:mod:`ringdilated.core.contract.causal`).
+
+Grouped-query heads, as xformers 0.0.35 takes them (``xformers/ops/fmha/__init__.py``,
+``common.py``, ``cutlass.py``), nothing repeated:
+
+- forward: the documented ``BMGHK`` layout, ``(N, L, G, H/G, D)`` with key/value head ``g``
+  *expanded* along the last head dimension (stride 0). ``Inputs.validate_inputs`` asks equal
+  ``(B, M, G, H, K)`` shapes ("please use `expand` yourself"); ``cutlass.FwOp`` declares
+  ``SUPPORTS_BMGHK`` and its ``apply`` runs each group ``inp.key[:, :, group]`` (a view: the
+  strides, 0 included, go through) through ``aten._efficient_attention_forward``, each on its
+  own CUDA stream, and stacks the outputs (a copy of ``out`` and the lse, never of the keys).
+  The op reads keys through their strides (``key_ptr + head_id * k_strideH``; its stride rules,
+  a contiguous last dimension and strides that are multiples of the alignment, hold for 0);
+- backward: ``cutlass.BwOp`` does not declare ``SUPPORTS_BMGHK`` (``AttentionOpBase``: "operator
+  does not support BMGHK format"; the docstring: "MQA/GQA is an experimental feature supported
+  only for the forward pass"), so it runs once per key/value head on ``BMHK`` views, that
+  head expanded to its group's query heads with stride 0
+  (:func:`~ringdilated.backends._heads.kv_groups`); ``aten._efficient_attention_backward``
+  allocates a dense ``grad_k = at::empty(key.sizes())``, one gradient per query head, which
+  :func:`~ringdilated.backends._heads.sum_kv` reduces to the key/value head. Each call's ``out``
+  is packed on its own (the backward's hard-coded row stride is ``head_dim_value * num_heads``
+  of that call) and its lse padded on its own.
 
 ``import xformers`` succeeds, with a logged warning only, when its compiled part fails to load (a
 wheel built for another torch); xformers then rejects every CUDA call ("xFormers wasn't build with
@@ -31,7 +52,7 @@ from typing import Any
 import torch
 
 from ringdilated.backends._dense import GuardedBottomRightKernel
-from ringdilated.backends._heads import repeat_kv, sum_kv
+from ringdilated.backends._heads import join_heads, kv_groups
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
 from ringdilated.backends._versions import version_tuple
 from ringdilated.core import FUSED_GRID_LIMIT, Capabilities, KernelSpec, PriorityRule, Target
@@ -43,9 +64,18 @@ def _bmhk(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
-def _bmhk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """``q``, ``k``, ``v`` in xformers' ``(N, L, H, D)``, key/value heads repeated to ``q``'s."""
-    return [_bmhk(q), *(_bmhk(repeat_kv(x, q.shape[1])) for x in (k, v))]
+def _bmghk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q (N, H, L, D)`` and ``k, v (N, G, L, D)`` in xformers' ``(N, L, G, H / G, D)``, the keys
+    and values expanded along the last head dimension with stride 0: views."""
+    groups, group = k.shape[1], q.shape[1] // k.shape[1]
+
+    def expanded(x: torch.Tensor) -> torch.Tensor:
+        return _bmhk(x).unsqueeze(3).expand(-1, -1, -1, group, -1)
+
+    n, length, _, d = _bmhk(q).shape
+    return _bmhk(q).view(n, length, groups, group, d), expanded(k), expanded(v)
 
 
 #: The xformers whose ``fmha`` this wrapper was written against (its ``cutlass`` operators are
@@ -94,10 +124,14 @@ class XformersKernel(GuardedBottomRightKernel):
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        grouped = q.shape[1] != k.shape[1]
+        inputs = _bmghk(q, k, v) if grouped else (_bmhk(q), _bmhk(k), _bmhk(v))
         out, lse = self._fmha.memory_efficient_attention_forward_requires_grad(
-            *_bmhk_inputs(q, k, v), attn_bias=self._bias(causal), scale=scale, op=self._cutlass.FwOp
+            *inputs, attn_bias=self._bias(causal), scale=scale, op=self._cutlass.FwOp
         )
-        return _bmhk(out), lse[..., : q.shape[-2]]
+        if grouped:  # (N, L, G, H / G, D) and (N, G, H / G, L): stacked, so flattening is a view
+            out, lse = out.flatten(2, 3), lse.flatten(1, 2)
+        return _bmhk(out), lse.narrow(-1, 0, q.shape[-2])
 
     def native_backward(
         self,
@@ -110,16 +144,22 @@ class XformersKernel(GuardedBottomRightKernel):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dq, dk, dv = self._fmha.memory_efficient_attention_backward(
-            _bmhk(dout),
-            _bmhk(packed_bmhk(out)),
-            padded_lse(lse),
-            *_bmhk_inputs(q, k, v),
-            attn_bias=self._bias(causal),
-            scale=scale,
-            op=self._cutlass.BwOp,
-        )
-        return _bmhk(dq), sum_kv(_bmhk(dk), k.shape[1]), sum_kv(_bmhk(dv), v.shape[1])
+        grads = []
+        for group in kv_groups(q, k, v):
+            dq, dk, dv = self._fmha.memory_efficient_attention_backward(
+                _bmhk(group.query_heads(dout)),
+                _bmhk(packed_bmhk(group.query_heads(out))),
+                padded_lse(group.query_heads(lse)),
+                _bmhk(group.q),
+                _bmhk(group.k),
+                _bmhk(group.v),
+                attn_bias=self._bias(causal),
+                scale=scale,
+                op=self._cutlass.BwOp,
+            )
+            grads.append((_bmhk(dq), group.kv_grad(_bmhk(dk)), group.kv_grad(_bmhk(dv))))
+        dq, dk, dv = (join_heads(part) for part in zip(*grads, strict=True))
+        return dq, dk, dv
 
 
 XFORMERS_SPEC = KernelSpec(
