@@ -341,8 +341,9 @@ def _dilated_attention_backward(
     """``(dq, dk, dv)`` of :func:`dilated_attention_op` (the same kernel, the same masks).
 
     The op always returns the lse, so autograd hands this backward a ``dlse`` of zeros whenever
-    the lse's gradient is not used: the lse pass (one more kernel backward per block) then runs
-    only when ``dlse`` has a nonzero entry (read on the host: this op reads it anyway)."""
+    the lse's gradient is not used: the lse pass (one more kernel backward per block, or the
+    kernel's ``backward_with_lse`` in place of its backward) then runs only when ``dlse`` has a
+    nonzero entry (read on the host: this op reads it anyway)."""
     plan = _planned(
         q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
         scale, dropout_p, kernel, "auto", False, True, (cu_seqlens, key_padding_mask),

@@ -14,6 +14,13 @@ raises here, as a misaligned access faults there), b27 copies misaligned ones fi
 (``maybe_contiguous(t, align_bytes=16)``). The backward reads ``lse`` through its strides (a
 dynamic layout), an lse of ``-inf`` taken as ``0`` (``flash_bwd_preprocess.py``).
 
+``dlse`` (b5 and b27; b4 has none): the interface asserts nothing of it and only passes it
+through ``maybe_contiguous`` (as the lse: b5 fixes a last stride that is not 1, b27 also copies
+a misaligned one); the compiled preprocess takes it as ``fake_tensor(Float32, mLSE.shape)``, so
+its TVM FFI call refuses any other dtype or a shape other than the lse's: a ``RuntimeError``
+here (the FFI's own message differs). It is read through its strides and folded in as
+``D' = rowsum(dout * out) - dlse`` (:func:`tests.standins.math.grads`).
+
 Inputs on a ``cuda`` device (FakeTensor ``cuda`` tensors) are checked the same way and recorded,
 not computed. Every call's arguments are recorded in :data:`CALLS`.
 """
@@ -78,7 +85,7 @@ _SIGNATURES = {
     "4.0.0b27": (_FWD_B27, _BWD_B27),
 }
 #: What the wrapper leaves at its default; anything else is "not what we call".
-_DEFAULTED = ("window_size_left", "window_size_right", "cu_seqlens_q", "page_table", "dlse")
+_DEFAULTED = ("window_size_left", "window_size_right", "cu_seqlens_q", "page_table")
 
 
 def _signature(required: tuple[str, ...], optional: str) -> inspect.Signature:
@@ -109,13 +116,13 @@ class _Release:
 
     def inputs(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``maybe_contiguous``: b27 copies misaligned inputs; b5 only fixes the last stride
-        and hands the kernel what it got (16-byte aligned it must be, but for the lse, which
-        b5 converts assuming 4 bytes)."""
+        and hands the kernel what it got (16-byte aligned it must be, but for the lse and its
+        gradient, which b5 converts assuming 4 bytes)."""
         fixed = {}
         for name, x in tensors.items():
             x = x.contiguous() if x.stride(-1) != 1 else x
-            # b5 converts the lse with assumed_align=4 (its fake tensor: divisibility=1).
-            strict = name != "lse" or self.version == "4.0.0b27"
+            # b5 converts the lse, dlse with assumed_align=4 (their fake tensors: divisibility=1).
+            strict = name not in ("lse", "dlse") or self.version == "4.0.0b27"
             if strict and not _aligned(x):
                 if self.version != "4.0.0b27":
                     raise RuntimeError(f"{name}: misaligned address (kernel assumes 16 bytes)")
@@ -164,8 +171,11 @@ class _Release:
         if self.version == "4.0.0b4" and self.arch // 10 not in (10, 11):
             assert a["deterministic"] is False, "bwd deterministic only supported for sm100/sm110"
         names = ("q", "k", "v", "out", "dout", "lse")
+        if a.get("dlse") is not None:
+            names += ("dlse",)
         t = self.inputs({n: a[n] for n in names})
-        q, k, v, out, dout, lse = (t[n] for n in names)
+        q, k, v, out, dout, lse = (t[n] for n in names[:6])
+        dlse = t.get("dlse")
         b, sq, h, d = q.shape
         sk, hk = k.shape[1], k.shape[2]
         assert k.shape == (b, sk, hk, d) and v.shape == (b, sk, hk, d)
@@ -176,6 +186,11 @@ class _Release:
         assert lse.dtype == torch.float32, "lse must be float32"
         assert h % hk == 0, "num_head must be divisible by num_head_kv"
         self.head_dims(d, q.dtype)
+        if dlse is not None and (dlse.dtype != torch.float32 or dlse.shape != lse.shape):
+            raise RuntimeError(
+                f"dlse: the preprocess takes Float32 of the lse's shape {tuple(lse.shape)}, got "
+                f"{str(dlse.dtype).removeprefix('torch.')} {tuple(dlse.shape)}"
+            )
         buffers = []
         for name, like in (("dq", q), ("dk", k), ("dv", v)):
             g = a[name]
@@ -190,7 +205,8 @@ class _Release:
         if q.device.type == "cpu":
             seen = lse.masked_fill(torch.isneginf(lse), 0.0)  # lse_log2 = 0 where lse is -inf
             visible = bottom_right(sq, sk) if a["causal"] else None
-            computed = grads(dout, q, k, v, out, seen, a["softmax_scale"], visible)
+            scale = a["softmax_scale"]
+            computed = grads(dout, q, k, v, out, seen, scale, visible, dlse=dlse)
             for buffer, grad in zip(buffers, computed, strict=True):
                 buffer.copy_(grad)
         return tuple(buffers)

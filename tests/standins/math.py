@@ -71,15 +71,20 @@ def grads(
     visible: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     drop: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernels' backward given ``out`` and ``lse`` (``P = exp(s - lse)``,
     ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed.
-    ``drop`` is the forward's dropout multiplier (as in :func:`attend`)."""
+    ``drop`` is the forward's dropout multiplier (as in :func:`attend`); ``dlse``
+    ``(B, H, Lq)``, the lse's gradient, is folded in as FlashAttention 4's preprocess does:
+    ``D - dlse`` in place of ``D``."""
     heads, kv_heads = q.shape[2], k.shape[2]
     s = scores(q, k, scale, visible, bias)
     p = torch.exp(s - lse.double().unsqueeze(-1))
     do = dout.double().transpose(1, 2)
     d = (do * out.double().transpose(1, 2)).sum(-1, keepdim=True)
+    if dlse is not None:
+        d = d - dlse.double().unsqueeze(-1)
     dp = do @ _expand(v, heads).transpose(-1, -2)
     kept = p if drop is None else p * drop
     if drop is not None:

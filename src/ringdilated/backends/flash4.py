@@ -11,11 +11,22 @@ Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
   deterministic=, dq=, dk=, dv=)`` fed the final merged ``out`` and ``lse``, writing into the
   buffers given and returning them. Its preprocess turns an lse of ``-inf`` into ``0`` (as
   FlashAttention 3 does; a bottom-right call's rows see a key, so this never matters here).
-- Its ``dlse`` argument (from b5) folds an lse gradient into the same call: the preprocess uses
-  ``D' = rowsum(dout * out) - dlse`` (``dS = P * (dP - D) + dlse * P``), "so the main backward
-  kernel is unchanged". The kernel contract's backward has no ``dlse``; the driver's lse
-  gradient is a second backward call (``lse_gradient`` in ``ringdilated.core.run.local``), which
-  this kernel serves as any kernel does.
+- Its ``dlse`` argument (from b5) folds an lse gradient into the same call: the preprocess
+  (``flash_bwd_preprocess.py``) uses ``D' = rowsum(dout * out) - dlse`` (``dS = P * (dP - D) +
+  dlse * P``), "so the main backward kernel is unchanged". The interface only makes its last
+  stride 1 (``maybe_contiguous``; b27's also aligns it to 16 bytes); the compiled preprocess
+  takes it as a float32 tensor of the lse's shape ``(batch, heads, seqlen_q)``
+  (``fake_tensor(Float32, mLSE.shape)``), read through its strides. This kernel implements the
+  contract's optional :meth:`Flash4Kernel.backward_with_lse`
+  (:class:`ringdilated.core.LseGradientKernel`) with it: where the caller differentiates the
+  lse, the driver makes one backward call per bottom-right piece, each given its rows of
+  ``dlse`` as a dense float32 ``(batch, heads, rows)``, instead of the second backward call any
+  other kernel gets (``lse_gradient`` in ``ringdilated.core.contract.lse``). A non-finite
+  ``dlse`` makes its problem's ``dq`` and ``dk`` NaN, as that second call does (its ``dout`` is
+  ``dlse``), and leaves ``dv`` exact (``dV = P.T @ dO``, ``flash_bwd_sm90.py``, never reads
+  ``D'``); rows that see no key are in no piece, so a finite ``dlse`` there adds nothing.
+  (b27's dedicated head-dim-256 backward on sm100 refuses ``dlse``; this kernel declares head
+  dims up to 128 there.)
 - Checks (``assert``, so ``AssertionError``): fp16/bf16 (fp8 forward only on sm100, not used),
   shapes, ``num_head % num_head_kv == 0`` (key/value heads are never repeated), head dims by
   architecture (``_validate_head_dims``: sm90 8 to 256, sm100/sm110 8 to 128, both multiples of
@@ -45,17 +56,21 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._dense import GuardedBottomRightKernel, refuse_dropout
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import distribution_version, parameter_names, release
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
+    BlockOptions,
     Capabilities,
     KernelSpec,
     PriorityRule,
     Target,
+    backward_with_lse_in_pieces,
     deterministic_algorithms,
+    mark_non_finite_problems,
 )
+from ringdilated.core.contract.causal import right_bound
 
 __all__ = ["FLASH4_SPEC", "MIN_VERSION", "Flash4Kernel"]
 
@@ -86,7 +101,8 @@ def _check_takes(text: str, function: Any, name: str, needed: frozenset[str]) ->
 class Flash4Kernel(GuardedBottomRightKernel):
     """FlashAttention 4's kernels. Construction checks the installed release and imports
     ``flash_attn.cute.interface``, checking both functions' parameters; a mismatch raises
-    ``ImportError`` with the reason."""
+    ``ImportError`` with the reason. :meth:`backward_with_lse` takes the lse's gradient in the
+    same call (the module docstring)."""
 
     def __init__(self) -> None:
         version = _installed_version()
@@ -121,7 +137,10 @@ class Flash4Kernel(GuardedBottomRightKernel):
         lse: torch.Tensor,
         causal: bool,
         scale: float,
+        dlse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_bwd`` call; with ``dlse`` (``(batch, heads, rows)``, handed over
+        dense float32), the gradient of ``sum(dout * out) + sum(dlse * lse)``."""
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         self._backward(
@@ -137,8 +156,44 @@ class Flash4Kernel(GuardedBottomRightKernel):
             dq=dq,
             dk=dk,
             dv=dv,
+            dlse=None if dlse is None else dense_float32(dlse),
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def backward_with_lse(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)``: one ``_flash_attn_bwd``
+        per bottom-right piece, its rows of ``dlse`` passed as ``dlse=``; repaired for
+        non-finite inputs as :meth:`backward` is, ``dlse`` counted as one of them."""
+        refuse_dropout(type(self).__name__, options)
+
+        def native(
+            dout: torch.Tensor,
+            dlse: torch.Tensor | None,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            lse: torch.Tensor,
+            causal: bool,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self.native_backward(dout, q, k, v, out, lse, causal, options.scale, dlse)
+
+        offset = right_bound(options)
+        dq, dk, dv = backward_with_lse_in_pieces(native, dout, dlse, q, k, v, out, lse, offset)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options, dlse=dlse
+        )
+        return dq, dk, dv
 
 
 FLASH4_SPEC = KernelSpec(

@@ -21,6 +21,7 @@ from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtyp
 from ringdilated.core.contract.causal import (
     BottomRightKernel,
     backward_in_pieces,
+    backward_with_lse_in_pieces,
     forward_in_pieces,
 )
 from ringdilated.core.contract.communicator import (
@@ -33,6 +34,7 @@ from ringdilated.core.contract.communicator import (
 from ringdilated.core.contract.kernel import (
     BlockOptions,
     Kernel,
+    LseGradientKernel,
     mark_non_finite_problems,
     mark_non_finite_rows,
 )
@@ -96,6 +98,7 @@ __all__ = [
     "KernelContractError",
     "KernelSpec",
     "KeyWindow",
+    "LseGradientKernel",
     "Mode",
     "PeerRejectedError",
     "Pending",
@@ -112,6 +115,7 @@ __all__ = [
     "TransferStats",
     "accumulation_dtype",
     "backward_in_pieces",
+    "backward_with_lse_in_pieces",
     "deterministic_algorithms",
     "every_peer_at_once",
     "forward_in_pieces",

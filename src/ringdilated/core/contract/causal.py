@@ -13,7 +13,9 @@ xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j``
 - the remaining rows see every key and need no mask.
 
 No piece contains an empty row, so a kernel's own convention for empty rows never matters.
-:func:`forward_in_pieces` and :func:`backward_in_pieces` run a native call over the pieces.
+:func:`forward_in_pieces` and :func:`backward_in_pieces` run a native call over the pieces;
+:func:`backward_with_lse_in_pieces` a native backward that also takes the lse's gradient, each
+piece getting its rows of ``dlse`` (rows in no piece see no key: their lse is a constant).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ __all__ = [
     "BottomRightPiece",
     "NativeBackward",
     "NativeForward",
+    "NativeLseBackward",
     "backward_in_pieces",
+    "backward_with_lse_in_pieces",
     "bottom_right_pieces",
     "forward_in_pieces",
     "right_bound",
@@ -75,6 +79,22 @@ NativeBackward = Callable[
 ]
 """``(dout, q, k, v, out, lse, bottom_right_causal) -> (dq, dk, dv)`` in kernel layout."""
 
+NativeLseBackward = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        bool,
+    ],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(dout, dlse, q, k, v, out, lse, bottom_right_causal) -> (dq, dk, dv)`` in kernel layout:
+the gradient of ``sum(dout * out) + sum(dlse * lse)`` (``dlse`` ``None``: of the first term)."""
+
 
 def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool:
     return len(pieces) == 1 and pieces[0] == BottomRightPiece(0, q_len, k_len, pieces[0].causal)
@@ -110,15 +130,46 @@ def backward_in_pieces(
     offset: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` for ``window.right=offset`` from bottom-right-only ``native`` calls."""
+
+    def without_dlse(
+        dout: torch.Tensor,
+        _: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return native(dout, q, k, v, out, lse, causal)
+
+    return backward_with_lse_in_pieces(without_dlse, dout, None, q, k, v, out, lse, offset)
+
+
+def backward_with_lse_in_pieces(
+    native: NativeLseBackward,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)`` for ``window.right=offset``
+    from bottom-right-only ``native`` calls, each given its rows of ``dlse`` (``(N, Hq, Lq)``;
+    ``None``: no lse term, as :func:`backward_in_pieces`)."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     pieces = bottom_right_pieces(q_len, k_len, offset)
     if _whole(pieces, q_len, k_len):
-        return native(dout, q, k, v, out, lse, pieces[0].causal)
+        return native(dout, dlse, q, k, v, out, lse, pieces[0].causal)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for p in pieces:
         rows, keys = slice(p.row_start, p.row_stop), slice(0, p.keys)
         gq, gk, gv = native(
             dout[..., rows, :],
+            None if dlse is None else dlse[..., rows],
             q[..., rows, :],
             k[..., keys, :],
             v[..., keys, :],

@@ -9,6 +9,11 @@ float32, float64 for float64 inputs), each result's device with its input's, and
 version counter with its value before the call (both free next to the
 attention itself), raising :class:`KernelContractError` naming the kernel. It catches nothing:
 an exception the kernel raises passes through unchanged.
+
+It always offers :meth:`CheckedKernel.backward_with_lse` (the optional method of
+:class:`~ringdilated.core.contract.kernel.LseGradientKernel`): checked like ``backward`` (``dlse``
+untouched too) where the kernel has the method, else two checked ``backward`` calls
+(:func:`~ringdilated.core.contract.lse.backward_plus_lse_gradient`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from ringdilated.core.contract.accumulator import accumulation_dtype
-from ringdilated.core.contract.kernel import BlockOptions, Kernel
+from ringdilated.core.contract.kernel import BlockOptions, Kernel, LseGradientKernel
+from ringdilated.core.contract.lse import backward_plus_lse_gradient
 from ringdilated.core.support.errors import KernelContractError
 
 __all__ = ["CheckedKernel", "KernelContractError"]
@@ -34,6 +40,8 @@ class CheckedKernel:
 
     def __init__(self, kernel: Kernel, name: str) -> None:
         self.kernel, self.name = kernel, name
+        # The kernel itself when it takes dlse (decided once: a protocol check costs microseconds).
+        self._with_lse = kernel if isinstance(kernel, LseGradientKernel) else None
 
     def _fail(self, message: str) -> KernelContractError:
         return KernelContractError(self.name, message)
@@ -102,8 +110,40 @@ class CheckedKernel:
         before = _versions(inputs)
         result = self.kernel.backward(dout, q, k, v, out, lse, options)
         self._untouched(before, ("dout", "q", "k", "v", "out", "lse"), inputs)
+        return self._gradients("backward", result, q, k, v)
+
+    def backward_with_lse(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernel's own ``backward_with_lse``, checked as ``backward`` is; for a kernel
+        without one, :meth:`backward` twice (the second call for the lse's gradient)."""
+        if self._with_lse is None:
+            return backward_plus_lse_gradient(self, dout, dlse, q, k, v, out, lse, options)
+        inputs = (dout, dlse, q, k, v, out, lse)
+        before = _versions(inputs)
+        result = self._with_lse.backward_with_lse(dout, dlse, q, k, v, out, lse, options)
+        self._untouched(before, ("dout", "dlse", "q", "k", "v", "out", "lse"), inputs)
+        return self._gradients("backward_with_lse", result, q, k, v)
+
+    def _gradients(
+        self,
+        method: str,
+        result: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``result``, checked to be ``(dq, dk, dv)`` shaped, typed and placed like ``q, k, v``."""
         if type(result) is not tuple or len(result) != 3:
-            raise self._fail(f"backward returned {type(result).__name__}, not (dq, dk, dv)")
+            raise self._fail(f"{method} returned {type(result).__name__}, not (dq, dk, dv)")
         for name, grad, like in zip(("dq", "dk", "dv"), result, (q, k, v), strict=True):
-            self._result(f"backward's {name}", grad, like.shape, like.dtype, like)
+            self._result(f"{method}'s {name}", grad, like.shape, like.dtype, like)
         return result

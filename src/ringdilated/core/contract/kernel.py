@@ -17,6 +17,18 @@ Shapes (kernel layout, ``N`` independent problems)::
 Inputs may be strided views (the driver passes dilated selections without copying); the last
 dimension is contiguous. A kernel never modifies its inputs.
 
+Optional: the lse's gradient in the same call (:class:`LseGradientKernel`). When the caller
+differentiates through the lse (``dilated_attention(..., return_lse=True)``), each block also
+owes the gradient of ``sum(dlse * lse)``, ``dlse`` shaped like ``lse``. ``d lse_i / d s_ij =
+P_ij``, so it adds ``dlse_i * P_ij`` to ``dS``: the backward's ``D`` becomes ``D - dlse``. A
+kernel whose op takes that term (FlashAttention 4's ``dlse=``) implements
+``backward_with_lse(dout, dlse, q, k, v, out, lse, options)``, returning ``(dq, dk, dv)`` of
+``sum(dout * out) + sum(dlse * lse)`` under every rule of ``backward`` (``dlse`` is one more
+input of its problem, in the non-finite rule; the lse does not depend on dropout, so only the
+``out`` term goes through a dropout mask). The driver calls it once per block where the kernel
+has it; for any other kernel it makes a second ``backward`` call that gives the same gradient
+(:func:`ringdilated.core.contract.lse.lse_gradient`). The plain :class:`Kernel` is unchanged.
+
 Non-finite inputs (docs/spec.md, section 4). A *problem* is one ``n`` and one key/value head
 ``g`` with the query heads that read it; its inputs are ``q[n, heads of g]``, ``k[n, g]``,
 ``v[n, g]`` (and in backward ``dout[n, heads of g]`` and the ``lse`` handed in). A kernel must:
@@ -60,6 +72,7 @@ from ringdilated.core.plan.window import FULL, KeyWindow
 __all__ = [
     "BlockOptions",
     "Kernel",
+    "LseGradientKernel",
     "all_finite",
     "check_dropout",
     "derive_seed",
@@ -266,6 +279,7 @@ def mark_non_finite_problems(
     *,
     forward_marked: bool = False,
     options: BlockOptions | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> None:
     """Make gradients NaN, in place, where a fused kernel's backward may leave finite numbers
     that the exact math makes NaN, without reaching another problem: what a fused kernel's
@@ -273,6 +287,11 @@ def mark_non_finite_problems(
 
     - Every gradient of a problem any of whose inputs (``dout``, and ``q``, ``k``, ``v`` unless
       ``forward_marked``) holds NaN or infinity: the problem's own input.
+    - With ``dlse`` (``(N, Hq, Lq)``, the lse's gradient of
+      :meth:`LseGradientKernel.backward_with_lse`): the ``dq`` and ``dk`` of a problem whose
+      ``dlse`` holds NaN or infinity (its ``dv`` does not depend on the lse), as a second
+      backward call with ``dout = dlse e_0`` makes them
+      (:func:`ringdilated.core.contract.lse.lse_gradient`).
     - For a row whose ``lse`` is NaN or ``+inf`` (a merged lse: the non-finite value may be in
       another problem, another pattern's block or another rank's piece): its ``dq`` row, and the
       ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``j <= i + right``,
@@ -294,10 +313,19 @@ def mark_non_finite_problems(
     poison = per_head.view(n, kv_heads, group).sum(-1)  # (N, Hkv)
     if not forward_marked and not _empty(k, dims):
         poison = poison + _poison((k, v), dims)
-    # Query head h gets key/value head h // group's: expand, not repeat_interleave (its tensor
-    # form reads the host).
-    q_poison = poison.unsqueeze(-1).expand(n, kv_heads, group).reshape(n, heads, 1, 1)
+
+    def query_heads(per_kv: torch.Tensor) -> torch.Tensor:
+        """``(N, Hkv)`` to ``(N, H, 1, 1)``: query head h gets key/value head h // group's
+        (expand, not repeat_interleave: its tensor form reads the host)."""
+        return per_kv.unsqueeze(-1).expand(n, kv_heads, group).reshape(n, heads, 1, 1)
+
+    q_poison = query_heads(poison)
     kv_poison = poison.view(n, kv_heads, 1, 1)  # view, not [..., None]: fake CUDA tensors
+    dk_poison = kv_poison
+    if dlse is not None and dlse.shape[-1]:
+        lse_term = _poison((dlse,), (-1,)).view(n, kv_heads, group).sum(-1)  # (N, Hkv)
+        q_poison = q_poison + query_heads(lse_term)
+        dk_poison = kv_poison + lse_term.view(n, kv_heads, 1, 1)
     q_len, k_len = lse.shape[-1], k.shape[-2]
     if q_len and k_len:
         seen = lse.clamp(min=0)  # -inf (no key) becomes 0; NaN and +inf stay
@@ -313,8 +341,9 @@ def mark_non_finite_problems(
             first = (torch.arange(k_len, device=lse.device) - offset).clamp(0, q_len)
             keys = after.index_select(-1, first)  # (N, Hkv, Lk)
         kv_poison = kv_poison + keys.unsqueeze(-1)
+        dk_poison = dk_poison + keys.unsqueeze(-1)
     dq.add_(q_poison)
-    dk.add_(kv_poison)
+    dk.add_(dk_poison)
     dv.add_(kv_poison)
 
 
@@ -342,5 +371,32 @@ class Kernel(Protocol):
 
         ``out`` and ``lse`` are the final merged values of these queries; ``lse`` is float32 or
         float64 and may be ``-inf`` (that row's gradients are zero).
+        """
+        ...
+
+
+@runtime_checkable
+class LseGradientKernel(Protocol):
+    """A :class:`Kernel` whose backward also takes the lse's gradient (the module docstring's
+    "Optional"): one call per block instead of two where the caller differentiates the lse."""
+
+    def backward_with_lse(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)`` through this block,
+        shaped and typed like ``(q, k, v)``, by :meth:`Kernel.backward`'s rules.
+
+        ``dlse`` is ``(N, Hq, Lq)`` in ``lse``'s dtype, possibly a strided view, never modified;
+        a finite ``dlse`` of a row that sees no key (its ``lse`` is the constant ``-inf``) adds
+        nothing, and a non-finite one is an input of its problem like any other (the non-finite
+        rule: NaN allowed in that problem's gradients, never beyond).
         """
         ...

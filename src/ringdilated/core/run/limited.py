@@ -34,6 +34,7 @@ import torch
 
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.contract.lse import backward_with_lse
 from ringdilated.core.select.capabilities import BatchLimit
 
 __all__ = ["BatchLimitedKernel", "RowChunk", "row_chunks"]
@@ -130,16 +131,60 @@ class BatchLimitedKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._backward(dout, None, q, k, v, out, lse, options)
+
+    def backward_with_lse(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`backward` with the gradient through the lse (``dlse``, split with the query
+        rows), each piece by :func:`~ringdilated.core.contract.lse.backward_with_lse`: one
+        kernel call where the kernel takes ``dlse``, else two."""
+        return self._backward(dout, dlse, q, k, v, out, lse, options)
+
+    def _backward(
+        self,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def call(
+            dout: torch.Tensor,
+            dlse: torch.Tensor | None,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            lse: torch.Tensor,
+            options: BlockOptions,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if dlse is None:
+                return self.kernel.backward(dout, q, k, v, out, lse, options)
+            return backward_with_lse(self.kernel, dout, dlse, q, k, v, out, lse, options)
+
         pieces = self._pieces(q, k.shape[1], options)
         if pieces is None:
-            return self.kernel.backward(dout, q, k, v, out, lse, options)
+            return call(dout, dlse, q, k, v, out, lse, options)
         # Row chunks of one problem add into its dk, dv; pieces of whole problems are copied.
         summed = any(piece.chunk.rows < q.shape[2] for piece in pieces)
         dq = dk = dv = None
         for i, piece in enumerate(pieces):
             dout_p, q_p, out_p, lse_p = (piece.queries(x) for x in (dout, q, out, lse))
             k_p, v_p, options_p = piece.keys(k), piece.keys(v), _seeded(piece.chunk.options, i)
-            gq, gk, gv = self.kernel.backward(dout_p, q_p, k_p, v_p, out_p, lse_p, options_p)
+            dlse_p = None if dlse is None else piece.queries(dlse)
+            gq, gk, gv = call(dout_p, dlse_p, q_p, k_p, v_p, out_p, lse_p, options_p)
             if dq is None or dk is None or dv is None:
                 dq = gq.new_empty(q.shape)
                 dk, dv = (_buffer(g, like, summed) for g, like in ((gk, k), (gv, v)))

@@ -12,8 +12,10 @@ Call flow::
                   head_groups: each (position, head) has one block, so out is copied in place;
                   longnet: partials are merged by the Accumulator (float32 log-sum-exp)
         backward: for each kernel call: kernel.backward(dout, q, k, v, out, lse) with the FINAL
-                  merged out and lse; a gradient with one contribution per element is written
-                  in the input dtype, others are added in float32 or float64
+                  merged out and lse (when the lse's gradient dlse flows too,
+                  contract.lse.backward_with_lse: one call where the kernel takes dlse, else
+                  two); a gradient with one contribution per element is written in the input
+                  dtype, others are added in float32 or float64
 
 A :class:`LocalRun` is built once per planned call and reused by every call of that plan: its
 *steps* (one block's chunk each: the ``as_strided`` views of every tensor it reads or writes,
@@ -51,6 +53,7 @@ from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtyp
 from ringdilated.core.contract.communicator import TransferStats
 from ringdilated.core.contract.guard import CheckedKernel
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.contract.lse import backward_with_lse, lse_gradient
 from ringdilated.core.plan.documents import DocumentLayout
 from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
@@ -585,24 +588,26 @@ class LocalRun:
         dout, dlse, q, k, v, out, lse = inputs
         calls = self.calls(q, k, v)
         # A gradient written once per element is written in the input dtype (the kernel's result,
-        # no second rounding); one that sums several contributions accumulates in float32/64.
+        # no second rounding; with dlse, the lse's share is in that one result: see
+        # backward_with_lse); one that sums several contributions accumulates in float32/64.
         kv_once = (
             self.exclusive
             and _kv_exclusive(self.blocks)
             and not any(kernel_call.shares_keys for kernel_call in calls)
         )
-        q_once = self.exclusive and self.complete and dlse is None
-        k_once = kv_once and self.complete and dlse is None
-        v_once = kv_once and self.complete
-        dq = self._result_buffer(q, q_once)
-        dk, dv = self._result_buffer(k, k_once, kv=True), self._result_buffer(v, v_once, kv=True)
+        dq = self._result_buffer(q, self.exclusive and self.complete)
+        dk, dv = (self._result_buffer(x, kv_once and self.complete, kv=True) for x in (k, v))
         kernel, seed = self.kernel, call.seed
         for kernel_call in calls:
             options = kernel_call.options(seed)
             qc, kc, vc = (kernel_call.gather(x, side) for x, side in ((q, _Q), (k, _K), (v, _V)))
             dout_c, out_c = kernel_call.gather(dout, _Q), kernel_call.gather(out, _Q)
             lse_c = kernel_call.gather(lse, _LSE)
-            grads = kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
+            if dlse is None:
+                grads = kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
+            else:  # the lse's share too: one kernel call where it can, else two
+                dlse_c = kernel_call.gather(dlse, _LSE)
+                grads = backward_with_lse(kernel, dout_c, dlse_c, qc, kc, vc, out_c, lse_c, options)
             for target, side, grad, once in (
                 (dq, _Q, grads[0], self.exclusive),
                 (dk, _KV_GRAD, grads[1], kv_once),
@@ -613,12 +618,6 @@ class LocalRun:
                 else:
                     for step, part in kernel_call.split(grad):
                         side(step).of(target).add_(part)
-            if dlse is not None:
-                dlse_c = kernel_call.gather(dlse, _LSE)
-                lse_grads = lse_gradient(kernel, options, dlse_c, qc, kc, vc, lse_c)
-                for step, dq_l, dk_l in kernel_call.split(*lse_grads):
-                    step.q.of(dq).add_(dq_l)
-                    step.kv_grad.of(dk).add_(dk_l)
         if not cast:
             return dq, dk, dv
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -662,32 +661,6 @@ def _kv_exclusive(blocks: tuple[Block, ...]) -> bool:
         for block in blocks
         for h in range(block.heads.kv_start, block.heads.kv_stop)
     )
-
-
-def lse_gradient(
-    kernel: Kernel,
-    options: BlockOptions,
-    dlse: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq, dk)`` of ``sum(dlse * lse)`` through one block, from the kernel's own backward.
-
-    ``d lse_i / d s_ij = P_ij``. A kernel backward computes ``dS = P * (dout . v_j - D_i)`` with
-    ``D_i = rowsum(dout * out)``; passing ``v_j = e_0``, ``dout_i = dlse_i e_0`` and ``out = 0``
-    makes that ``P_ij * dlse_i``, so any kernel that meets the contract gives it exactly. The lse
-    does not depend on dropout, so the call runs without it. ``dlse`` is ``(N, H, Lq)``.
-    """
-    e0 = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    e0.select(-1, 0).fill_(1)
-    grad = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    grad.select(-1, 0).copy_(dlse)
-    dq, dk, _ = kernel.backward(
-        grad, q, k, e0, torch.zeros_like(grad), lse, attrs.evolve(options, dropout_p=0.0)
-    )
-    return dq, dk
 
 
 class Executor(Protocol):

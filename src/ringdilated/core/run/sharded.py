@@ -36,12 +36,13 @@ import torch
 from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtype
 from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
+from ringdilated.core.contract.lse import backward_with_lse
 from ringdilated.core.plan.shards import Crossing, ShardPlan
 from ringdilated.core.plan.window import FULL
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
 from ringdilated.core.run.limited import BatchLimitedKernel
-from ringdilated.core.run.local import BackwardInputs, CallState, LocalRun, lse_gradient
+from ringdilated.core.run.local import BackwardInputs, CallState, LocalRun
 
 __all__ = ["ShardedRun"]
 
@@ -127,16 +128,19 @@ class ShardedRun:
             c: Crossing, src: int, kc: torch.Tensor, vc: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
             """Crossing ``c``'s partial against ``src``'s piece ``kc``, ``vc``: its ``dq`` (the
-            lse's share added where ``dlse`` flows) added into this rank's, its ``dk``, ``dv``
-            returned."""
+            lse's share included where ``dlse`` flows) added into this rank's, its ``dk``, ``dv``
+            returned (in the kernel's dtype, or, for an lse share from a second kernel call, in
+            the accumulation dtype: both add into accumulators)."""
             qh, options = wire.q_heads(c), self.options(index[c], src, call.seed)
             qc, lse_c = wire.piece(q, c, me, qh), wire.lse_piece(lse, c, me)
             dout_c, out_c = wire.piece(dout, c, me, qh), wire.piece(out, c, me, qh)
-            gq, gk, gv = self.kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
-            if dlse is not None:
+            if dlse is None:
+                gq, gk, gv = self.kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
+            else:
                 dlse_c = wire.lse_piece(dlse, c, me)
-                dq_l, dk_l = lse_gradient(self.kernel, options, dlse_c, qc, kc, vc, lse_c)
-                gq, gk = gq.to(lse.dtype) + dq_l, gk.to(lse.dtype) + dk_l
+                gq, gk, gv = backward_with_lse(
+                    self.kernel, dout_c, dlse_c, qc, kc, vc, out_c, lse_c, options
+                )
             wire.piece(dq, c, me, qh).add_(gq)
             return gk, gv
 
