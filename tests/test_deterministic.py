@@ -1,9 +1,12 @@
 """``torch.use_deterministic_algorithms`` reaches the request (issue 23): it refuses no kernel,
 and a chosen kernel that declares no deterministic mode is named in ``explain()``, down to the
-module's; a plan made before the switch flipped is not reused after."""
+module's; a plan made before the switch flipped is not reused after. The plan's reading reaches
+every kernel call as ``BlockOptions.deterministic``, which the kernels read instead of the
+switch: a backward runs as its call was planned."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import attrs
@@ -11,10 +14,26 @@ import pytest
 import torch
 
 import ringdilated
+from ringdilated.backends.flash import FLASH_SPEC
+from ringdilated.backends.flash3 import FLASH3_SPEC, Flash3Kernel
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
-from ringdilated.core import CAUSAL, FULL, Capabilities, KernelSpec, Request, Resolver
+from ringdilated.core import (
+    CAUSAL,
+    FULL,
+    BlockOptions,
+    Capabilities,
+    KernelChoice,
+    KernelSpec,
+    KeyWindow,
+    Request,
+    Resolver,
+)
 from ringdilated.functional import default_resolver
 from ringdilated.testing import oracle
+from tests.standins import flash_attn3 as fa3
+from tests.standins import install_flash_attn
+from tests.standins.flash_attn import BACKWARD_CALLS
+from tests.test_gpu_kernel_wrappers import on_cpu
 
 NOTE = "torch.are_deterministic_algorithms_enabled() is on, but {} declares no deterministic mode"
 
@@ -169,3 +188,158 @@ def test_a_broken_plugin_spec_is_contained_under_the_switch() -> None:
         chosen = resolver.resolve(Request(head_dim=8, deterministic=deterministic))
         assert chosen.kernel_name == "slowdet", chosen.explain()
         assert "rejected broken" in chosen.explain()
+
+
+# -- the plan's reading reaches every kernel call: BlockOptions.deterministic ----------------------
+
+
+def test_block_options_carry_it_keyword_only_and_checked() -> None:
+    plain = BlockOptions(0.5)
+    assert plain.deterministic is False
+    asked = BlockOptions(0.5, KeyWindow(None, 0), 0.1, 7, deterministic=True)
+    assert asked.deterministic is True and asked != attrs.evolve(asked, deterministic=False)
+    assert attrs.evolve(asked, dropout_seed=8).deterministic is True, "evolve keeps it"
+    with pytest.raises(TypeError):
+        BlockOptions(0.5, FULL, 0.0, 0, None, True)  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"BlockOptions.deterministic must be a bool, got 1"):
+        BlockOptions(0.5, deterministic=1)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def switch(on: bool) -> Iterator[None]:
+    """torch's switch set to ``on`` (strict) inside the block, its setting restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+SEEN: list[tuple[str, bool]] = []
+
+
+class OptionsRecorder(ReferenceKernel):
+    """The reference kernel, recording ``options.deterministic`` of every call."""
+
+    def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
+        SEEN.append(("forward", options.deterministic))
+        return super().forward(q, k, v, options)
+
+    def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
+        SEEN.append(("backward", options.deterministic))
+        return super().backward(dout, q, k, v, out, lse, options)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_every_kernel_call_of_a_plan_gets_its_reading(on: bool) -> None:
+    """Forward, backward and the lse gradient's backward (``return_lse``), every block."""
+    from ringdilated.functional import attend
+
+    resolver = Resolver([KernelSpec("rec", OptionsRecorder, REFERENCE_SPEC.capabilities)])
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True)
+    SEEN.clear()
+    with switch(on):
+        out, lse, plan = attend(
+            ringdilated.DilationPattern([8, 16], [1, 2]), q, q, q, causal=True, scale=None,
+            dropout_p=0.0, kernel="auto", resolver=resolver, return_lse=True,
+        )  # fmt: skip
+        (out.sum() + lse.sum()).backward()
+    assert plan is not None and plan.kernel.request.deterministic is on
+    kinds = [kind for kind, _ in SEEN]
+    assert kinds.count("backward") > kinds.count("forward") >= 1, kinds  # the lse's too
+    assert {flag for _, flag in SEEN} == {on}
+    expected = oracle(q.detach(), q.detach(), q.detach(), [8, 16], [1, 2], causal=True)
+    assert torch.allclose(out.detach(), expected, atol=1e-12, rtol=0)
+
+
+def test_a_sharded_runs_crossing_calls_get_it_too() -> None:
+    """The options a shard builds for its crossing pieces, with and without dropout."""
+    from ringdilated.core.plan.shards import shard_plan
+    from ringdilated.core.run.local import pattern_run
+    from ringdilated.core.run.sharded import ShardedRun
+
+    pattern = ringdilated.DilationPattern([8], [1])
+    plans = tuple(shard_plan(pattern, 16, 2, 2, rank, 2) for rank in range(2))
+    q = torch.randn(1, 8, 2, 8)
+    for on in (False, True):
+        inner = pattern_run(
+            ReferenceKernel(), pattern, q, q, window=CAUSAL, scale=None, dropout_p=0.1,
+            blocks=plans[1].inner, complete=False, deterministic=on,
+        )  # fmt: skip
+        run = ShardedRun(inner, plans, 1, communicator=None, group=None, broadcast=False)  # type: ignore[arg-type]
+        for src, seed in ((0, 0), (1, 0), (0, 5)):
+            assert run.options(0, src, seed).deterministic is on
+
+
+def _flash_call(
+    resolver: Resolver, q: torch.Tensor, planned: bool, at_backward: bool
+) -> KernelChoice:
+    """A call planned with the switch at ``planned``, its backward run with it at
+    ``at_backward``; the plan's kernel choice."""
+    from ringdilated.functional import attend
+
+    with switch(planned):
+        out, _, plan = attend(
+            ringdilated.DilationPattern([8], [1]), q, q, q, causal=True, scale=None,
+            dropout_p=0.0, kernel="auto", resolver=resolver,
+        )  # fmt: skip
+    with switch(at_backward):
+        out.float().sum().backward()
+    assert plan is not None
+    return plan.kernel
+
+
+def test_a_backward_runs_as_its_call_was_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash's backward gets the plan's reading even when the switch flips between forward and
+    backward, either way: the call's kernel was chosen for that reading (next test). (torch's own
+    attention ops, behind sdpa, torch_flash and cudnn, read the switch when they run instead.)"""
+    install_flash_attn(monkeypatch)
+    resolver = Resolver([on_cpu(FLASH_SPEC)])
+    q = torch.randn(1, 16, 2, 16).half().requires_grad_()
+    for planned, at_backward in ((True, False), (False, True), (True, True), (False, False)):
+        BACKWARD_CALLS.clear()
+        chosen = _flash_call(resolver, q, planned, at_backward)
+        assert chosen.kernel_name == "flash" and chosen.request.deterministic is planned
+        flags = [call["deterministic"] for call in BACKWARD_CALLS]
+        assert flags and set(flags) == {planned}, (planned, at_backward, flags)
+
+
+def test_a_flipped_switch_replans_so_kernels_see_the_switch_of_their_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan key holds the switch: a call after a flip is planned anew (the plan before the
+    flip is found again when the switch flips back), so the kernel sees the switch as it stood
+    at each call."""
+    install_flash_attn(monkeypatch)
+    resolver = Resolver([on_cpu(FLASH_SPEC)])
+    q = torch.randn(1, 16, 2, 16).half().requires_grad_()
+    choices, flags = [], []
+    for on in (False, True, False, True):
+        BACKWARD_CALLS.clear()
+        choices.append(_flash_call(resolver, q, on, on))
+        flags.append({call["deterministic"] for call in BACKWARD_CALLS})
+    assert flags == [{False}, {True}, {False}, {True}]
+    assert choices[0] != choices[1] and choices[0] == choices[2] and choices[1] == choices[3]
+
+
+def test_a_flip_after_planning_never_reaches_a_refused_deterministic_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FlashAttention 3.0.0 has no deterministic backward for head dim 256: the resolver
+    declines it under the switch. A call planned without the switch chooses it; turned on
+    before the backward, the switch does not reach the kernel (the stand-in raises, as
+    ``mha_bwd`` does, when it is asked anyway)."""
+    fa3.install_flash_attn3(monkeypatch, "3.0.0")
+    resolver = Resolver([on_cpu(FLASH3_SPEC)])
+    q = torch.randn(1, 16, 2, 256).half().requires_grad_()
+    chosen = _flash_call(resolver, q, planned=False, at_backward=True)
+    assert chosen.kernel_name == "flash3"
+    flags = [call["deterministic"] for call in fa3.CALLS if call["op"] == "backward"]
+    assert flags and not any(flags)
+    kernel = Flash3Kernel()
+    x = torch.randn(1, 2, 8, 256).half()
+    out, lse = kernel.forward(x, x, x, BlockOptions(0.1))
+    with pytest.raises(RuntimeError, match="Deterministic backward not supported for hdim 256"):
+        kernel.backward(x, x, x, x, out, lse, BlockOptions(0.1, deterministic=True))

@@ -113,16 +113,22 @@ def test_grouped_heads_reach_the_op_unrepeated(monkeypatch: pytest.MonkeyPatch, 
 def test_the_deterministic_flag_reaches_the_backward(
     monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
+    """From ``BlockOptions.deterministic`` (the plan's reading of torch's switch), to every
+    piece's call (a window of two pieces); torch's switch alone is not read by the kernel."""
     kernel = _kernel(monkeypatch, which)
     calls = SUPPORTED[which][2]
     q, k, v, dout = _problem(kv_heads=4)  # pre-3.0.0 FlashAttention 3 deadlocks with GQA
     options = BlockOptions(scale=0.3)
     out, lse = kernel.forward(q, k, v, options)
     kernel.backward(dout, q, k, v, out, lse, options)
+    kernel.backward(dout, q, k, v, out, lse, attrs.evolve(options, deterministic=True))
     with deterministic_algorithms():
         kernel.backward(dout, q, k, v, out, lse, options)
+    two_pieces = BlockOptions(scale=0.3, window=KeyWindow(None, 6), deterministic=True)
+    out, lse = kernel.forward(q, k, v, two_pieces)
+    kernel.backward(dout, q, k, v, out, lse, two_pieces)
     flags = [c["deterministic"] for c in calls if c["op"] == "backward"]
-    assert flags == [False, True]
+    assert flags == [False, True, False, True, True]
 
 
 @pytest.mark.parametrize("which", ["flash3 v2.8.3", "flash4 4.0.0b5"])
@@ -267,8 +273,8 @@ def test_the_refused_deterministic_backwards_do_fail_in_the_stand_ins(
     kernel = Flash3Kernel()
     q, k, v, dout = _problem(kv_heads=heads, k_len=20, dim=dim)
     out, lse = kernel.forward(q, k, v, BlockOptions(scale=0.1))
-    with deterministic_algorithms(), pytest.raises(RuntimeError, match=match):
-        kernel.backward(dout, q, k, v, out, lse, BlockOptions(scale=0.1))
+    with pytest.raises(RuntimeError, match=match):
+        kernel.backward(dout, q, k, v, out, lse, BlockOptions(scale=0.1, deterministic=True))
 
 
 def test_flash3_of_an_interface_it_does_not_know_falls_back_with_the_reason(

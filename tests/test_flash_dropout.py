@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import attrs
 import pytest
 import torch
 
@@ -179,9 +180,12 @@ def test_without_seeding_the_backward_cannot_replay_the_mask(
 
 
 @pytest.mark.parametrize("version", FLASH_VERSIONS)
-def test_the_backward_is_deterministic_when_torch_asks(
+def test_the_backward_is_deterministic_when_the_options_ask(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
+    """``BlockOptions.deterministic`` (the driver sets it from the plan's reading of torch's
+    switch, tests/test_deterministic.py) reaches every call's backward, with dropout too (two
+    calls); the kernel does not read torch's switch itself."""
     install_flash_attn(monkeypatch, version)
     kernel = FlashKernel()
     q, k, _, dout = _inputs()
@@ -189,11 +193,16 @@ def test_the_backward_is_deterministic_when_torch_asks(
     options = BlockOptions(scale=0.25)
     out, lse = kernel.forward(q, k, v, options)
     kernel.backward(dout, q, k, v, out, lse, options)
+    kernel.backward(dout, q, k, v, out, lse, attrs.evolve(options, deterministic=True))
     with deterministic_algorithms():
         kernel.backward(dout, q, k, v, out, lse, options)
-    kernel.backward(dout, q, k, v, out, lse, options)
     assert [call["deterministic"] for call in BACKWARD_CALLS] == [False, True, False]
     assert not torch.are_deterministic_algorithms_enabled()
+    BACKWARD_CALLS.clear()
+    dropping = attrs.evolve(_options(seed=3), deterministic=True)
+    out, lse = kernel.forward(q, k, v, dropping)
+    kernel.backward(dout, q, k, v, out, lse, dropping)
+    assert [call["deterministic"] for call in BACKWARD_CALLS] == [True, True]
 
 
 def test_flash_declares_dropout_and_a_deterministic_backward() -> None:

@@ -25,7 +25,14 @@ from ringdilated.backends.reference import REFERENCE_SPEC
 from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
 from ringdilated.backends.torch_flash import TORCH_FLASH_SPEC, TorchFlashKernel
 from ringdilated.backends.xformers import XFORMERS_SPEC
-from ringdilated.core import Environment, KernelSpec, KeyWindow, Request, Resolver
+from ringdilated.core import (
+    BottomRightPiece,
+    Environment,
+    KernelSpec,
+    KeyWindow,
+    Request,
+    Resolver,
+)
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
@@ -98,12 +105,17 @@ class TopLeftFlash(TorchFlashKernel):
     def forward(self, q, k, v, options):  # type: ignore[no-untyped-def]
         if options.window.right != 0:
             return super().forward(q, k, v, options)
-        return self._native_forward(q, k, v, True, options)
+        return self.forward_piece(q, k, v, _causal_call(q, k), options)
 
     def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
         if options.window.right != 0:
             return super().backward(dout, q, k, v, out, lse, options)
-        return self._native_backward(dout, q, k, v, out, lse, True, options)
+        return self.backward_piece(dout, q, k, v, out, lse, _causal_call(q, k), options)
+
+
+def _causal_call(q: torch.Tensor, k: torch.Tensor) -> BottomRightPiece:
+    """One call on the whole block with the op's causal mask."""
+    return BottomRightPiece(0, q.shape[-2], k.shape[-2], causal=True)
 
 
 def test_a_flash_wrapper_taking_is_causal_for_top_left_fails_the_kit() -> None:

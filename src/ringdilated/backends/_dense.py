@@ -19,12 +19,15 @@ time (no ``Lq x Lk`` matrix per problem is ever held whole).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core import (
     BlockOptions,
     BottomRightKernel,
+    BottomRightPiece,
     accumulation_dtype,
     mark_non_finite_problems,
     mark_non_finite_rows,
@@ -32,6 +35,7 @@ from ringdilated.core import (
 
 __all__ = [
     "TILE_ELEMENTS",
+    "DeterministicBottomRightKernel",
     "GuardedBottomRightKernel",
     "backward",
     "forward",
@@ -157,19 +161,26 @@ def refuse_dropout(name: str, options: BlockOptions) -> None:
 
 class GuardedBottomRightKernel(BottomRightKernel):
     """A fused kernel whose native causal mask is bottom-right aligned (flash-attn 2, 3 and 4,
-    xformers),
-    its results repaired on the device for non-finite inputs: flash-style kernels return zeros
-    for a row whose scores are all ``-inf`` (flash-attn's ``softmax.h``: a zero row sum gives
-    ``inv_sum = 1``; torch's memory-efficient epilogue: ``s_prime == 0`` gives ``1``), which an
-    infinite query or key produces. :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows`
-    and :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and
+    torch's flash op, xformers), its results repaired on the device for non-finite inputs:
+    flash-style kernels return zeros for a row whose scores are all ``-inf`` (flash-attn's
+    ``softmax.h``: a zero row sum gives ``inv_sum = 1``; torch's memory-efficient epilogue:
+    ``s_prime == 0`` gives ``1``), which an infinite query or key produces.
+    :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows` and
+    :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and
     problems that hold NaN or infinity NaN, as the kernel contract allows, with no host read.
-    It has no dropout (a subclass with dropout handles it before calling this class)."""
+
+    Dropout is refused (``NotImplementedError``) unless the class sets :attr:`serves_dropout`,
+    whose ``forward_piece`` / ``backward_piece`` then draw it (a seed per piece,
+    :func:`~ringdilated.core.contract.causal.piece_seed`)."""
+
+    #: Whether this kernel's pieces draw dropout themselves (else ``dropout_p > 0`` is refused).
+    serves_dropout: ClassVar[bool] = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        refuse_dropout(type(self).__name__, options)
+        if not self.serves_dropout:
+            refuse_dropout(type(self).__name__, options)
         out, lse = super().forward(q, k, v, options)
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
@@ -184,9 +195,47 @@ class GuardedBottomRightKernel(BottomRightKernel):
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        refuse_dropout(type(self).__name__, options)
+        if not self.serves_dropout:
+            refuse_dropout(type(self).__name__, options)
         dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
+
+
+class DeterministicBottomRightKernel(GuardedBottomRightKernel):
+    """A :class:`GuardedBottomRightKernel` whose native backward has a deterministic mode:
+    :meth:`native_backward` takes ``deterministic`` (keyword), which each piece's backward is
+    handed from ``BlockOptions.deterministic`` (FlashAttention 3 and 4)."""
+
+    def native_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        deterministic: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: BottomRightPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.native_backward(
+            dout, q, k, v, out, lse, piece.causal, options.scale,
+            deterministic=options.deterministic,
+        )  # fmt: skip

@@ -2,7 +2,8 @@
 release is installed (without importing it: importing a package that holds a CUDA extension
 loads it), with pre-releases ordered as PEP 440 orders them, and which parameters a function
 takes (a plain function or a ``torch.library`` custom op), so an interface the wrapper was not
-written against fails at construction, with the reason, rather than on the first call.
+written against fails at construction, with the reason, rather than on the first call
+(:func:`check_parameters`, the fused-kernel wrappers' one check).
 """
 
 from __future__ import annotations
@@ -10,9 +11,16 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import re
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["distribution_version", "parameter_names", "release", "required_parameters"]
+__all__ = [
+    "check_parameters",
+    "distribution_version",
+    "parameter_names",
+    "release",
+    "required_parameters",
+]
 
 _RELEASE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?(?:[.-]?(a|b|rc|beta|alpha)\.?(\d*))?")
 _PRE_RANK = {"alpha": 0, "a": 0, "beta": 1, "b": 1, "rc": 2}
@@ -66,3 +74,30 @@ def required_parameters(function: Any) -> tuple[str, ...] | None:
         return None
     empty = inspect.Parameter.empty
     return tuple(name for name, p in signature.parameters.items() if p.default is empty)
+
+
+def check_parameters(
+    function: Any,
+    name: str,
+    needed: Iterable[str],
+    *,
+    package: str,
+    known: str = "",
+    trust_unreadable: bool = False,
+) -> tuple[str, ...]:
+    """The names of ``function``'s parameters, once it is known to take every one of ``needed``;
+    ``ImportError`` otherwise, naming what it lacks: ``"<package>: <name> takes (q, k), which
+    lacks ['v']"``, then ``"; this kernel knows <known>"`` when ``known`` is given. Parameters
+    that cannot be read count as none (every one lacking), unless ``trust_unreadable``: then the
+    function is taken as it is and ``()`` returned."""
+    names = parameter_names(function)
+    if names is None and trust_unreadable:
+        return ()
+    taken = names or ()
+    lacking = sorted(set(needed) - set(taken))
+    if lacking:
+        knows = f"; this kernel knows {known}" if known else ""
+        raise ImportError(
+            f"{package}: {name} takes ({', '.join(taken)}), which lacks {lacking}{knows}"
+        )
+    return taken

@@ -26,13 +26,14 @@ Dropout is flash-attn's own (``flash_api.cpp``, 2.6.3 to 2.8.3): ``mha_fwd`` tak
 by ``batch * heads * 32``) and its kernel writes them into the int64 ``rng_state`` of 2
 elements it returns; ``mha_bwd`` reads ``rng_state[0]`` and ``rng_state[1]`` from the device
 pointer it is given (no dtype or shape check) and replays the mask. Each native call runs under
-:func:`~ringdilated.backends._philox.seeded_generator` with a seed derived from
-``BlockOptions.dropout_seed`` and the call's place among the block's (at most two) bottom-right
-calls, so its backward is handed :func:`~ringdilated.backends._philox.replay_state` of the same
-seed: the mask is a function of the contract's seed, the caller's random stream does not move.
-The backward is deterministic (``deterministic=True``, a per-split ``dq`` accumulator) whenever
-``ringdilated.core.deterministic_algorithms()`` (torch's switch, strict: not in warn-only
-mode, as torch's own attention backwards read it); the forward always is.
+:func:`~ringdilated.backends._philox.seeded_generator` with the seed of its piece of the block
+(:func:`~ringdilated.core.contract.causal.piece_seed`: ``BlockOptions.dropout_seed`` and the
+piece, so the block's at most two calls draw unrelated masks), and its backward is handed
+:func:`~ringdilated.backends._philox.replay_state` of the same seed: the mask is a function of
+the contract's seed, the caller's random stream does not move. The backward is deterministic
+(``deterministic=True``, a per-split ``dq`` accumulator) whenever ``BlockOptions.deterministic``
+(the plan's reading of torch's switch, strict: not in warn-only mode, as torch's own attention
+backwards read it); the forward always is.
 
 Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
 capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``. Not yet
@@ -42,9 +43,8 @@ run on GPU hardware by this project.
 from __future__ import annotations
 
 import importlib
-import itertools
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,23 +52,20 @@ import torch
 from ringdilated.backends import _philox
 from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
-from ringdilated.backends._upstream import distribution_version, parameter_names
+from ringdilated.backends._upstream import check_parameters, distribution_version
 from ringdilated.backends._versions import version_tuple
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
+    BottomRightPiece,
     Capabilities,
     Environment,
     KernelSpec,
     PriorityRule,
     Request,
     Target,
-    deterministic_algorithms,
-    mark_non_finite_problems,
-    mark_non_finite_rows,
+    piece_seed,
 )
-from ringdilated.core.contract.causal import backward_in_pieces, forward_in_pieces, right_bound
-from ringdilated.core.contract.kernel import derive_seed
 
 __all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
 
@@ -85,25 +82,11 @@ def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
     return {"window_size_left": -1, "window_size_right": -1}
 
 
-def _check_parameters(text: str, name: str, function: Any, needed: set[str]) -> None:
-    """Raise ``ImportError`` naming what ``function`` lacks of ``needed``."""
-    names = parameter_names(function)
-    if names is not None and not needed <= set(names):
-        raise ImportError(
-            f"flash-attn {text}: {name} takes ({', '.join(names)}), which lacks "
-            f"{sorted(needed - set(names))}; this kernel knows the 2.6 to 2.8 signatures"
-        )
-
-
-def _piece_seeds(seed: int) -> Iterator[int]:
-    """The dropout seeds of a block's bottom-right calls, in call order (forward and backward
-    make the same calls in the same order): distinct, so the calls' masks are unrelated."""
-    return (derive_seed(seed, "flash-attn call", index) for index in itertools.count())
-
-
 class FlashKernel(GuardedBottomRightKernel):
     """flash-attn 2 kernels. Construction imports the package, checks its version and both
     functions' parameters; any mismatch raises ``ImportError`` with the reason."""
+
+    serves_dropout = True
 
     def __init__(self) -> None:
         package = importlib.import_module("flash_attn")
@@ -119,11 +102,21 @@ class FlashKernel(GuardedBottomRightKernel):
         self._lse_index = 5 if version < SPLIT_WINDOW_VERSION else 1
         self._window = backward_window_keywords(version)
         common = {"dropout_p", "softmax_scale", "causal", "softcap", "alibi_slopes", *self._window}
-        _check_parameters(text, "_flash_attn_forward", self._forward, {*common, "return_softmax"})
-        backward_needs = {*common, "deterministic", "rng_state"}
-        _check_parameters(text, "_flash_attn_backward", self._backward, backward_needs)
+        checks = (
+            ("_flash_attn_forward", self._forward, {*common, "return_softmax"}),
+            ("_flash_attn_backward", self._backward, {*common, "deterministic", "rng_state"}),
+        )
+        for name, function, needed in checks:
+            check_parameters(
+                function,
+                name,
+                needed,
+                package=f"flash-attn {text}",
+                known="the 2.6 to 2.8 signatures",
+                trust_unreadable=True,
+            )
 
-    def _native_forward(
+    def native_forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -133,6 +126,8 @@ class FlashKernel(GuardedBottomRightKernel):
         dropout_p: float = 0.0,
         seed: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_forward`` call; with ``dropout_p``, its mask drawn from the default
+        generator seeded with ``seed``."""
         qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))  # 128-bit loads
         keywords = {
             "dropout_p": dropout_p,
@@ -150,7 +145,7 @@ class FlashKernel(GuardedBottomRightKernel):
             results = self._forward(qt, kt, vt, **keywords)
         return results[0].transpose(1, 2), results[self._lse_index]
 
-    def _native_backward(
+    def native_backward(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -162,7 +157,11 @@ class FlashKernel(GuardedBottomRightKernel):
         scale: float,
         dropout_p: float = 0.0,
         seed: int = 0,
+        *,
+        deterministic: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_backward`` call; with ``dropout_p``, replaying the mask of a forward
+        seeded with ``seed``."""
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         rng_state = _philox.replay_state(seed, q.device, torch.int64) if dropout_p else None
@@ -181,18 +180,25 @@ class FlashKernel(GuardedBottomRightKernel):
             causal=causal,
             softcap=0.0,
             alibi_slopes=None,
-            deterministic=deterministic_algorithms(),
+            deterministic=deterministic,
             rng_state=rng_state,
             **self._window,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-    def native_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: BottomRightPiece,
+        options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._native_forward(q, k, v, causal, scale)
+        p = options.dropout_p
+        seed = piece_seed(options.dropout_seed, piece) if p else 0
+        return self.native_forward(q, k, v, piece.causal, options.scale, p, seed)
 
-    def native_backward(
+    def backward_piece(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -200,60 +206,15 @@ class FlashKernel(GuardedBottomRightKernel):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._native_backward(dout, q, k, v, out, lse, causal, scale)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not options.dropout_p:
-            return super().forward(q, k, v, options)
-        seeds = _piece_seeds(options.dropout_seed)
-
-        def native(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            p = options.dropout_p
-            return self._native_forward(q, k, v, causal, options.scale, p, next(seeds))
-
-        out, lse = forward_in_pieces(native, q, k, v, right_bound(options))
-        mark_non_finite_rows(out, lse, q, k, v, options)
-        return out, lse
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
+        piece: BottomRightPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not options.dropout_p:
-            return super().backward(dout, q, k, v, out, lse, options)
-        seeds = _piece_seeds(options.dropout_seed)
-
-        def native(
-            dout: torch.Tensor,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            out: torch.Tensor,
-            lse: torch.Tensor,
-            causal: bool,
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            p, scale = options.dropout_p, options.scale
-            return self._native_backward(dout, q, k, v, out, lse, causal, scale, p, next(seeds))
-
-        right = right_bound(options)
-        dq, dk, dv = backward_in_pieces(native, dout, q, k, v, out, lse, right)
-        mark_non_finite_problems(
-            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
-        )
-        return dq, dk, dv
+        p, scale = options.dropout_p, options.scale
+        seed = piece_seed(options.dropout_seed, piece) if p else 0
+        return self.native_backward(
+            dout, q, k, v, out, lse, piece.causal, scale, p, seed,
+            deterministic=options.deterministic,
+        )  # fmt: skip
 
 
 def _installed_version() -> tuple[int, ...] | None:

@@ -31,12 +31,12 @@ of 2025-11-17 on): ``hopper/flash_attn_interface.py`` and ``hopper/flash_api.cpp
   16-byte alignment (:mod:`ringdilated.backends._layouts`).
 - The causal mask is bottom-right aligned (``flash_attn_func``'s docstring and ``mask.h``), so any
   causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
-- ``deterministic=True`` (when ``ringdilated.core.deterministic_algorithms()``) serialises the
-  ``dq`` (and, with grouped heads, ``dk``/``dv``) accumulation. 3.0.0's ``mha_bwd`` refuses it
-  for head dims above 192 ("Deterministic backward not supported for hdim 256", since
-  2025-09-17), and before commit ``832d5448`` (2025-08-25, after ``v2.8.3``; builds still
-  called 3.0.0b1) the grouped-query deterministic backward left its ``dk``/``dv`` semaphores
-  uninitialised and deadlocks: requests for either are declined with the reason
+- ``deterministic=True`` (when ``BlockOptions.deterministic``: the plan's reading of torch's
+  switch) serialises the ``dq`` (and, with grouped heads, ``dk``/``dv``) accumulation. 3.0.0's
+  ``mha_bwd`` refuses it for head dims above 192 ("Deterministic backward not supported for
+  hdim 256", since 2025-09-17), and before commit ``832d5448`` (2025-08-25, after ``v2.8.3``;
+  builds still called 3.0.0b1) the grouped-query deterministic backward left its ``dk``/``dv``
+  semaphores uninitialised and deadlocks: requests for either are declined with the reason
   (:func:`determinism_reasons`), so a kernel that serves them is chosen instead.
 
 Hardware: ``setup.py`` builds sm90a kernels and sm80 ones (``ARCH_SWITCH`` sends 8.x to the
@@ -54,11 +54,11 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import GuardedBottomRightKernel
+from ringdilated.backends._dense import DeterministicBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import (
+    check_parameters,
     distribution_version,
-    parameter_names,
     release,
     required_parameters,
 )
@@ -70,7 +70,6 @@ from ringdilated.core import (
     PriorityRule,
     Request,
     Target,
-    deterministic_algorithms,
 )
 
 __all__ = [
@@ -126,17 +125,11 @@ def _nones(function: Any, name: str, given: frozenset[str], unused: frozenset[st
     return [p for p in required if p in unused]
 
 
-def _check_takes(function: Any, name: str, needed: set[str]) -> tuple[str, ...]:
-    names = parameter_names(function)
-    if names is None or not needed <= set(names):
-        raise ImportError(
-            f"FlashAttention 3: {name} takes ({', '.join(names or ())}), which lacks "
-            f"{sorted(needed - set(names or ()))}"
-        )
-    return names
+def _check(function: Any, name: str, needed: set[str]) -> tuple[str, ...]:
+    return check_parameters(function, name, needed, package="FlashAttention 3")
 
 
-class Flash3Kernel(GuardedBottomRightKernel):
+class Flash3Kernel(DeterministicBottomRightKernel):
     """FlashAttention 3's kernels. Construction imports ``flash_attn_interface`` (which loads
     the extension) and reads both functions' parameters; an interface it does not know raises
     ``ImportError`` with the reason."""
@@ -145,12 +138,10 @@ class Flash3Kernel(GuardedBottomRightKernel):
         interface = importlib.import_module("flash_attn_interface")
         self._forward: Any = interface._flash_attn_forward
         self._backward: Any = interface._flash_attn_backward
-        _check_takes(self._forward, "_flash_attn_forward", {"softmax_scale", "causal"})
-        names = _check_takes(
-            self._backward, "_flash_attn_backward", {"softmax_scale", "deterministic"}
-        )
+        _check(self._forward, "_flash_attn_forward", {"softmax_scale", "causal"})
+        names = _check(self._backward, "_flash_attn_backward", {"softmax_scale", "deterministic"})
         self._causal = "is_causal" if "is_causal" in names else "causal"
-        _check_takes(self._backward, "_flash_attn_backward", {self._causal, "dq", "dk", "dv"})
+        _check(self._backward, "_flash_attn_backward", {self._causal, "dq", "dk", "dv"})
         forward_nones = _nones(self._forward, "_flash_attn_forward", _FORWARD_GIVEN, FORWARD_UNUSED)
         given = _BACKWARD_GIVEN | {self._causal}
         backward_nones = _nones(self._backward, "_flash_attn_backward", given, BACKWARD_UNUSED)
@@ -176,6 +167,8 @@ class Flash3Kernel(GuardedBottomRightKernel):
         lse: torch.Tensor,
         causal: bool,
         scale: float,
+        *,
+        deterministic: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
@@ -190,7 +183,7 @@ class Flash3Kernel(GuardedBottomRightKernel):
             dk=dk,
             dv=dv,
             softmax_scale=scale,
-            deterministic=deterministic_algorithms(),
+            deterministic=deterministic,
             **{self._causal: causal},
             **self._backward_extra,
         )

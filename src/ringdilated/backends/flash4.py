@@ -35,7 +35,7 @@ Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
   misaligned ones itself), so inputs are aligned first (:mod:`ringdilated.backends._layouts`).
 - The causal mask is bottom-right aligned (``mask.py``: ``seqlen_k - seqlen_q`` row offset), so
   any causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
-- ``deterministic`` (when ``ringdilated.core.deterministic_algorithms()``): b5 is the first
+- ``deterministic`` (when ``BlockOptions.deterministic``): b5 is the first
   release that takes it on sm90 (b0 to b4 assert "bwd deterministic only supported for
   sm100/sm110"), and the first whose backward takes ``dlse``: the minimum this kernel accepts.
   Versions are read from the ``flash-attn-4`` distribution (``flash_attn.cute.__version__``
@@ -56,18 +56,18 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import GuardedBottomRightKernel, refuse_dropout
+from ringdilated.backends._dense import DeterministicBottomRightKernel, refuse_dropout
 from ringdilated.backends._layouts import aligned, dense_float32
-from ringdilated.backends._upstream import distribution_version, parameter_names, release
+from ringdilated.backends._upstream import check_parameters, distribution_version, release
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
+    BottomRightPiece,
     Capabilities,
     KernelSpec,
     PriorityRule,
     Target,
-    backward_with_lse_in_pieces,
-    deterministic_algorithms,
+    backward_with_lse_by_piece,
     mark_non_finite_problems,
 )
 from ringdilated.core.contract.causal import right_bound
@@ -88,17 +88,7 @@ def _installed_version() -> str | None:
     return distribution_version("flash-attn-4", "flash-attn4")
 
 
-def _check_takes(text: str, function: Any, name: str, needed: frozenset[str]) -> None:
-    names = parameter_names(function)
-    if names is None or not needed <= set(names):
-        raise ImportError(
-            f"FlashAttention 4 {text}: {name} takes ({', '.join(names or ())}), which lacks "
-            f"{sorted(needed - set(names or ()))}; this kernel knows the interfaces of "
-            f"{MIN_VERSION} to 4.0.0b27"
-        )
-
-
-class Flash4Kernel(GuardedBottomRightKernel):
+class Flash4Kernel(DeterministicBottomRightKernel):
     """FlashAttention 4's kernels. Construction checks the installed release and imports
     ``flash_attn.cute.interface``, checking both functions' parameters; a mismatch raises
     ``ImportError`` with the reason. :meth:`backward_with_lse` takes the lse's gradient in the
@@ -115,8 +105,13 @@ class Flash4Kernel(GuardedBottomRightKernel):
         interface = importlib.import_module("flash_attn.cute.interface")
         self._forward: Any = interface._flash_attn_fwd
         self._backward: Any = interface._flash_attn_bwd
-        _check_takes(text, self._forward, "_flash_attn_fwd", _FORWARD_NEEDS)
-        _check_takes(text, self._backward, "_flash_attn_bwd", _BACKWARD_NEEDS)
+        package, known = f"FlashAttention 4 {text}", f"the interfaces of {MIN_VERSION} to 4.0.0b27"
+        check_parameters(
+            self._forward, "_flash_attn_fwd", _FORWARD_NEEDS, package=package, known=known
+        )
+        check_parameters(
+            self._backward, "_flash_attn_bwd", _BACKWARD_NEEDS, package=package, known=known
+        )
 
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -137,6 +132,8 @@ class Flash4Kernel(GuardedBottomRightKernel):
         lse: torch.Tensor,
         causal: bool,
         scale: float,
+        *,
+        deterministic: bool = False,
         dlse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ``_flash_attn_bwd`` call; with ``dlse`` (``(batch, heads, rows)``, handed over
@@ -152,7 +149,7 @@ class Flash4Kernel(GuardedBottomRightKernel):
             lse=dense_float32(lse),
             softmax_scale=scale,
             causal=causal,
-            deterministic=deterministic_algorithms(),
+            deterministic=deterministic,
             dq=dq,
             dk=dk,
             dv=dv,
@@ -184,12 +181,15 @@ class Flash4Kernel(GuardedBottomRightKernel):
             v: torch.Tensor,
             out: torch.Tensor,
             lse: torch.Tensor,
-            causal: bool,
+            piece: BottomRightPiece,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self.native_backward(dout, q, k, v, out, lse, causal, options.scale, dlse)
+            return self.native_backward(
+                dout, q, k, v, out, lse, piece.causal, options.scale,
+                deterministic=options.deterministic, dlse=dlse,
+            )  # fmt: skip
 
         offset = right_bound(options)
-        dq, dk, dv = backward_with_lse_in_pieces(native, dout, dlse, q, k, v, out, lse, offset)
+        dq, dk, dv = backward_with_lse_by_piece(native, dout, dlse, q, k, v, out, lse, offset)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options, dlse=dlse
         )

@@ -14,9 +14,9 @@ are listed in tests/standins/torch_flash.py):
 - ``is_causal`` is FA2's mask, aligned to the bottom right: ``mha_fwd`` sets
   ``window_size_right = 0`` (``sdp_utils.cpp``'s ``check_flash_causal_non_square_seqlens``
   keeps SDPA off it when ``Lq != Lk`` for that reason). Any ``window.right`` runs as at most two
-  calls (:func:`~ringdilated.core.contract.causal.bottom_right_pieces`), none of which holds a
-  row that sees no key, so the op's value for such rows (``lse = +inf``) never reaches the
-  contract.
+  calls (core's pieces loop, :class:`~ringdilated.core.contract.causal.BottomRightKernel`), none
+  of which holds a row that sees no key, so the op's value for such rows (``lse = +inf``) never
+  reaches the contract.
 - Grouped heads natively: ``mha_fwd``/``mha_bwd`` check ``num_heads % num_heads_k == 0`` and the
   backward sums ``dk``, ``dv`` over each group, so ``k``, ``v`` go with their ``Hkv`` heads.
 - ``q``, ``k``, ``v`` need a contiguous last dimension (``mha_fwd`` reads their strides) and
@@ -28,15 +28,18 @@ are listed in tests/standins/torch_flash.py):
 - Dropout: ``mha_fwd`` takes ``(seed, offset)`` from the CUDA default generator
   (``philox_cuda_state``) and its kernel writes them into ``rng_state``; ``mha_bwd`` reads
   ``philox_seed.data_ptr<uint64_t>()`` as that state (``philox_offset`` is unused). Each call
-  therefore runs under :func:`~ringdilated.backends._philox.seeded_generator` with a seed derived
-  from ``dropout_seed`` and the piece (so the two pieces of one block draw unrelated masks), and
-  its backward gets :func:`~ringdilated.backends._philox.replay_state` of that seed. The keep
+  therefore runs under :func:`~ringdilated.backends._philox.seeded_generator` with its piece's
+  seed (:func:`~ringdilated.core.contract.causal.piece_seed`: ``dropout_seed`` and the piece, so
+  the two pieces of one block draw unrelated masks), and its backward gets
+  :func:`~ringdilated.backends._philox.replay_state` of that seed. The keep
   test is on 8 bits (``p_dropout_in_uint8_t = floor((1 - p) * 255)``) while kept values are
   scaled by exactly ``1 / (1 - p)``: each probability is 0 or ``P / (1 - p)``, as the contract
   asks, and the drop rate is ``p`` to within 1/256.
 - Deterministic: ``_flash_attention_backward`` passes ``deterministic = true`` to ``mha_bwd``
   whenever ``torch.are_deterministic_algorithms_enabled()`` (not in warn-only mode), which then
-  reduces ``dq`` over fixed splits.
+  reduces ``dq`` over fixed splits. The op takes no such argument: it reads torch's switch when
+  it runs, so ``BlockOptions.deterministic`` (the plan's reading of the same switch) cannot be
+  passed on; a backward run after the switch was flipped follows the switch, not the plan.
 
 Non-finite inputs: FA2 returns zeros and ``lse = +inf`` for a row whose scores are all ``-inf``
 (an infinite query or key), so the results get the general repair
@@ -64,27 +67,25 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import attrs
 import torch
 
+from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._philox import replay_state, seeded_generator
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
+    BottomRightPiece,
     Capabilities,
     Environment,
     KernelSpec,
     PriorityRule,
     Request,
     Target,
-    mark_non_finite_problems,
-    mark_non_finite_rows,
+    piece_seed,
 )
-from ringdilated.core.contract.causal import BottomRightPiece, bottom_right_pieces
-from ringdilated.core.contract.kernel import derive_seed
 
-__all__ = ["TORCH_FLASH_SPEC", "TorchFlashKernel", "piece_seed", "torch_flash_reasons"]
+__all__ = ["TORCH_FLASH_SPEC", "TorchFlashKernel", "torch_flash_reasons"]
 
 _aten = torch.ops.aten
 
@@ -92,15 +93,11 @@ FlashForward = Callable[..., tuple[Any, ...]]
 FlashBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def piece_seed(options: BlockOptions, causal: bool) -> int:
-    """The seed of one call's mask: the block's seed and the piece (at most one causal and one
-    unmasked piece per block, :func:`~ringdilated.core.contract.causal.bottom_right_pieces`)."""
-    return derive_seed(options.dropout_seed, "torch_flash", int(causal))
-
-
-class TorchFlashKernel:
+class TorchFlashKernel(GuardedBottomRightKernel):
     """torch's flash attention op per block. ``forward_op`` and ``backward_op`` default to the
     aten ops; tests pass stand-ins that follow their signatures and checks."""
+
+    serves_dropout = True
 
     def __init__(
         self, forward_op: FlashForward | None = None, backward_op: FlashBackward | None = None
@@ -111,62 +108,13 @@ class TorchFlashKernel:
         )
         self._replays_dropout = _replays_rng_state()  # asked of the meta kernel once, here
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pieces = _pieces(q, k, options)
-        if _whole(pieces, q, k):
-            out, lse = self._native_forward(q, k, v, pieces[0].causal, options)
-        else:
-            out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-            lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
-            seeing = pieces[0].row_start if pieces else q.shape[-2]
-            lse.narrow(-1, 0, seeing).fill_(float("-inf"))  # rows that see no key: 0, -inf
-            for p in pieces:  # the rest, piece by piece, added into zeros (copy_ has no
-                part, part_lse = self._native_forward(
-                    _rows(q, p), _keys(k, p), _keys(v, p), p.causal, options
-                )
-                _rows(out, p).add_(part)  # fake-CUDA kernel in a CPU-only torch)
-                _lse_rows(lse, p).add_(part_lse)
-        mark_non_finite_rows(out, lse, q, k, v, options)
-        return out, lse
-
-    def backward(
+    def forward_piece(
         self,
-        dout: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
+        piece: BottomRightPiece,
         options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        pieces = _pieces(q, k, options)
-        if _whole(pieces, q, k):
-            dq, dk, dv = self._native_backward(dout, q, k, v, out, lse, pieces[0].causal, options)
-        else:
-            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-            for p in pieces:
-                gq, gk, gv = self._native_backward(
-                    _rows(dout, p),
-                    _rows(q, p),
-                    _keys(k, p),
-                    _keys(v, p),
-                    _rows(out, p),
-                    _lse_rows(lse, p),
-                    p.causal,
-                    options,
-                )
-                _rows(dq, p).add_(gq)
-                _keys(dk, p).add_(gk)
-                _keys(dv, p).add_(gv)
-        mark_non_finite_problems(
-            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
-        )
-        return dq, dk, dv
-
-    def _native_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = (aligned(x) for x in (q, k, v))  # the rare misaligned caller view: a copy
         if options.dropout_p and not self._replays_dropout:  # the spec refuses it too
@@ -174,13 +122,13 @@ class TorchFlashKernel:
                 f"torch_flash cannot replay dropout (dropout_p={options.dropout_p}) on this "
                 "torch: its flash op does not report its dropout state as one uint64[2] rng_state"
             )
-        with _drawing(q.device, options, causal):
+        with _drawing(q.device, options, piece):
             out, lse, *_ = self._forward(
-                q, k, v, options.dropout_p, causal, False, scale=options.scale
+                q, k, v, options.dropout_p, piece.causal, False, scale=options.scale
             )
         return out, lse
 
-    def _native_backward(
+    def backward_piece(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -188,10 +136,10 @@ class TorchFlashKernel:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        causal: bool,
+        piece: BottomRightPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rng_state, unused = _replayed(q.device, options, causal)
+        rng_state, unused = _replayed(q.device, options, piece)
         dout, q, k, v, out = (aligned(x) for x in (dout, q, k, v, out))
         return self._backward(
             dout,
@@ -205,51 +153,24 @@ class TorchFlashKernel:
             q.shape[-2],
             k.shape[-2],
             options.dropout_p,
-            causal,
+            piece.causal,
             rng_state,
             unused,
             scale=options.scale,
         )
 
 
-def _pieces(
-    q: torch.Tensor, k: torch.Tensor, options: BlockOptions
-) -> tuple[BottomRightPiece, ...]:
-    """The bottom-right calls that make the block's window (rows that see no key: none)."""
-    if options.window.left is not None:
-        raise NotImplementedError(f"{options.window!r}: torch_flash serves no left bound")
-    return bottom_right_pieces(q.shape[-2], k.shape[-2], options.window.right)
-
-
-def _whole(pieces: tuple[BottomRightPiece, ...], q: torch.Tensor, k: torch.Tensor) -> bool:
-    whole = BottomRightPiece(0, q.shape[-2], k.shape[-2], causal=False)
-    return len(pieces) == 1 and attrs.evolve(pieces[0], causal=False) == whole
-
-
-# narrow, not slicing: fake CUDA tensors of a CPU-only torch take no slice indexing.
-def _rows(x: torch.Tensor, piece: BottomRightPiece) -> torch.Tensor:
-    return x.narrow(-2, piece.row_start, piece.row_stop - piece.row_start)
-
-
-def _lse_rows(lse: torch.Tensor, piece: BottomRightPiece) -> torch.Tensor:
-    return lse.narrow(-1, piece.row_start, piece.row_stop - piece.row_start)
-
-
-def _keys(x: torch.Tensor, piece: BottomRightPiece) -> torch.Tensor:
-    return x.narrow(-2, 0, piece.keys)
-
-
 def _drawing(
-    device: torch.device, options: BlockOptions, causal: bool
+    device: torch.device, options: BlockOptions, piece: BottomRightPiece
 ) -> contextlib.AbstractContextManager[None]:
     """The generator state a forward call draws its mask from (nothing to seed without dropout)."""
     if options.dropout_p == 0.0:
         return contextlib.nullcontext()
-    return seeded_generator(device, piece_seed(options, causal))
+    return seeded_generator(device, piece_seed(options.dropout_seed, piece))
 
 
 def _replayed(
-    device: torch.device, options: BlockOptions, causal: bool
+    device: torch.device, options: BlockOptions, piece: BottomRightPiece
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(philox_seed, philox_offset)`` for the backward: the ``rng_state`` the forward reported
     (``[seed, 0]``, ``uint64``) and the unused scalar; uninitialised without dropout, as the
@@ -257,7 +178,8 @@ def _replayed(
     unused = torch.empty((), dtype=torch.uint64, device=device)
     if options.dropout_p == 0.0:
         return torch.empty(2, dtype=torch.uint64, device=device), unused
-    return replay_state(piece_seed(options, causal), device, torch.uint64), unused
+    seed = piece_seed(options.dropout_seed, piece)
+    return replay_state(seed, device, torch.uint64), unused
 
 
 # -- what the spec cannot hold as data -------------------------------------------------------------

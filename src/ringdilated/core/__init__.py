@@ -20,9 +20,13 @@ from ringdilated.core import _aliases
 from ringdilated.core.contract.accumulator import Accumulator, accumulation_dtype, merge_partials
 from ringdilated.core.contract.causal import (
     BottomRightKernel,
+    BottomRightPiece,
+    backward_by_piece,
     backward_in_pieces,
-    backward_with_lse_in_pieces,
+    backward_with_lse_by_piece,
+    forward_by_piece,
     forward_in_pieces,
+    piece_seed,
 )
 from ringdilated.core.contract.communicator import (
     Communicator,
@@ -84,6 +88,7 @@ __all__ = [
     "Block",
     "BlockOptions",
     "BottomRightKernel",
+    "BottomRightPiece",
     "CallMismatchError",
     "Capabilities",
     "Communicator",
@@ -114,13 +119,16 @@ __all__ = [
     "Target",
     "TransferStats",
     "accumulation_dtype",
+    "backward_by_piece",
     "backward_in_pieces",
-    "backward_with_lse_in_pieces",
+    "backward_with_lse_by_piece",
     "deterministic_algorithms",
     "every_peer_at_once",
+    "forward_by_piece",
     "forward_in_pieces",
     "mark_non_finite_problems",
     "mark_non_finite_rows",
     "merge_partials",
+    "piece_seed",
     "process_group",
 ]

@@ -239,7 +239,8 @@ class CallPlan:
         *,
         complete: bool,
     ) -> LocalRun:
-        """A :class:`LocalRun` of ``blocks`` (``None``: the layout's), with this call's options."""
+        """A :class:`LocalRun` of ``blocks`` (``None``: the layout's), with this call's options
+        (``deterministic``: the request's, as the plan was made under torch's switch)."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -253,6 +254,7 @@ class CallPlan:
             batch_limit=self.kernel.batch_limit,
             kernel_name=self.kernel.kernel_name,
             layout=self.layout,
+            deterministic=self.kernel.request.deterministic,
         )
 
     def _head_parallel(

@@ -13,9 +13,12 @@ xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j``
 - the remaining rows see every key and need no mask.
 
 No piece contains an empty row, so a kernel's own convention for empty rows never matters.
-:func:`forward_in_pieces` and :func:`backward_in_pieces` run a native call over the pieces;
-:func:`backward_with_lse_in_pieces` a native backward that also takes the lse's gradient, each
-piece getting its rows of ``dlse`` (rows in no piece see no key: their lse is a constant).
+:func:`forward_by_piece` and :func:`backward_by_piece` run a native call over the pieces, handing
+it each piece (a kernel with dropout derives the piece's seed from it, :func:`piece_seed`);
+:func:`backward_with_lse_by_piece` does so for a native backward that also takes the lse's
+gradient, each piece getting its rows of ``dlse`` (rows in no piece see no key: their lse is a
+constant). :func:`forward_in_pieces` and :func:`backward_in_pieces` do the same for a native
+call that takes the mask flag only. :class:`BottomRightKernel` is a kernel built on them.
 """
 
 from __future__ import annotations
@@ -26,18 +29,23 @@ import attrs
 import torch
 
 from ringdilated.core.contract.accumulator import accumulation_dtype
-from ringdilated.core.contract.kernel import BlockOptions
+from ringdilated.core.contract.kernel import BlockOptions, derive_seed
 
 __all__ = [
     "BottomRightKernel",
     "BottomRightPiece",
     "NativeBackward",
     "NativeForward",
-    "NativeLseBackward",
+    "PieceBackward",
+    "PieceForward",
+    "PieceLseBackward",
+    "backward_by_piece",
     "backward_in_pieces",
-    "backward_with_lse_in_pieces",
+    "backward_with_lse_by_piece",
     "bottom_right_pieces",
+    "forward_by_piece",
     "forward_in_pieces",
+    "piece_seed",
     "right_bound",
 ]
 
@@ -68,6 +76,43 @@ def bottom_right_pieces(q_len: int, k_len: int, offset: int | None) -> tuple[Bot
     return tuple(pieces)
 
 
+PieceForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, BottomRightPiece], tuple[torch.Tensor, torch.Tensor]
+]
+"""``(q, k, v, piece) -> (out, lse)``: the call ``piece`` (its rows of ``q``, its keys of ``k``
+and ``v``; ``piece.causal``: the bottom-right mask) in kernel layout."""
+
+PieceBackward = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        BottomRightPiece,
+    ],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(dout, q, k, v, out, lse, piece) -> (dq, dk, dv)``: the call ``piece`` in kernel layout."""
+
+PieceLseBackward = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        BottomRightPiece,
+    ],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(dout, dlse, q, k, v, out, lse, piece) -> (dq, dk, dv)``: the call ``piece`` in kernel
+layout, the gradient of ``sum(dout * out) + sum(dlse * lse)`` (``dlse`` ``None``: of the first
+term only)."""
+
 NativeForward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]
 ]
@@ -79,44 +124,111 @@ NativeBackward = Callable[
 ]
 """``(dout, q, k, v, out, lse, bottom_right_causal) -> (dq, dk, dv)`` in kernel layout."""
 
-NativeLseBackward = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor | None,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        bool,
-    ],
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-]
-"""``(dout, dlse, q, k, v, out, lse, bottom_right_causal) -> (dq, dk, dv)`` in kernel layout:
-the gradient of ``sum(dout * out) + sum(dlse * lse)`` (``dlse`` ``None``: of the first term)."""
+
+def piece_seed(dropout_seed: int, piece: BottomRightPiece) -> int:
+    """The dropout seed of the call ``piece`` of a block seeded with ``dropout_seed``: a pure
+    function of the two, so a backward, which makes the same pieces of the same block, derives
+    the forward's seeds; distinct for the pieces of one block (their rows differ), each unrelated
+    to ``dropout_seed`` in every bit (:func:`~ringdilated.core.contract.kernel.derive_seed`)."""
+    shape = (piece.row_start, piece.row_stop, piece.keys, int(piece.causal))
+    return derive_seed(dropout_seed, "bottom-right piece", *shape)
 
 
 def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool:
     return len(pieces) == 1 and pieces[0] == BottomRightPiece(0, q_len, k_len, pieces[0].causal)
 
 
-def forward_in_pieces(
-    native: NativeForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
+# narrow and add_, not slicing and copy_: a CPU-only torch has neither for fake CUDA tensors.
+def _rows(x: torch.Tensor, piece: BottomRightPiece, dim: int = -2) -> torch.Tensor:
+    return x.narrow(dim, piece.row_start, piece.row_stop - piece.row_start)
+
+
+def _keys(x: torch.Tensor, piece: BottomRightPiece) -> torch.Tensor:
+    return x.narrow(-2, 0, piece.keys)
+
+
+def forward_by_piece(
+    native: PieceForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for ``window.right=offset`` from bottom-right-only ``native`` calls."""
+    """``(out, lse)`` for ``window.right=offset`` from bottom-right-only ``native`` calls, one
+    per :func:`bottom_right_pieces` piece, each handed its piece. One piece covering the block
+    is one call whose results are returned as they are; otherwise the pieces' results are added
+    into zeros, the rows no piece holds (they see no key) left at ``out = 0``, ``lse = -inf``.
+    Only ``narrow``, ``fill_`` and ``add_`` touch the results: no copy, no index assignment."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     pieces = bottom_right_pieces(q_len, k_len, offset)
     if _whole(pieces, q_len, k_len):
-        return native(q, k, v, pieces[0].causal)
+        return native(q, k, v, pieces[0])
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    lse_dtype = accumulation_dtype(q.dtype)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
+    lse = q.new_zeros(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+    seeing = pieces[0].row_start if pieces else q_len  # the rows before it see no key
+    lse.narrow(-1, 0, seeing).fill_(float("-inf"))
     for p in pieces:
-        rows = slice(p.row_start, p.row_stop)
-        o, s = native(q[..., rows, :], k[..., : p.keys, :], v[..., : p.keys, :], p.causal)
-        out[..., rows, :] = o
-        lse[..., rows] = s
+        part, part_lse = native(_rows(q, p), _keys(k, p), _keys(v, p), p)
+        _rows(out, p).add_(part)
+        _rows(lse, p, -1).add_(part_lse)
     return out, lse
+
+
+def backward_by_piece(
+    native: PieceBackward,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` for ``window.right=offset`` from bottom-right-only ``native`` calls, each
+    handed its piece (the same pieces as :func:`forward_by_piece`'s), added into zeros: the
+    pieces share keys, whose gradients they sum."""
+    return backward_with_lse_by_piece(
+        lambda do, _, q, k, v, o, s, p: native(do, q, k, v, o, s, p),
+        dout, None, q, k, v, out, lse, offset,
+    )  # fmt: skip
+
+
+def backward_with_lse_by_piece(
+    native: PieceLseBackward,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward_by_piece` of ``sum(dout * out) + sum(dlse * lse)``: each call is also
+    handed its rows of ``dlse`` (``(N, Hq, Lq)``; ``None``: no lse term)."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    pieces = bottom_right_pieces(q_len, k_len, offset)
+    if _whole(pieces, q_len, k_len):
+        return native(dout, dlse, q, k, v, out, lse, pieces[0])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for p in pieces:
+        gq, gk, gv = native(
+            _rows(dout, p),
+            None if dlse is None else _rows(dlse, p, -1),
+            _rows(q, p),
+            _keys(k, p),
+            _keys(v, p),
+            _rows(out, p),
+            _rows(lse, p, -1),
+            p,
+        )
+        _rows(dq, p).add_(gq)
+        _keys(dk, p).add_(gk)
+        _keys(dv, p).add_(gv)
+    return dq, dk, dv
+
+
+def forward_in_pieces(
+    native: NativeForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_by_piece` for a ``native`` call that takes the mask flag only."""
+    return forward_by_piece(lambda q, k, v, p: native(q, k, v, p.causal), q, k, v, offset)
 
 
 def backward_in_pieces(
@@ -129,64 +241,23 @@ def backward_in_pieces(
     lse: torch.Tensor,
     offset: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` for ``window.right=offset`` from bottom-right-only ``native`` calls."""
-
-    def without_dlse(
-        dout: torch.Tensor,
-        _: torch.Tensor | None,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return native(dout, q, k, v, out, lse, causal)
-
-    return backward_with_lse_in_pieces(without_dlse, dout, None, q, k, v, out, lse, offset)
-
-
-def backward_with_lse_in_pieces(
-    native: NativeLseBackward,
-    dout: torch.Tensor,
-    dlse: torch.Tensor | None,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    offset: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)`` for ``window.right=offset``
-    from bottom-right-only ``native`` calls, each given its rows of ``dlse`` (``(N, Hq, Lq)``;
-    ``None``: no lse term, as :func:`backward_in_pieces`)."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    pieces = bottom_right_pieces(q_len, k_len, offset)
-    if _whole(pieces, q_len, k_len):
-        return native(dout, dlse, q, k, v, out, lse, pieces[0].causal)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for p in pieces:
-        rows, keys = slice(p.row_start, p.row_stop), slice(0, p.keys)
-        gq, gk, gv = native(
-            dout[..., rows, :],
-            None if dlse is None else dlse[..., rows],
-            q[..., rows, :],
-            k[..., keys, :],
-            v[..., keys, :],
-            out[..., rows, :],
-            lse[..., rows],
-            p.causal,
-        )
-        dq[..., rows, :] = gq
-        dk[..., keys, :] += gk
-        dv[..., keys, :] += gv
-    return dq, dk, dv
+    """:func:`backward_by_piece` for a ``native`` call that takes the mask flag only."""
+    return backward_by_piece(
+        lambda do, q, k, v, o, s, p: native(do, q, k, v, o, s, p.causal),
+        dout, q, k, v, out, lse, offset,
+    )  # fmt: skip
 
 
 class BottomRightKernel:
     """Base for kernels whose native causal mask is bottom-right aligned: implement
     :meth:`native_forward` and :meth:`native_backward` (kernel layout, ``causal`` meaning the
-    bottom-right mask) and inherit the contract's ``forward``/``backward`` for any offset."""
+    bottom-right mask) and inherit the contract's ``forward``/``backward`` for any offset.
+
+    Each call of a block goes through :meth:`forward_piece` / :meth:`backward_piece`, handed its
+    :class:`BottomRightPiece` and the block's options; by default they call the native methods
+    with the piece's mask and ``options.scale``. A kernel whose calls need more of the options
+    (a dropout seed per piece, :func:`piece_seed`; ``options.deterministic``) overrides them
+    instead (and then need not implement the native methods)."""
 
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -206,15 +277,40 @@ class BottomRightKernel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: BottomRightPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call ``piece`` of a block run with ``options`` (``q``, ``k``, ``v``: the piece's)."""
+        return self.native_forward(q, k, v, piece.causal, options.scale)
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: BottomRightPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward of the call ``piece`` (every tensor: the piece's)."""
+        return self.native_backward(dout, q, k, v, out, lse, piece.causal, options.scale)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         def native(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: BottomRightPiece
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.native_forward(q, k, v, causal, options.scale)
+            return self.forward_piece(q, k, v, piece, options)
 
-        return forward_in_pieces(native, q, k, v, right_bound(options))
+        return forward_by_piece(native, q, k, v, right_bound(options))
 
     def backward(
         self,
@@ -226,16 +322,18 @@ class BottomRightKernel:
         lse: torch.Tensor,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backward_in_pieces(
-            lambda do, q, k, v, o, s, c: self.native_backward(do, q, k, v, o, s, c, options.scale),
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            right_bound(options),
-        )
+        def native(
+            dout: torch.Tensor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            lse: torch.Tensor,
+            piece: BottomRightPiece,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self.backward_piece(dout, q, k, v, out, lse, piece, options)
+
+        return backward_by_piece(native, dout, q, k, v, out, lse, right_bound(options))
 
 
 def right_bound(options: BlockOptions) -> int | None:

@@ -67,6 +67,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 import torch
 
+from ringdilated.core.contract import rules
 from ringdilated.core.plan.window import FULL, KeyWindow
 
 __all__ = [
@@ -118,6 +119,14 @@ class BlockOptions:
       the seed and the block's shape and device, so backward regenerates the same mask.
     - ``finite``: deprecated, kept for one release for plugins that read it: always ``None``
       (unknown); a kernel meets the non-finite rule on the device (module docstring).
+    - ``deterministic`` (keyword only): the call asks for bitwise-reproducible results (torch's
+      switch, strict, :func:`~ringdilated.core.select.capabilities.deterministic_algorithms`,
+      as the call's plan read it: ``Request.deterministic``). A kernel with a deterministic mode
+      uses it when this is ``True`` (flash-attn's ``deterministic=True`` backward) and reads
+      it here, not torch's switch: the driver sets it from the plan, so a block runs as its
+      call was planned, backward included. ``False`` by default (a kernel called directly runs
+      in its default mode unless asked). Kernels built on torch's own attention ops cannot
+      pass it on: those ops read torch's switch themselves when they run.
 
     ``causal_offset`` (0.1: ``window.right``, an int or ``None``) is accepted and read for one
     release with a ``DeprecationWarning``.
@@ -128,6 +137,7 @@ class BlockOptions:
     dropout_p: float = attrs.field(default=0.0, validator=lambda _, __, p: check_dropout(p))
     dropout_seed: int = 0
     finite: bool | None = None
+    deterministic: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
 
     def __init__(
         self,
@@ -137,6 +147,7 @@ class BlockOptions:
         dropout_seed: int = 0,
         finite: bool | None = None,
         *,
+        deterministic: bool = False,
         causal_offset: object = _UNSET,
     ) -> None:
         if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
@@ -144,7 +155,9 @@ class BlockOptions:
                 raise TypeError(f"BlockOptions got window={window!r} and causal_offset: pass one")
             _deprecated_offset()
             window = KeyWindow(None, window if causal_offset is _UNSET else causal_offset)
-        self.__attrs_init__(scale, window, dropout_p, dropout_seed, finite)
+        self.__attrs_init__(
+            scale, window, dropout_p, dropout_seed, finite, deterministic=deterministic
+        )
 
     @property
     def causal_offset(self) -> int | None:

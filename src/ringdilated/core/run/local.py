@@ -417,7 +417,8 @@ class LocalRun:
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     ``batch_limit``: how many problems and query elements one kernel call may hold (the
     kernel's declared limits, :class:`~ringdilated.core.select.capabilities.BatchLimit`);
-    ``chunk_elements`` replaces its ``query_elements`` when not ``None``.
+    ``chunk_elements`` replaces its ``query_elements`` when not ``None``. ``deterministic``: the
+    plan's ``Request.deterministic``, handed to every kernel call (``BlockOptions.deterministic``).
 
     ``rows``: the blocks of each run of batch rows (documents and padding differ by row).
     ``query_start``: the position of ``q``'s first row (a query suffix; keys start at 0).
@@ -438,6 +439,7 @@ class LocalRun:
     query_start: int = 0
     covers_queries: bool = True
     covers_keys: bool = True
+    deterministic: bool = False
     _calls: dict[tuple[object, ...], tuple[_KernelCall, ...]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
@@ -492,7 +494,9 @@ class LocalRun:
                 sel, run, queries = block.selection, block.heads, block.query_selection
                 # In selected keys; a query suffix ends where the block's keys end.
                 window = self.window.dilated(sel.rate).shifted(sel.count - queries.count)
-                options = BlockOptions(self.scale, window, self.dropout_p)
+                options = BlockOptions(
+                    self.scale, window, self.dropout_p, deterministic=self.deterministic
+                )
                 # lse_buffer's layout merges exactly when q's does.
                 tiles = mergeable(queries, q_strides) and all(
                     mergeable(sel, s) for s in (k.stride(), v.stride(), kv_grad_strides)
@@ -791,11 +795,13 @@ def pattern_run(
     batch_limit: BatchLimit = UNLIMITED,
     kernel_name: str | None = None,
     layout: DocumentLayout | None = None,
+    deterministic: bool = False,
 ) -> LocalRun:
     """The :class:`LocalRun` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
-    problems than ``batch_limit`` allows, and every call's results and inputs checked
+    problems than ``batch_limit`` allows, every call's options ``deterministic`` as given (the
+    plan's request), and every call's results and inputs checked
     (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
@@ -823,4 +829,5 @@ def pattern_run(
         dropout_p=float(dropout_p),
         complete=complete,
         batch_limit=batch_limit,
+        deterministic=deterministic,
     )

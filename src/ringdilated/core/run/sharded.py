@@ -182,7 +182,10 @@ class ShardedRun:
 
     def _make_options(self, own: bool, seed: int) -> BlockOptions:
         window = self.inner.window if own else FULL
-        return BlockOptions(self.inner.scale, window, self.inner.dropout_p, seed)
+        inner = self.inner
+        return BlockOptions(
+            inner.scale, window, inner.dropout_p, seed, deterministic=inner.deterministic
+        )
 
     def _exchange(
         self, k: torch.Tensor, v: torch.Tensor, stats: TransferStats | None
