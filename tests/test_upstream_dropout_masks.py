@@ -18,7 +18,6 @@ call, and rows that see no key, all with grouped heads (4 query heads on 2 key/v
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 from ringdilated.backends import _heads, flash, torch_flash
 from ringdilated.backends.flash import FlashKernel
 from ringdilated.backends.torch_flash import TorchFlashKernel
-from ringdilated.core import KeyWindow
+from ringdilated.core import BottomRightPiece, KeyWindow
 from ringdilated.core.contract.kernel import BlockOptions, derive_seed
 from tests.standins import flash_attention, flash_attention_backward, install_flash_attn, philox
 from tests.standins.flash_attn import BACKWARD_CALLS
@@ -42,27 +41,24 @@ BLOCK_SEED = 1234
 # -- the rule, stated once -------------------------------------------------------------------------
 
 
-def op_state(kernel: str, block_seed: int, call: int, causal: bool) -> tuple[int, int]:
-    """The Philox ``(seed, offset)`` that native call number ``call`` (in row order) of a block
-    seeded ``block_seed`` hands upstream's op; ``causal``: that call is the bottom-right causal
-    piece (``ringdilated.core.contract.causal``). The documented rule:
+def op_state(kernel: str, block_seed: int, call: tuple[int, int, int, bool]) -> tuple[int, int]:
+    """The Philox ``(seed, offset)`` that the native call ``call`` (``(row_start, row_stop, keys,
+    causal)``: one bottom-right piece of ``ringdilated.core.contract.causal``) of a block seeded
+    ``block_seed`` hands upstream's op, for ``kernel`` (flash or torch_flash). The documented
+    rule:
 
     - each native call runs under ``backends/_philox.py``'s ``seeded_generator(device, seed)``:
       the default generator freshly seeded, so the op takes ``(seed, 0)`` (``manual_seed``
       resets the offset), and the backward is handed ``replay_state(seed)``, ``[seed, 0]``;
-    - ``seed`` derives (``core.contract.kernel.derive_seed``) from the block's seed and the call:
-      flash (``backends/flash.py``): "the call's place among the block's (at most two)
-      bottom-right calls", the path ``("flash-attn call", call)``; torch_flash
-      (``backends/torch_flash.py``): "the piece", at most one causal and one unmasked a block,
-      the path ``("torch_flash", causal)``.
+    - ``seed`` is ``core.contract.causal.piece_seed``'s: ``derive_seed`` of the block's seed and
+      the piece (its rows, its keys and its mask), the path ``("bottom-right piece", row_start,
+      row_stop, keys, causal)``, one rule for both kernels.
 
-    The path names are what the two modules pass ``derive_seed`` today; a helper unifying the
-    per-piece rule changes them here, and only here."""
-    if kernel == "flash":
-        return derive_seed(block_seed, "flash-attn call", call), 0
-    if kernel == "torch_flash":
-        return derive_seed(block_seed, "torch_flash", int(causal)), 0
-    raise ValueError(f"no seed rule for {kernel!r}")
+    Written out here, independently of the code, so a change to the rule shows up here."""
+    if kernel not in ("flash", "torch_flash"):
+        raise ValueError(f"no seed rule for {kernel!r}")
+    first, stop, keys, causal = call
+    return derive_seed(block_seed, "bottom-right piece", first, stop, keys, int(causal)), 0
 
 
 # -- the blocks ------------------------------------------------------------------------------------
@@ -98,8 +94,8 @@ def expected_keep(
     """``(N, HEADS, Lq, Lk)`` bool: what upstream's op keeps, call by call, for the state
     :func:`op_state` says each call receives (entries no call covers: False)."""
     keep = torch.zeros(N, HEADS, q_len, k_len, dtype=torch.bool)
-    for index, (first, stop, keys, causal) in enumerate(calls):
-        seed, offset = op_state(kernel, BLOCK_SEED, index, causal)
+    for first, stop, keys, causal in calls:
+        seed, offset = op_state(kernel, BLOCK_SEED, (first, stop, keys, causal))
         drawn = philox.keep_mask(seed, offset, (N, HEADS, stop - first, keys), P)
         keep[:, :, first:stop, :keys] = drawn
     return keep
@@ -201,7 +197,7 @@ def check_masks(
     kernel = KERNELS[kernel_name](monkeypatch, received)
     q, k, v, dout = _inputs(q_len, k_len)
     options = BlockOptions(0.25, KeyWindow(None, right), dropout_p=P, dropout_seed=BLOCK_SEED)
-    states = [op_state(kernel_name, BLOCK_SEED, i, c[3]) for i, c in enumerate(calls)]
+    states = [op_state(kernel_name, BLOCK_SEED, c) for c in calls]
     assert len(set(states)) == len(states), "each call of a block its own seed"
 
     # The mask applied, read back as today: with v the identity, out is the dropped
@@ -235,16 +231,18 @@ def check_masks(
         assert error < 1e-2, f"d{name} under upstream's mask: relative error {error:.3g}"
 
 
-def _one_seed_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = flash._piece_seeds
-    monkeypatch.setattr(flash, "_piece_seeds", lambda seed: itertools.repeat(next(first(seed))))
+def _one_seed(module: Any) -> Callable[[pytest.MonkeyPatch], None]:
+    """Make ``module`` seed every piece of a block alike (with its block seed's first piece)."""
+
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        piece_seed = module.piece_seed
+        first = BottomRightPiece(0, 1, 1, True)
+        monkeypatch.setattr(module, "piece_seed", lambda seed, piece: piece_seed(seed, first))
+
+    return patch
 
 
-def _one_seed_torch_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    piece_seed = torch_flash.piece_seed
-    monkeypatch.setattr(
-        torch_flash, "piece_seed", lambda options, causal: piece_seed(options, True)
-    )
+_one_seed_flash, _one_seed_torch_flash = _one_seed(flash), _one_seed(torch_flash)
 
 
 @pytest.mark.parametrize(
