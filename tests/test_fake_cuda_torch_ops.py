@@ -13,6 +13,7 @@ dropout replays draw from a CPU generator standing in for it.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import ringdilated
 from ringdilated.backends._heads import repeat_kv
@@ -105,12 +107,12 @@ class Expected:
 
 
 class OpContract(TorchDispatchMode):
-    """Checks each attention op call's arguments; records ``(op, rows, keys, is_causal, bias)``."""
+    """Checks each attention op call's arguments; records ``(op, rows, keys, is_causal)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.expected: Expected | None = None
-        self.calls: list[tuple[str, int, int, bool, bool]] = []
+        self.calls: list[tuple[str, int, int, bool]] = []
 
     def _inputs(self, a: dict[str, Any]) -> None:
         q, k, v = a["query"], a["key"], a["value"]
@@ -133,9 +135,9 @@ class OpContract(TorchDispatchMode):
         assert a["scale"] == self.expected.options.scale, "the contract's scale"
         assert a["dropout_p"] == self.expected.options.dropout_p, "the contract's dropout_p"
 
-    def _record(self, op: str, a: dict[str, Any], bias: bool = False) -> None:
+    def _record(self, op: str, a: dict[str, Any]) -> None:
         rows, keys = a["query"].shape[2], a["key"].shape[2]
-        self.calls.append((op, rows, keys, bool(a["is_causal"]), bias))
+        self.calls.append((op, rows, keys, bool(a["is_causal"])))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -152,12 +154,12 @@ class OpContract(TorchDispatchMode):
             self._inputs(a)
             self._cudnn_common(a)
             assert a["compute_log_sumexp"] is True and a["return_debug_mask"] is False
-            self._record("cudnn", a, a["attn_bias"] is not None)
+            self._record("cudnn", a)
         elif func is CUDNN_BACKWARD:
             self._inputs(a)
             self._cudnn_common(a)
             self._cudnn_backward(a)
-            self._record("cudnn_backward", a, a["attn_bias"] is not None)
+            self._record("cudnn_backward", a)
         return func(*args, **kwargs)
 
     def _flash_backward(self, a: dict[str, Any]) -> None:
@@ -175,12 +177,7 @@ class OpContract(TorchDispatchMode):
 
     def _cudnn_common(self, a: dict[str, Any]) -> None:
         assert a["key"].shape[2] > 1, "cuDNN takes no key length 1"
-        bias = a["attn_bias"]
-        if bias is not None:
-            q, k = a["query"], a["key"]
-            assert bias.dtype == q.dtype and bias.device.type == "cuda"
-            assert tuple(bias.shape) == (q.shape[2], k.shape[2]), "a 2-D (Lq, Lk) bias"
-            assert bias.stride(-1) == 1 and _aligned(bias, 8), f"bias rows {bias.stride()}"
+        assert a["attn_bias"] is None, "no bias: the masks are top-left pieces"
 
     def _cudnn_backward(self, a: dict[str, Any]) -> None:
         q, k, lse = a["query"], a["key"], a["logsumexp"]
@@ -271,17 +268,22 @@ def flash_plan(q_len: int, k_len: int, right: int | None) -> list[tuple[int, int
     return calls + ([(q_len - stop, k_len, False)] if q_len > stop else [])
 
 
-def cudnn_plan(q_len: int, k_len: int, right: int | None) -> list[tuple[int, int, bool, bool]]:
-    """The call cuDNN's top-left ``is_causal`` or a bias needs for ``window.right = right``:
-    ``(rows, keys, is_causal, bias)``; none for a key length of 0 or 1 or no row seeing a key."""
+def cudnn_plan(q_len: int, k_len: int, right: int | None) -> list[tuple[int, int, bool]]:
+    """The calls cuDNN's top-left ``is_causal`` needs for ``window.right = right``, worked out
+    here, not by the code under test: ``(rows, keys, is_causal)``. None for a key length of 0
+    or 1 (the dense math) or when no row sees a key; rows before ``-right`` see no key (no call);
+    an offset inside the keys is two calls over every row: keys ``[0, right)``, which every row
+    sees, unmasked, and keys ``[right, k_len)``, top-left causal from ``right`` (row ``i`` sees
+    ``j <= i + right``); a piece of one key (``right = 1``) is no call (the dense math)."""
     if k_len <= 1 or not q_len:
         return []
     if right is None or right >= k_len - 1:
-        return [(q_len, k_len, False, False)]
+        return [(q_len, k_len, False)]
     if right <= 0:
         rows = q_len - min(q_len, -right)
-        return [(rows, k_len, True, False)] if rows else []
-    return [(q_len, k_len, False, True)]
+        return [(rows, k_len, True)] if rows else []
+    pieces = [(q_len, right, False), (q_len, k_len - right, True)]
+    return [piece for piece in pieces if piece[1] > 1]
 
 
 def _expected_calls(made: Any, planner: Callable[..., list[Any]], op: str) -> list[Any]:
@@ -289,7 +291,7 @@ def _expected_calls(made: Any, planner: Callable[..., list[Any]], op: str) -> li
     for kind, (q_len, k_len), options in made:
         suffix = "" if kind == "forward" else "_backward"
         for plan in planner(q_len, k_len, options.window.right):
-            calls.append((op + suffix, *plan) if len(plan) == 4 else (op + suffix, *plan, False))
+            calls.append((op + suffix, *plan))
     return calls
 
 
@@ -311,7 +313,7 @@ def test_cudnn_hands_the_ops_what_the_graph_reads(dtype: torch.dtype, case: str)
     recorder = record(CASES[case], dtype)
     contract = OpContract()
     made = replay(CudnnKernel(), recorder, contract)
-    assert contract.calls == _expected_calls(made, cudnn_plan, "cudnn"), "top-left or a bias"
+    assert contract.calls == _expected_calls(made, cudnn_plan, "cudnn"), "top-left pieces"
     assert {c[0] for c in contract.calls} == {"cudnn", "cudnn_backward"}
 
 
@@ -326,7 +328,7 @@ def test_the_query_suffix_and_documents_give_the_ops_other_offsets() -> None:
 
 
 @pytest.mark.parametrize("kernel", [TorchFlashKernel, CudnnKernel])
-@pytest.mark.parametrize("offset", [None, -7, -2, 0, 3, 17, 60])
+@pytest.mark.parametrize("offset", [None, -7, -2, 0, 2, 3, 17, 43, 44, 60])
 def test_any_causal_offset_on_strided_views(kernel: type, offset: int | None) -> None:
     """Kernel-contract calls (a sharded run's pieces) take any offset, on the driver's strided
     views (rate 2, heads 2-3 of 6, grouped 2:1)."""
@@ -343,6 +345,66 @@ def test_any_causal_offset_on_strided_views(kernel: type, offset: int | None) ->
     name = "flash" if kernel is TorchFlashKernel else "cudnn"
     made = [("forward", (20, 45), options), ("backward", (20, 45), options)]
     assert contract.calls == _expected_calls(made, plan, name)
+
+
+class Allocations(OpContract):
+    """The op contract, recording each cuDNN call's arguments and the shape of every tensor an
+    op returns (what a call allocates, views included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cudnn: list[dict[str, Any]] = []
+        self.returned: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (CUDNN, CUDNN_BACKWARD):
+            self.cudnn.append(bound(func, args, kwargs or {}))
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        leaves = tree_leaves(result)
+        self.returned += [tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
+        return result
+
+
+@pytest.mark.parametrize("right", [2, 3, 17, 25, 43])
+def test_an_offset_inside_the_keys_is_two_top_left_calls_without_a_scores_sized_tensor(
+    right: int,
+) -> None:
+    """``0 < right < Lk - 1`` (``Lq = 20``, ``Lk = 45``: the causal piece longer than the rows,
+    as long, of two keys): the forward and the backward each call the op twice over every row,
+    keys ``[0, right)`` unmasked and keys ``[right, Lk)`` with ``is_causal``, reading the
+    block's own key and value memory from those rows on, with no bias; both backward calls get
+    the block's final ``out`` and the merged lse as ``(B, H, Lq, 1)`` float32 contiguous; and no
+    op returns a tensor of ``Lq`` rows by ``Lk`` keys (the dense bias the offset once took) or
+    one larger than the block's inputs (scores)."""
+    contract = Allocations()
+    options = BlockOptions(scale=0.25, window=KeyWindow(None, right))
+    with FakeTensorMode():
+        base = torch.empty(2, 45, 6, 16, dtype=torch.float16, device="cuda")
+        q = base.as_strided((2, 2, 20, 16), (45 * 96, 16, 192, 1), 32)
+        k = base.as_strided((2, 1, 45, 16), (45 * 96, 16, 96, 1), 64)
+        v = base.as_strided((2, 1, 45, 16), (45 * 96, 16, 96, 1), 80)
+        dout = torch.empty(2, 2, 20, 16, dtype=torch.float16, device="cuda")
+        contract.expected = Expected(options, kv_heads=1)
+        with contract:
+            out, lse = CudnnKernel().forward(q, k, v, options)
+            dq, dk, dv = CudnnKernel().backward(dout, q, k, v, out, lse, options)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    pieces = [(0, right, False), (right, 45, True)]
+    assert [a["is_causal"] for a in contract.cudnn] == [False, True, False, True]
+    for a, (start, stop, _) in zip(contract.cudnn, pieces * 2, strict=True):
+        assert (a["query"].shape[2], a["key"].shape[2]) == (20, stop - start)
+        assert a["query"].storage_offset() == q.storage_offset(), "every row"
+        for name, x in (("key", k), ("value", v)):
+            assert a[name].storage_offset() == x.storage_offset() + start * x.stride(2), name
+            assert a[name].stride() == x.stride(), f"{name}: the block's own memory"
+        assert a["attn_bias"] is None
+    for a in contract.cudnn[2:]:
+        assert a["out"]._base is out, "the block's final out"
+        assert a["logsumexp"]._base is lse and a["logsumexp"].is_contiguous(), "the merged lse"
+    scores_sized = [s for s in contract.returned if 20 in s and max(s) >= 44]
+    assert not scores_sized, f"tensors of Lq rows by Lk keys: {scores_sized}"
+    largest = max(x.numel() for x in (q, k, v))
+    assert max(math.prod(s) for s in contract.returned) <= largest
 
 
 @pytest.mark.parametrize("kernel", [TorchFlashKernel, CudnnKernel])

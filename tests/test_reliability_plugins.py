@@ -93,6 +93,10 @@ def _boom(request: object, env: object) -> list[str]:
     raise RuntimeError("boom")
 
 
+def _rules_boom(env: object) -> list[PriorityRule]:
+    raise RuntimeError("rules boom")
+
+
 def _plan_boom(plans: object, window: object) -> tuple[str, ...]:
     raise RuntimeError("plan boom")
 
@@ -199,6 +203,22 @@ CASES = {
         _kernel(extra_reasons="check"), LABEL, "extra_reasons", "None or callable", "'check'"
     ),
     "description-none": _spec_case(_kernel(description=None), LABEL, "description", "a str"),
+    "priority-rules-for-not-callable": _spec_case(
+        _kernel(priority_rules_for="rules"), LABEL, "priority_rules_for", "callable", "'rules'"
+    ),
+    "priority-rules-for-raises": _contained(
+        _kernel(priority_rules_for=_rules_boom),
+        "priority_for() failed: RuntimeError: rules boom",
+    ),
+    "priority-rules-for-returns-ints": _contained(
+        _kernel(priority_rules_for=lambda env: [1]),
+        "priority_for() failed: TypeError: priority_rules_for",
+        "returned 1, not a PriorityRule",
+    ),
+    "priority-rules-for-returns-none": _contained(
+        _kernel(priority_rules_for=lambda env: None),
+        "returned None, not an iterable of PriorityRule",
+    ),
     "priority-rules-list-subclass": _spec_case(
         SneakyKernelSpec(name="hostile-kernel", priority_rules=[PriorityRule(1)]),
         LABEL,

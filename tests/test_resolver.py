@@ -9,7 +9,7 @@ import torch
 from ringdilated import Environment, KernelSpec, Request, ResolutionError, Resolver
 from ringdilated.backends.reference import REFERENCE_SPEC, ReferenceKernel
 from ringdilated.backends.sdpa import SDPA_SPEC
-from ringdilated.core import Capabilities, Target
+from ringdilated.core import Capabilities, PriorityRule, Target
 
 FLASH_LIKE = KernelSpec(
     name="fakeflash",
@@ -640,3 +640,24 @@ def test_an_unregistered_instance_is_described_by_its_attributes_with_a_warning(
     del hollow.heads
     with pytest.raises(ResolutionError, match="its 'heads' must be a Communicator of parallelism"):
         resolver.choose_communicator(4, False, hollow, grid=(2, 2))
+
+
+def test_priority_rules_for_ranks_by_the_resolvers_environment_when_asked() -> None:
+    """``priority_rules_for`` is called with the resolver's ``Environment`` each time a request
+    is ranked, never when the spec is built; its rules come before ``priority_rules``."""
+    calls: list[Environment] = []
+
+    def machine(env: Environment) -> tuple[PriorityRule, ...]:
+        calls.append(env)
+        return (PriorityRule(300, "cuda"),) if env.rocm is False else ()
+
+    spec = attrs.evolve(
+        FLASH_LIKE, priority_rules=(PriorityRule(150, "cuda"),), priority_rules_for=machine
+    )
+    assert calls == [], "building the spec calls nothing"
+    env = Environment(packages=frozenset({"flash_attn"}), rocm=False)
+    hopper = cuda((9, 0))
+    assert Resolver([spec, SDPA_SPEC], env=env).resolve(hopper).priorities[0] == ("fakeflash", 300)
+    assert calls == [env]
+    assert spec.priority_for(hopper, Environment(rocm=True)) == 150, "then priority_rules"
+    assert spec.priority_for(Request(head_dim=64)) == 200, "then priority"

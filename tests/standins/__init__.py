@@ -14,7 +14,8 @@ they would be wrong on a GPU:
 - :mod:`.torch_flash`: torch's flash op (``torch_flash``): bottom-right ``is_causal``, the lse
   read by address, dropout replayed from ``rng_state``;
 - :mod:`.cudnn`: torch's cuDNN op (``cudnn``): top-left ``is_causal``, an expanded additive
-  bias, the lse read through its own strides, unwritten outputs for empty inputs;
+  bias, key and value head counts that each divide the query's (``dk``, ``dv`` like ``key``,
+  ``value``), the lse read through its own strides, unwritten outputs for empty inputs;
 - :mod:`.philox`: the CUDA generator's ``(seed, offset)`` state and the draws made from it;
 - :mod:`.xformers`: xformers 0.0.35's ``fmha`` API over the same ops (its input validation,
   operator checks, BMGHK forward and BMHK-only backward), and its refusal of CUDA calls when

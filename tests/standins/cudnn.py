@@ -2,20 +2,34 @@
 
 :func:`cudnn_attention` is ``aten._scaled_dot_product_cudnn_attention`` and
 :func:`cudnn_attention_backward` its backward, with the schemas' signatures and return tuples
-and what the ops and cuDNN's graph do, read from pytorch/pytorch:
+and what the ops and cuDNN's graph do, read from pytorch/pytorch and NVIDIA/cudnn-frontend:
 
 - ``attention.cu`` ``_cudnn_attention_forward``: a 2-D or 3-D ``attn_bias`` is expanded to
   ``(B, 1, Lq, Lk)``, a 4-D one to ``(B, bias.size(1), Lq, Lk)``; the Philox seed and offset are
   ``int64`` scalars on the device; ``max_q``, ``max_k`` are the lengths.
 - ``cudnn/MHA.cpp``: the graph's io type is the query's (fp16 or bf16), every tensor goes with its
-  own sizes and strides (so ``K``, ``V`` may have fewer heads, a divisor of the query's), the
-  bias is added to the scores, ``set_causal_mask`` is the top-left mask (key ``j`` visible to
-  query ``i`` iff ``j <= i``); ``output`` is allocated in the query's dimension order
-  (``alloc_with_matching_layout``), ``logsumexp`` float32 ``(B, H, Lq, 1)``; the backward
-  declares ``logsumexp``'s own sizes and strides as the float ``Stats`` tensor (read here
-  through them, as float32), copies ``grad_out`` only when its last stride is not 1, and
-  allocates ``dq``, ``dk``, ``dv`` like ``query``, ``key``, ``value``. A zero-element input
-  makes both ops return without writing their outputs (NaN here).
+  own sizes and strides (``build_graph``: ``Q``, ``K``, ``V``, ``O`` ``set_dim(x.sizes())``,
+  ``set_stride(x.strides())``), so ``K`` and ``V`` keep their own head counts; the bias is added
+  to the scores, ``set_causal_mask`` is the top-left mask (key ``j`` visible to query ``i`` iff
+  ``j <= i``); ``output`` is allocated in the query's dimension order
+  (``alloc_with_matching_layout``: ``empty_like(query)`` for ``(B, H, Lq, D)``), ``logsumexp``
+  float32 ``(B, H, Lq, 1)``; the backward declares ``logsumexp``'s own sizes and strides as the
+  float ``Stats`` tensor (read here through them, as float32) and copies ``grad_out`` only when
+  its last stride is not 1. A zero-element input makes both ops return without writing their
+  outputs (NaN here).
+- Grouped heads. The ops take ``key`` and ``value`` with fewer heads than ``query``, and nothing
+  in torch checks their count on the op's path: the dispatcher's
+  ``check_batch_size_and_num_heads_dense<supports_gqa=true, requires_same_num_heads=false>``
+  (``sdp_utils.cpp``, ``sdp_utils_cpp.h`` ``check_grouped_query_attention``) asks that each of
+  ``Hk`` and ``Hv`` divide ``H`` (they may differ) and cuDNN's frontend refuses the graph
+  otherwise (``validate_sdpa_support_surface``, ``node/sdpa_support_surface.h``: "For
+  group-query attention, number of heads for key and query must be a factor of number of heads
+  for query"), raised here with that message. Query head ``h`` reads key/value head
+  ``h // (H / Hk)`` (``repeat_interleave``, the meaning of SDPA's ``enable_gqa``). The backward
+  (``_cudnn_attention_backward``) allocates ``dq``, ``dk``, ``dv`` with ``at::empty_like`` of
+  ``query``, ``key``, ``value`` and ``build_graph_backward`` declares ``dQ``, ``dK``, ``dV`` with
+  those tensors' sizes and strides: ``dk`` and ``dv`` come back with ``Hk`` and ``Hv`` heads,
+  each the sum over the query heads that read it.
 - cuDNN's own limits, which the op leaves to the graph (``sdp_utils.cpp``'s
   ``check_cudnn_tensor_shapes`` keeps SDPA off them): head dims a multiple of 8 and at most 256,
   key length not 1 (pytorch#138529: "cuDNN Frontend error"), and 16-byte alignment of every
@@ -24,14 +38,22 @@ and what the ops and cuDNN's graph do, read from pytorch/pytorch:
 - What cuDNN returns for a row whose every score is ``-inf`` is not documented: NaN here, so a
   wrapper that hands the op such rows fails the kit.
 
-Sources read (pytorch/pytorch): the 2.13.0 wheel (git cf30153c): ``torch.ops.aten`` schemas,
+Sources read: pytorch/pytorch, the 2.13.0 wheel (git cf30153c): ``torch.ops.aten`` schemas,
 ``torch/_meta_registrations.py`` (``meta__scaled_dot_product_cudnn_attention``: lse
-``(B, H, S_Q, 1)``), ``include/ATen/Context.h`` (the default ``sdp_priority_order``),
+``(B, H, S_Q, 1)``; ``meta__scaled_dot_product_cudnn_backward``: ``empty_like`` of query, key,
+value), ``include/ATen/Context.h`` (the default ``sdp_priority_order``),
 ``torch/distributed/tensor/experimental/_context_parallel/_attention.py`` (how context
 parallelism calls both ops); ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` at
-001f694a; ``aten/src/ATen/native/cudnn/MHA.cpp`` at 02a4a0fe and as a late-2025 snapshot of
-``main`` holds it, ``attention.cu`` and ``attention_backward.cu`` likewise (the v2.13.0 tag's
-copies were not available to read).
+001f694a (``can_use_cudnn_attention``, ``check_cudnn_tensor_shapes``,
+``check_prefer_cudnn_attention``); ``aten/src/ATen/native/cudnn/MHA.cpp`` at 02a4a0fe and a 2026
+snapshot of ``main`` (``check_cudnn_sdpa_decode``, ``use_ragged_in_dense``, ``bias_data_type``:
+``build_graph``, ``build_graph_backward``, ``run_cudnn_SDP_fprop``, ``run_cudnn_SDP_bprop``);
+``aten/src/ATen/native/transformers/cuda/attention_backward.cu`` at 00afd8f2 (whose
+``_cudnn_attention_backward`` passes ``logsumexp.unsqueeze(-1)``, for the 3-D lse of its day)
+and a later copy (AOTriton v3's era) that passes the 4-D ``logsumexp`` as it is, both with
+``_scaled_dot_product_cudnn_attention_backward_cuda`` calling it;
+NVIDIA/cudnn-frontend ``include/cudnn_frontend/node/sdpa_support_surface.h`` at 05067cac. The
+v2.13.0 tag's copies of the C++ files were not available to read.
 """
 
 from __future__ import annotations
@@ -68,7 +90,12 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     _check(k.dtype == q.dtype and v.dtype == q.dtype, "query, key, value must share a dtype")
     b, h = q.shape[:2]
     _check(k.shape[0] == b and v.shape[0] == b, "batch sizes differ")
-    _check(h % k.shape[1] == 0 and h % v.shape[1] == 0, "key/value heads must divide query heads")
+    _check(
+        h % k.shape[1] == 0 and h % v.shape[1] == 0,
+        "cuDNN Frontend error: For group-query attention, number of heads for key and query "
+        f"must be a factor of number of heads for query (query {h}, key {k.shape[1]}, value "
+        f"{v.shape[1]})",
+    )
     _check(k.shape[2] == v.shape[2], "key and value lengths differ")
     _check(q.shape[3] == k.shape[3], "query and key head dims differ")
     for name, x in (("query", q), ("key", k), ("value", v)):
@@ -159,7 +186,8 @@ def cudnn_attention_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten._scaled_dot_product_cudnn_attention_backward``: ``(dq, dk, dv)``, allocated like
-    ``query``, ``key``, ``value``."""
+    ``query``, ``key``, ``value`` (``empty_like``: ``dk``, ``dv`` keep the key's and value's head
+    counts, each the sum over the query heads that read it)."""
     assert dropout_p == 0.0 and cum_seq_q is None and cum_seq_k is None, "never asked here"
     _check_inputs(query, key, value)
     b, h, q_len, _ = query.shape

@@ -74,11 +74,11 @@ def grads(
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused kernels' backward given ``out`` and ``lse`` (``P = exp(s - lse)``,
-    ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed.
-    ``drop`` is the forward's dropout multiplier (as in :func:`attend`); ``dlse``
-    ``(B, H, Lq)``, the lse's gradient, is folded in as FlashAttention 4's preprocess does:
-    ``D - dlse`` in place of ``D``."""
-    heads, kv_heads = q.shape[2], k.shape[2]
+    ``D = rowsum(dout * out)``), float64, ``(B, L, H, D)`` layout, grouped heads summed (``dk``
+    over ``k``'s groups, ``dv`` over ``v``'s, which may differ). ``drop`` is the forward's
+    dropout multiplier (as in :func:`attend`); ``dlse`` ``(B, H, Lq)``, the lse's gradient, is
+    folded in as FlashAttention 4's preprocess does: ``D - dlse`` in place of ``D``."""
+    heads = q.shape[2]
     s = scores(q, k, scale, visible, bias)
     p = torch.exp(s - lse.double().unsqueeze(-1))
     do = dout.double().transpose(1, 2)
@@ -94,8 +94,8 @@ def grads(
     dk = ds.transpose(-1, -2) @ q.double().transpose(1, 2) * scale
     dv = kept.transpose(-1, -2) @ do
 
-    def fold(x: torch.Tensor) -> torch.Tensor:
+    def fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
         b, h, n, e = x.shape
         return x.view(b, kv_heads, h // kv_heads, n, e).sum(2).transpose(1, 2)
 
-    return dq.transpose(1, 2), fold(dk), fold(dv)
+    return dq.transpose(1, 2), fold(dk, k.shape[2]), fold(dv, v.shape[2])

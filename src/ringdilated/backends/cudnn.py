@@ -12,26 +12,37 @@ listed in tests/standins/cudnn.py):
   ``logsumexp`` float32 ``(B, H, Lq, 1)`` (squeezed here), the seeds ``int64`` scalars.
 - ``is_causal`` is cuDNN's ``set_causal_mask``, aligned to the top left (key ``j`` visible to
   query ``i`` iff ``j <= i``: SDPA's own meaning; ``sdp_utils.cpp`` sends non-square causal calls
-  to cuDNN, unlike flash). A window bounded at ``right <= 0`` runs the rows from ``-right`` on
-  with ``is_causal``; the rows before it see no key and get ``out = 0``, ``lse = -inf`` here. A
-  bound ``0 < right < Lk - 1`` goes as an additive ``(Lq, Lk)`` bias of 0 and ``-inf`` in the
-  query's dtype, which the op expands to ``(B, 1, Lq, Lk)``; no row of it is fully masked. So
-  the op never sees a row with no key, whatever cuDNN would return for one.
+  to cuDNN, unlike flash). A block's window bounded at ``right`` (:class:`CudnnCall`) goes as:
+
+  - ``right`` unset or ``>= Lk - 1``: one call, no mask;
+  - ``right <= 0``: the rows from ``-right`` on, one ``is_causal`` call on every key; the rows
+    before see no key and get ``out = 0``, ``lse = -inf`` here;
+  - ``0 < right < Lk - 1``, an offset inside the keys: keys ``[0, right)`` are visible to every
+    row (one call, no mask) and keys ``[right, Lk)``, counted from ``right``, are visible to row
+    ``i`` iff ``j - right <= i``: one ``is_causal`` call (rows whose prefix is shorter than the
+    piece, when ``Lk - right > Lq``, are what top-left gives). The two results merge exactly by
+    log-sum-exp (:func:`~ringdilated.core.merge_partials`), on the device; each backward call
+    gets the block's final ``out`` and ``lse`` (the kernel contract), ``dq`` is the sum of both
+    (in float32), ``dk`` and ``dv`` the two pieces side by side.
+
+  No piece holds a row that sees no key, so the op never does, whatever cuDNN returns for one;
+  and no call allocates anything of ``Lq x Lk`` size.
 - Grouped heads natively: the graph takes ``K``, ``V`` with their own head counts
-  (``build_graph`` sets their dims from the tensors; ``sdp_utils.cpp`` admits GQA with
-  ``check_batch_size_and_num_heads_dense<supports_gqa=true, ...>``) and the backward allocates
-  ``dk``, ``dv`` like ``key``, ``value``. ``k``, ``v`` go with their ``Hkv`` heads.
+  (``build_graph`` sets their dims from the tensors; cuDNN's frontend admits any count dividing
+  the query's) and the backward allocates ``dk``, ``dv`` like ``key``, ``value``
+  (``empty_like``) and declares them so to the graph. ``k``, ``v`` go with their ``Hkv`` heads.
 - Layout: ``build_graph`` gives cuDNN every tensor's sizes and strides, so the driver's strided
-  views go as they are (last dimension contiguous; with the head dim a multiple of 8, every
-  row starts 16 bytes apart); a caller's view that is not 16-byte aligned is copied
-  (:func:`~ringdilated.backends._layouts.aligned`). The backward declares ``logsumexp``'s
-  sizes and strides as the float ``Stats`` tensor: it gets the merged lse as a contiguous
-    float32 ``(B, H, Lq, 1)``, the layout the forward returns; ``grad_out`` is copied by the op only
-  if its last stride is not 1.
-- Calls that cuDNN does not serve run the dense math (:mod:`ringdilated.backends._dense`), which
-  is exact: a key length of 1 (``check_cudnn_tensor_shapes``: "cudnn SDPA does not support
-  key/value sequence length 1") and empty tensors (``run_cudnn_SDP_fprop`` returns without
-  writing its outputs).
+  views (and a piece's keys, a narrowed view of them) go as they are (last dimension contiguous;
+  with the head dim a multiple of 8, every row starts 16 bytes apart); a caller's view that is
+  not 16-byte aligned is copied (:func:`~ringdilated.backends._layouts.aligned`). The backward
+  declares ``logsumexp``'s sizes and strides as the float ``Stats`` tensor: it gets the merged
+  lse as a contiguous float32 ``(B, H, Lq, 1)``, the layout the forward returns; ``grad_out`` is
+  copied by the op only if its last stride is not 1.
+- Calls and pieces that cuDNN does not serve run the dense math
+  (:mod:`ringdilated.backends._dense`), which is exact: a key length of 1
+  (``check_cudnn_tensor_shapes``: "cudnn SDPA does not support key/value sequence length 1"; a
+  block's, or the unmasked piece of ``right = 1``) and empty tensors (``run_cudnn_SDP_fprop``
+  returns without writing its outputs).
 - No dropout: cuDNN's probability must be a multiple of 1/16 (``check_cudnn_dropout``), cuDNN
   9.11 to 9.13 has none, and a request carries no probability to check it against.
 - Not deterministic: ``_cudnn_attention_backward`` only warns in warn-only mode, and torch's
@@ -49,16 +60,17 @@ takes 256 but nothing between 128 and 256 (``check_cudnn_d256_bprop_head_dim``);
 at most 65535. Priority by torch 2.13's own dispatcher order (``sdp_utils.cpp``
 ``priority_order``, ``check_prefer_cudnn_attention``; ``ATen/Context.h``): cuDNN first on
 sm90 and sm100/sm103 (any 9.x and 10.x with CUDA 13) when the runtime cuDNN is newer than
-9.15.0 and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is not 1, read when this module is imported.
-There it gets priority 240: above ``sdpa`` (100), but below ``torch_flash`` (250) and the
-flash-attn packages, unlike torch's order, because here cuDNN costs what a dense single call
-does not: a graph built per new shape-and-stride signature (thread-local, so forward and
-backward threads each build one; dilated blocks, documents and suffixes make many), and a dense
-``(Lq, Lk)`` bias for a causal offset inside the keys (a query suffix, a crossing piece). Not
-measured on a GPU yet: the measurement decides whether it moves up. Everywhere else torch tries
-cuDNN last, after its math fallback: priority -5, below ``reference`` (0), so it runs when
-named. It declares no deterministic mode (torch never picks it under the switch), so a
-deterministic request ranks it after every kernel that has one.
+9.15.0 and ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` is not 1. Both are read when the resolver ranks
+the kernel (:attr:`~ringdilated.core.KernelSpec.priority_rules_for`), never when this module is
+imported: importing it loads no cuDNN and reads no environment variable. There it gets priority
+240: above ``sdpa`` (100), but below ``torch_flash`` (250) and the flash-attn packages, unlike
+torch's order, because here cuDNN costs what a dense single call does not: a graph built per new
+shape-and-stride signature (thread-local, so forward and backward threads each build one;
+dilated blocks, documents and suffixes make many, and an offset inside the keys makes two calls,
+so two signatures, of one block). Not measured on a GPU yet: the measurement decides whether it
+moves up. Everywhere else torch tries cuDNN last, after its math fallback: priority -5, below
+``reference`` (0), so it runs when named. It declares no deterministic mode (torch never picks
+it under the switch), so a deterministic request ranks it after every kernel that has one.
 Not yet run on GPU hardware by this project: checked on FakeTensor ``cuda`` tensors and against
 a stand-in of the ops (tests/standins/cudnn.py).
 """
@@ -75,6 +87,8 @@ import torch
 from ringdilated.backends import _dense
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.core import (
+    CAUSAL,
+    FULL,
     FUSED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
@@ -86,12 +100,15 @@ from ringdilated.core import (
     accumulation_dtype,
     mark_non_finite_problems,
     mark_non_finite_rows,
+    merge_partials,
 )
 
 __all__ = [
     "CUDNN_SPEC",
     "CudnnCall",
     "CudnnKernel",
+    "CudnnPiece",
+    "CudnnPriorityRules",
     "cudnn_priority_rules",
     "cudnn_reasons",
     "cudnn_spec",
@@ -100,21 +117,41 @@ __all__ = [
 
 _aten = torch.ops.aten
 _HALF = frozenset({torch.float16, torch.bfloat16})
-#: Bias rows start this many bytes apart (the alignment cuDNN's loads assume of every row).
-_ROW_BYTES = 16
 
 CudnnForward = Callable[..., tuple[Any, ...]]
 CudnnBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @attrs.frozen
-class CudnnCall:
-    """How one block goes to the op: its rows from ``first`` on, with the op's top-left causal
-    mask or an additive ``bias``, or (``dense``) not at all."""
+class CudnnPiece:
+    """One op call of a block: query rows ``[first, Lq)`` against keys ``[start, stop)``, with
+    the op's top-left ``is_causal`` (counted from both starts) or no mask. A piece of one key
+    runs the dense math (:attr:`dense`): cuDNN refuses a key length of 1."""
 
     first: int
+    start: int
+    stop: int
     causal: bool
-    bias: torch.Tensor | None = attrs.field(eq=False)
+
+    @property
+    def dense(self) -> bool:
+        return self.stop - self.start == 1
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows of this piece (``x``: ``(..., Lq, D)`` or an lse ``(..., Lq, 1)``)."""
+        return x.narrow(-2, self.first, x.shape[-2] - self.first)
+
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(-2, self.start, self.stop - self.start)
+
+
+@attrs.frozen
+class CudnnCall:
+    """How one block goes to the op: its :class:`CudnnPiece` calls (none: no row sees a key),
+    or (``dense``) none at all, the dense math serving the whole block. Several pieces each
+    take every row and split the keys between them, in order."""
+
+    pieces: tuple[CudnnPiece, ...]
     dense: bool = False
 
     @classmethod
@@ -125,26 +162,14 @@ class CudnnCall:
         if options.window.left is not None:
             raise NotImplementedError(f"{options.window!r}: cudnn serves no left bound")
         if not (n and heads and q_len) or k_len <= 1:
-            return cls(0, False, None, dense=True)
+            return cls((), dense=True)
         if right is None or right >= k_len - 1:
-            return cls(0, False, None)
-        if right <= 0:
-            return cls(min(q_len, -right), True, None)
-        return cls(0, False, _bias(q_len, k_len, right, q))
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.narrow(-2, self.first, x.shape[-2] - self.first)
-
-
-def _bias(q_len: int, k_len: int, right: int, q: torch.Tensor) -> torch.Tensor:
-    """``(q_len, k_len)``: 0 where key ``j <= i + right``, ``-inf`` elsewhere, in ``q``'s dtype,
-    rows ``_ROW_BYTES`` apart."""
-    per_row = max(1, _ROW_BYTES // q.element_size())
-    padded = -(-k_len // per_row) * per_row
-    bias = torch.zeros(q_len, padded, dtype=q.dtype, device=q.device).narrow(1, 0, k_len)
-    visible = _dense.visible_keys(q_len, k_len, right, q.device)
-    assert visible is not None
-    return bias.masked_fill_(visible.logical_not(), float("-inf"))
+            return cls((CudnnPiece(0, 0, k_len, causal=False),))
+        if right <= 0:  # rows before -right see no key
+            first = min(q_len, -right)
+            return cls((CudnnPiece(first, 0, k_len, causal=True),) if first < q_len else ())
+        # Keys before `right` are visible to every row; the rest, counted from `right`, top-left.
+        return cls((CudnnPiece(0, 0, right, causal=False), CudnnPiece(0, right, k_len, True)))
 
 
 class CudnnKernel:
@@ -166,25 +191,29 @@ class CudnnKernel:
         call = CudnnCall.of(q, k, options)
         if call.dense:
             return _dense.forward(q, k, v, options)
-        if call.first == q.shape[-2]:  # no row sees a key
-            out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-            return out, q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
-        qa, ka, va = (aligned(x) for x in (call.rows(q), k, v))  # a misaligned view: a copy
-        part, part_lse, *_ = self._forward(
-            qa, ka, va, call.bias, True, 0.0, call.causal, False, scale=options.scale
-        )
-        part_lse = part_lse.squeeze(-1)
-        if call.first:  # rows before it see no key: 0 and -inf
-            out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-            lse = q.new_zeros(q.shape[:-1], dtype=part_lse.dtype)
-            lse.narrow(-1, 0, call.first).fill_(float("-inf"))
-            # Added into zeros: copy_ has no fake-CUDA kernel in a CPU-only torch.
-            call.rows(out).add_(part)
-            lse.narrow(-1, call.first, part_lse.shape[-1]).add_(part_lse)
-        else:
-            out, lse = part, part_lse
+        parts = [self._forward_piece(q, k, v, piece, options.scale) for piece in call.pieces]
+        if len(parts) > 1:  # an offset inside the keys: the pieces merge exactly, on the device
+            out, lse = parts[0]
+            for part in parts[1:]:
+                out, lse = merge_partials(out, lse, *part)
+            out = out.to(q.dtype)
+        elif parts and not call.pieces[0].first:
+            out, lse = parts[0]
+        else:  # rows before the first piece's (all, without one) see no key: 0 and -inf
+            out, lse = _with_empty_rows(q, v, call.pieces[0].first if parts else None, parts)
         mark_non_finite_rows(out, lse, q, k, v, options)
         return out, lse
+
+    def _forward_piece(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: CudnnPiece, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ``piece``'s rows over its keys; ``lse`` ``(N, H, rows)``."""
+        q_rows, k_keys, v_keys = piece.rows(q), piece.keys(k), piece.keys(v)
+        if piece.dense:
+            return _dense.forward(q_rows, k_keys, v_keys, _options(piece, scale))
+        qa, ka, va = (aligned(x) for x in (q_rows, k_keys, v_keys))  # misaligned: a copy
+        out, lse, *_ = self._forward(qa, ka, va, None, True, 0.0, piece.causal, False, scale=scale)
+        return out, lse.squeeze(-1)
 
     def backward(
         self,
@@ -200,41 +229,86 @@ class CudnnKernel:
         call = CudnnCall.of(q, k, options)
         if call.dense:
             return _dense.backward(dout, q, k, v, out, lse, options)
-        rows = q.shape[-2] - call.first
-        if not rows:
+        if not call.pieces:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        stats = dense_float32(call.rows(lse.unsqueeze(-1)))  # (B, H, rows, 1)
-        unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox: no dropout
-        dout_a, qa, ka, va, out_a = (
-            aligned(x) for x in (call.rows(dout), call.rows(q), k, v, call.rows(out))
-        )
-        dq_rows, dk, dv = self._backward(
-            dout_a,
-            qa,
-            ka,
-            va,
-            out_a,
-            stats,
-            unused,
-            unused,
-            call.bias,
-            None,
-            None,
-            rows,
-            k.shape[-2],
-            0.0,
-            call.causal,
-            scale=options.scale,
-        )
-        if call.first:
+        # The merged lse as the forward lays it out, (B, H, rows, 1) float32, once per row range.
+        stats = {p.first: dense_float32(p.rows(lse.unsqueeze(-1))) for p in call.pieces}
+        grads = [
+            self._backward_piece(dout, q, k, v, out, stats[p.first], p, options.scale)
+            for p in call.pieces
+        ]
+        dq_rows, dk, dv = grads[0]
+        if len(grads) > 1:  # an offset inside the keys: every piece holds every row
+            total = dq_rows.float()
+            for g in grads[1:]:
+                total.add_(g[0])
+            dq_rows = total.to(q.dtype)  # summed in float32, rounded once
+            dk, dv = (torch.cat([g[i] for g in grads], dim=-2) for i in (1, 2))
+        piece = call.pieces[0]
+        if piece.first:
             dq = torch.zeros_like(q)
-            call.rows(dq).add_(dq_rows)
+            piece.rows(dq).add_(dq_rows)
         else:
             dq = dq_rows
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
+
+    def _backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        stats: torch.Tensor,
+        piece: CudnnPiece,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` of ``piece``: its rows' ``dq``, its keys' ``dk``, ``dv``, given the
+        block's final ``out`` and its lse ``stats`` (``(N, H, rows, 1)``)."""
+        dout_rows, q_rows, out_rows = (piece.rows(x) for x in (dout, q, out))
+        k_keys, v_keys = piece.keys(k), piece.keys(v)
+        if piece.dense:
+            return _dense.backward(
+                dout_rows, q_rows, k_keys, v_keys, out_rows, stats.squeeze(-1),
+                _options(piece, scale),
+            )  # fmt: skip
+        unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox: no dropout
+        dout_a, qa, ka, va, out_a = (
+            aligned(x) for x in (dout_rows, q_rows, k_keys, v_keys, out_rows)
+        )
+        rows, keys = q_rows.shape[-2], k_keys.shape[-2]
+        return self._backward(
+            dout_a, qa, ka, va, out_a, stats, unused, unused, None, None, None, rows, keys, 0.0,
+            piece.causal, scale=scale,
+        )  # fmt: skip
+
+
+def _with_empty_rows(
+    q: torch.Tensor,
+    v: torch.Tensor,
+    first: int | None,
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of a block whose rows before ``first`` (every row: ``None``) see no key,
+    ``0`` and ``-inf`` there, and ``parts[0]`` in the rows from ``first`` on."""
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = q.new_zeros(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+    empty = q.shape[-2] if first is None else first
+    lse.narrow(-1, 0, empty).fill_(float("-inf"))
+    if first is not None:
+        part, part_lse = parts[0]
+        # Added into zeros: copy_ has no fake-CUDA kernel in a CPU-only torch.
+        out.narrow(-2, first, part.shape[-2]).add_(part)
+        lse.narrow(-1, first, part_lse.shape[-1]).add_(part_lse)
+    return out, lse
+
+
+def _options(piece: CudnnPiece, scale: float) -> BlockOptions:
+    """The dense math's options for ``piece`` (its rows and keys counted from their starts)."""
+    return BlockOptions(scale, CAUSAL if piece.causal else FULL)
 
 
 # -- what the spec cannot hold as data -------------------------------------------------------------
@@ -308,17 +382,37 @@ def cudnn_priority_rules(
     )
 
 
+def _deprioritized() -> bool:
+    """``TORCH_CUDNN_SDPA_DEPRIORITIZED`` as torch reads it (``c10::utils::check_env``): only
+    ``1`` turns the switch on."""
+    return os.environ.get(DEPRIORITIZED_ENV_VAR) == "1"
+
+
+@attrs.frozen
+class CudnnPriorityRules:
+    """The spec's ``priority_rules_for``: :func:`cudnn_priority_rules` for a cuDNN ``version``, a
+    CUDA ``cuda`` version string and ``deprioritized``, each ``None`` read from this process
+    (:func:`runtime_version`, ``torch.version.cuda``, ``TORCH_CUDNN_SDPA_DEPRIORITIZED``) each
+    time the resolver ranks the kernel, never before."""
+
+    version: int | None = None
+    cuda: str | None = None
+    deprioritized: bool | None = None
+
+    def __call__(self, env: Environment) -> tuple[PriorityRule, ...]:
+        return cudnn_priority_rules(
+            runtime_version() if self.version is None else self.version,
+            torch.version.cuda if self.cuda is None else self.cuda,
+            _deprioritized() if self.deprioritized is None else self.deprioritized,
+        )
+
+
 def cudnn_spec(
     version: int | None = None, cuda: str | None = None, deprioritized: bool | None = None
 ) -> KernelSpec:
     """The ``cudnn`` spec for a runtime cuDNN ``version``, a CUDA ``cuda`` version string and
-    ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` (each ``None``: this process's)."""
-    if version is None:
-        version = runtime_version()
-    if cuda is None:
-        cuda = torch.version.cuda
-    if deprioritized is None:
-        deprioritized = os.environ.get(DEPRIORITIZED_ENV_VAR) == "1"
+    ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` (each ``None``: this process's, read when the resolver
+    ranks the kernel: :class:`CudnnPriorityRules`). Building it reads nothing."""
     wide = "cuDNN attention, head_dim over 128: sm90 and sm10x"
     return KernelSpec(
         name="cudnn",
@@ -337,7 +431,7 @@ def cudnn_spec(
             batch_limit=FUSED_GRID_LIMIT,
         ),
         priority=-5,
-        priority_rules=cudnn_priority_rules(version, cuda, deprioritized),
+        priority_rules_for=CudnnPriorityRules(version, cuda, deprioritized),
         description="cuDNN's fused attention op: sm80 to sm121, fp16/bf16; torch's first choice "
         "on sm90/sm100 with cuDNN newer than 9.15",
         extra_reasons=cudnn_reasons,
@@ -345,3 +439,4 @@ def cudnn_spec(
 
 
 CUDNN_SPEC = cudnn_spec()
+"""The built-in spec: nothing about this process's cuDNN is read until the resolver asks."""

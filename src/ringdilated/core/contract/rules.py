@@ -31,6 +31,7 @@ __all__ = [
     "describe_exception",
     "floating_dtypes",
     "ints",
+    "label",
     "names",
     "non_empty_str",
     "one_of",
@@ -158,7 +159,8 @@ def _valid_name(value: object) -> bool:
 names = Rule("a non-empty str without whitespace or commas, not 'auto'", _valid_name, _is_str)
 
 
-def _label(fn: object) -> str:
+def label(fn: object) -> str:
+    """``module.qualname`` of a callable a spec carries (what a message names it by)."""
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", None) or describe(fn)
     return f"{module}.{name}" if isinstance(module, str) and isinstance(name, str) else str(name)
@@ -174,13 +176,13 @@ def contained_reasons(field: str, fn: Callable[..., object], *args: object) -> t
     try:
         got = fn(*args)
         if isinstance(got, (str, bytes)) or not isinstance(got, Iterable):
-            return (f"{field} {_label(fn)} returned {describe(got)}, not an iterable of str",)
+            return (f"{field} {label(fn)} returned {describe(got)}, not an iterable of str",)
         reasons = tuple(got)
     except Exception as exc:  # a plugin's callable may raise anything
-        return (f"{field} {_label(fn)} raised {type(exc).__name__}: {describe_exception(exc)}",)
+        return (f"{field} {label(fn)} raised {type(exc).__name__}: {describe_exception(exc)}",)
     bad = [r for r in reasons if not isinstance(r, str)]
     if bad:
-        return (f"{field} {_label(fn)} returned {describe(bad[0])}, not a str, among its reasons",)
+        return (f"{field} {label(fn)} returned {describe(bad[0])}, not a str, among its reasons",)
     return reasons
 
 

@@ -10,7 +10,6 @@ come from an :class:`Environment`, which tests replace with a fake one.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
@@ -21,6 +20,7 @@ import torch
 from ringdilated.core.contract import rules
 from ringdilated.core.plan.window import FULL, KeyWindow, as_window
 from ringdilated.core.support.env import env_names
+from ringdilated.core.support.modules import findable
 
 __all__ = [
     "CAPABILITY_ENV_VAR",
@@ -188,7 +188,8 @@ def _parse_capability(text: str) -> tuple[int, int]:
 class Environment:
     """Facts about the machine that requests do not carry. Replace it in tests.
 
-    ``packages``: importable top-level package names; ``None`` asks ``importlib`` each time.
+    ``packages``: importable package names (dotted for a submodule); ``None`` asks the import
+    system each time (:meth:`has_package`).
     ``compute_capability``: reported for every CUDA device instead of the real one (``None``:
     ask the device). ``rocm``: whether torch's ``cuda`` devices are AMD GPUs (``None``: ask
     ``torch.version.hip``). :meth:`from_environ` reads the first two from
@@ -210,15 +211,17 @@ class Environment:
         )
 
     def has_package(self, name: str) -> bool:
-        """Whether ``name`` (a module, possibly dotted) can be found. A dotted name imports its
-        parents (``flash_attn.cute`` imports ``flash_attn``); one that fails to import counts as
-        missing, so a broken install is a reason against the kernels needing it, not an error."""
+        """Whether ``name`` (a module, possibly dotted) can be found, in ``packages`` when set,
+        else without importing it or its parents
+        (:func:`~ringdilated.core.support.modules.findable`): ``flash_attn.cute`` is looked for
+        in ``flash_attn``'s directory, never by running ``flash_attn/__init__.py`` (a CUDA
+        extension's import). A lookup that fails counts as missing, so a broken install is a
+        reason against the kernels needing it, not an error; a parent that would fail to import
+        is not imported to find out, so its kernel is rejected by its factory's import instead
+        (``factory failed: ...``), again a reason."""
         if self.packages is not None:
             return name in self.packages
-        try:
-            return importlib.util.find_spec(name) is not None
-        except Exception:  # a parent package's import may fail in any way
-            return False
+        return findable(name)
 
     def device_type(self, device: torch.device) -> str:
         """``device.type``, except ``"rocm"`` for the ``cuda`` devices of a ROCm build."""
@@ -494,9 +497,14 @@ class KernelSpec:
     resolver records why and moves on). ``extra_reasons`` adds checks that are not expressible
     as data and returns an iterable of str; if it raises or returns anything else,
     :meth:`reasons` turns that into a reason against this kernel. Higher priority wins among
-    backends that fit: the first of ``priority_rules`` that matches the request, else
-    ``priority`` (an int, not a bool). Every field is validated on construction; the plugin
-    manager validates again when the registry is built.
+    backends that fit (:meth:`priority_for`): the first rule that matches the request, else
+    ``priority`` (an int, not a bool). The rules are ``priority_rules`` (data), after those
+    ``priority_rules_for`` returns (keyword-only; ``None``: none): a callable taking the
+    resolver's :class:`Environment` and returning an iterable of :class:`PriorityRule`, for a
+    preference that depends on the machine (a library's runtime version, an environment
+    variable), called each time the resolver ranks the kernel and never when the spec is built,
+    so importing a plugin loads and reads nothing. Every field is validated on construction; the
+    plugin manager validates again when the registry is built.
     """
 
     name: str = attrs.field(validator=rules.names)
@@ -515,12 +523,39 @@ class KernelSpec:
         validator=rules.tuple_of(PriorityRule, "PriorityRule"),
         metadata={"items": PriorityRule},
     )
+    priority_rules_for: Callable[[Environment], Iterable[PriorityRule]] | None = attrs.field(
+        default=None, validator=rules.optional(rules.callables), kw_only=True
+    )
 
-    def priority_for(self, request: Request) -> int:
-        for rule in self.priority_rules:
+    def priority_for(self, request: Request, env: Environment | None = None) -> int:
+        """The priority of this kernel for ``request``: the first of ``priority_rules_for(env)``
+        (``env``: ``Environment()`` when not given) and then of ``priority_rules`` that matches,
+        else ``priority``. Raises ``TypeError`` naming what ``priority_rules_for`` returned when
+        it is not an iterable of :class:`PriorityRule` (the resolver turns any failure into a
+        reason against this kernel)."""
+        for rule in (*self._rules_for(env), *self.priority_rules):
             if rule.matches(request):
                 return rule.priority
         return self.priority
+
+    def _rules_for(self, env: Environment | None) -> tuple[PriorityRule, ...]:
+        hook = self.priority_rules_for
+        if hook is None:
+            return ()
+        got = hook(env if env is not None else Environment())
+        if isinstance(got, (str, bytes)) or not isinstance(got, Iterable):
+            raise TypeError(
+                f"priority_rules_for {rules.label(hook)} returned {rules.describe(got)}, not an "
+                "iterable of PriorityRule"
+            )
+        found = tuple(got)
+        bad = [rule for rule in found if not isinstance(rule, PriorityRule)]
+        if bad:
+            raise TypeError(
+                f"priority_rules_for {rules.label(hook)} returned {rules.describe(bad[0])}, not a "
+                "PriorityRule, among its rules"
+            )
+        return found
 
     def reasons(self, request: Request, env: Environment) -> tuple[str, ...]:
         """Every reason this kernel cannot serve ``request`` (empty: it can); never raises for

@@ -530,7 +530,10 @@ def _judge(spec: KernelSpec, request: Request, env: Environment) -> tuple[int, t
     the plugin manager's checks: what they raise or return wrongly becomes a reason.
     """
     try:
-        priority = spec.priority_for(request)
+        # Only a spec that asks for the machine gets ``env``: a subclass may override 0.1's
+        # ``priority_for(request)``.
+        machine = getattr(spec, "priority_rules_for", None) is not None
+        priority = spec.priority_for(request, env) if machine else spec.priority_for(request)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"returned {describe(priority)}, not an int")
     except Exception as exc:  # a plugin's spec may fail in any way
