@@ -326,3 +326,63 @@ def test_the_lazy_spec_follows_the_runtime_it_finds(
         request = Request("cuda", torch.float16, 64, compute_capability=cc)
         expected = cudnn.PREFERRED_PRIORITY if cc in preferred else -5
         assert cudnn.CUDNN_SPEC.priority_for(request) == expected, cc
+
+
+# -- one query row where torch refuses cuDNN decoding ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capability", "version", "broken"),
+    [
+        ((10, 0), 91900, True),  # the first version named: 9.19.0
+        ((10, 3), 92500, True),  # the last: 9.25.0
+        ((11, 0), 92200, True),
+        ((10, 0), 92401, False),  # "except 9.24.1"
+        ((10, 0), 91802, False),
+        ((10, 0), 92501, False),
+        ((9, 0), 92000, False),  # SM 9.x is not named
+        ((12, 0), 92000, False),
+        ((10, 0), None, False),
+    ],
+)
+def test_decode_is_refused_as_check_cudnn_sdpa_decode_says(
+    capability: tuple[int, int], version: int | None, broken: bool
+) -> None:
+    """ "cuDNN SDPA decode is disabled for cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM
+    10.x and 11.x" (pytorch ``MHA.cpp``, pytorch#193893, #194927)."""
+    assert cudnn.decode_broken(capability, version) is broken
+
+
+@pytest.mark.parametrize("right", [None, 0, 5, -4])
+def test_one_query_row_goes_to_the_dense_math_where_decoding_is_refused(
+    monkeypatch: pytest.MonkeyPatch, right: int | None
+) -> None:
+    """A block whose cuDNN call would hold one query row (decoding; or rows cut to one by a
+    negative offset) never reaches the op where :func:`cudnn.decode_refused`; its results are
+    the oracle's."""
+    monkeypatch.setattr(cudnn, "decode_refused", lambda device: True)
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the cuDNN op got one query row")
+
+    kernel = CudnnKernel(never, never)
+    q_len = 5 if right == -4 else 1
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, q_len, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(2, 2, 9, 16, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    options = BlockOptions(0.25, KeyWindow(None, right))
+    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), options)
+    want_out, want_lse = dense(q, k, v, 0.25, right)
+    assert float((out - want_out.detach()).abs().max()) < 1e-12
+    want_lse = want_lse.detach()
+    assert torch.equal(lse == float("-inf"), want_lse == float("-inf"))
+    seen = want_lse > float("-inf")
+    assert float((lse - want_lse)[seen].abs().max()) < 1e-12
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, options)
+    wanted = torch.autograd.grad(want_out, (q, k, v), dout)
+    for name, a, b in zip("qkv", got, wanted, strict=True):
+        assert float((a - b).abs().max()) < 1e-12, f"d{name}"

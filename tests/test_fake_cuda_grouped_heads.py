@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ringdilated.backends import _heads
 from ringdilated.backends._heads import repeat_kv
 from ringdilated.backends.sdpa import SdpaKernel
 from ringdilated.backends.xformers import XformersKernel
@@ -51,6 +52,13 @@ COPIES = {
     _aten.clone, _aten.copy_, _aten._to_copy, _aten.index_select, _aten.index, _aten.gather,
     _aten.repeat, _aten.repeat_interleave, _aten.cat, _aten.stack, _aten.expand_copy,
 }  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _grouped_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every grouped call here goes one call per key/value head, however small (the size rule
+    that repeats small calls instead is tested in tests/test_heads_grouping.py)."""
+    monkeypatch.setattr(_heads, "GROUPED_MIN_TILES", 0)
 
 
 def _storage(x: torch.Tensor) -> int:

@@ -31,6 +31,13 @@ OFFSETS = (None, 6, -3)
 CHECKS = ("causal", "gradients", "split-merge", "non-finite", "non-finite-gradients")
 
 
+@pytest.fixture(autouse=True)
+def _grouped_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every grouped call here goes one call per key/value head, however small (the size rule
+    that repeats small calls instead is tested in tests/test_heads_grouping.py)."""
+    monkeypatch.setattr(_heads, "GROUPED_MIN_TILES", 0)
+
+
 def test_the_chosen_offsets_take_the_pieces_named() -> None:
     pieces = [len(bottom_right_pieces(Q_LEN, K_LEN, offset)) for offset in OFFSETS]
     assert pieces == [1, 2, 1]
@@ -196,3 +203,28 @@ def test_the_op_reads_an_expanded_key_through_its_strides() -> None:
     assert grads[1].shape == (2, 8, 4, 16) and grads[1].is_contiguous()
     assert torch.equal(grads[1], cutlass_backward(dout, q, *repeated, None, out, None, None, 8, 8,
                                                   lse, 0.0, lse, lse, 2, False)[1])  # fmt: skip
+
+
+def _odd_case(seed: int) -> KernelCase:
+    """One problem, 6 query heads on 2: each group's call draws ``1 * 3 * 5 * 7 = 105`` numbers,
+    which the generator rounds up to 108 (``CUDAGeneratorImpl.cpp``: ``(increment + 3) / 4 *
+    4``), so group 1's offset is 108, not 105."""
+    return KernelCase(
+        n=1, heads=6, kv_heads=2, q_len=5, k_len=7, head_dim=16, dtype=torch.float16,
+        scale=0.3, causal_offset=None, seed=seed, layout="contiguous",
+    )  # fmt: skip
+
+
+def test_sdpa_grouped_dropout_replays_offsets_rounded_up_to_4() -> None:
+    kernel = EfficientAttention(efficient_attention, efficient_attention_backward)
+    conformance._RUNNERS["dropout"](kernel, _odd_case(11), True)
+
+
+def test_a_backward_replaying_unrounded_offsets_fails_the_dropout_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the rounding, group 1 replays from 105 where its forward drew from 108."""
+    monkeypatch.setattr(sdpa, "philox_increment", lambda count: count)
+    kernel = EfficientAttention(efficient_attention, efficient_attention_backward)
+    with pytest.raises(conformance.ConformanceError, match=r"\[dropout\] d[qkv] under the mask"):
+        conformance._RUNNERS["dropout"](kernel, _odd_case(11), True)

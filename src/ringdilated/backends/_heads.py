@@ -9,8 +9,15 @@ there is only one, or when the counts are already equal); :func:`join_heads` put
 results back together, and :func:`sum_kv` reduces the per-query-head key/value gradients such
 an op returns to the key/value heads (a reduction, not a copy of the inputs).
 
-:func:`repeat_kv` materialises the repetition; only the dense kernels, which compute with plain
-matmuls, use it.
+One call per key/value head trades the copy of ``k`` and ``v`` for ``Hkv - 1`` more launches, each
+with ``1 / Hkv`` of the grid. For a small call the launches cost more than the copy (a grid of a
+few blocks leaves most of the GPU idle, and each launch costs host time), so :func:`kv_groups`
+groups only calls whose every group fills :data:`GROUPED_MIN_TILES` query tiles, and repeats
+``k``, ``v`` for the rest: one call, as before grouping. The threshold is an estimate (two waves
+of 64-row tiles on a 132-SM H100), not a measurement.
+
+:func:`repeat_kv` materialises the repetition; the dense kernels, which compute with plain
+matmuls, use it, and :func:`kv_groups` for small calls.
 """
 
 from __future__ import annotations
@@ -20,7 +27,23 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-__all__ = ["HeadGroup", "expand_kv", "join_heads", "kv_groups", "repeat_kv", "sum_kv"]
+__all__ = [
+    "GROUPED_MIN_TILES",
+    "QUERY_TILE",
+    "HeadGroup",
+    "expand_kv",
+    "join_heads",
+    "kv_groups",
+    "repeat_kv",
+    "sum_kv",
+]
+
+#: Query rows per block of the memory-efficient kernels' forward grid (``kernel_forward.h``:
+#: ``kQueriesPerBlock`` 64 for 16-bit inputs on sm80+, 32 otherwise: the larger is used).
+QUERY_TILE = 64
+#: A grouped call (one per key/value head) is made only when each group's grid holds at least
+#: this many query tiles (``N * r * ceil(Lq / QUERY_TILE)``); below it ``k``, ``v`` are repeated.
+GROUPED_MIN_TILES = 256
 
 
 def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -51,8 +74,9 @@ def expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 class HeadGroup:
     """One op call of a grouped-heads call (:func:`kv_groups`): query heads ``first ..
     first + q.shape[1] - 1`` of the caller's, against its key/value heads ``index ..
-    index + kv_heads - 1`` (expanded to the query heads when ``kv_heads`` is 1 and they differ).
-    ``q``, ``k``, ``v`` are what the op gets, all views of the caller's tensors."""
+    index + kv_heads - 1`` (expanded to the query heads when ``kv_heads`` is 1 and they differ,
+    else repeated to them). ``q``, ``k``, ``v`` are what the op gets: views of the caller's
+    tensors, except repeated ``k``, ``v``."""
 
     index: int
     first: int
@@ -73,12 +97,14 @@ class HeadGroup:
 
 def kv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[HeadGroup, ...]:
     """The op calls that serve ``q (N, H, Lq, D)`` against ``k, v (N, Hkv, Lk, D)`` with equal
-    head counts and nothing repeated:
+    head counts:
 
     - ``H == Hkv``: one call, ``(q, k, v)`` as given;
-    - otherwise one call per key/value head ``g``: query heads ``g * r .. g * r + r - 1`` (a
-      narrowing) against key/value head ``g`` expanded to ``r`` heads (:func:`expand_kv`). One
-      key/value head (multi-query) is one call.
+    - one key/value head (multi-query): one call, the head expanded to ``H`` (:func:`expand_kv`);
+    - a grid of at least :data:`GROUPED_MIN_TILES` query tiles per group: one call per key/value
+      head ``g``, query heads ``g * r .. g * r + r - 1`` (a narrowing) against key/value head
+      ``g`` expanded to ``r`` heads, nothing repeated;
+    - otherwise one call with ``k``, ``v`` repeated (:func:`repeat_kv`; module docstring).
 
     Raises ``ValueError`` when ``Hkv`` does not divide ``H``."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -89,6 +115,9 @@ def kv_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[HeadGr
     if heads == kv_heads:
         return (HeadGroup(0, 0, kv_heads, q, k, v),)
     r = heads // kv_heads
+    tiles = q.shape[0] * r * -(-q.shape[2] // QUERY_TILE)
+    if kv_heads > 1 and tiles < GROUPED_MIN_TILES:
+        return (HeadGroup(0, 0, kv_heads, q, repeat_kv(k, heads), repeat_kv(v, heads)),)
     return tuple(
         HeadGroup(
             g,

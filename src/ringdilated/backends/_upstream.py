@@ -88,16 +88,17 @@ def check_parameters(
     """The names of ``function``'s parameters, once it is known to take every one of ``needed``;
     ``ImportError`` otherwise, naming what it lacks: ``"<package>: <name> takes (q, k), which
     lacks ['v']"``, then ``"; this kernel knows <known>"`` when ``known`` is given. Parameters
-    that cannot be read count as none (every one lacking), unless ``trust_unreadable``: then the
+    that cannot be read raise ``ImportError`` saying so, unless ``trust_unreadable``: then the
     function is taken as it is and ``()`` returned."""
     names = parameter_names(function)
     if names is None and trust_unreadable:
         return ()
-    taken = names or ()
-    lacking = sorted(set(needed) - set(taken))
+    knows = f"; this kernel knows {known}" if known else ""
+    if names is None:
+        raise ImportError(f"{package}: the parameters of {name} cannot be read{knows}")
+    lacking = sorted(set(needed) - set(names))
     if lacking:
-        knows = f"; this kernel knows {known}" if known else ""
         raise ImportError(
-            f"{package}: {name} takes ({', '.join(taken)}), which lacks {lacking}{knows}"
+            f"{package}: {name} takes ({', '.join(names)}), which lacks {lacking}{knows}"
         )
-    return taken
+    return names

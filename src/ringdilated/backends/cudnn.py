@@ -41,8 +41,10 @@ listed in tests/standins/cudnn.py):
 - Calls and pieces that cuDNN does not serve run the dense math
   (:mod:`ringdilated.backends._dense`), which is exact: a key length of 1
   (``check_cudnn_tensor_shapes``: "cudnn SDPA does not support key/value sequence length 1"; a
-  block's, or the unmasked piece of ``right = 1``) and empty tensors (``run_cudnn_SDP_fprop``
-  returns without writing its outputs).
+  block's, or the unmasked piece of ``right = 1``), empty tensors (``run_cudnn_SDP_fprop``
+  returns without writing its outputs), and one query row on SM 10.x and 11.x with cuDNN 9.19 to
+  9.25.0 but 9.24.1 (``check_cudnn_sdpa_decode``: decoding there gives silently wrong results,
+  pytorch#193893; :func:`decode_refused`, asked of the device once).
 - No dropout: cuDNN's probability must be a multiple of 1/16 (``check_cudnn_dropout``), cuDNN
   9.11 to 9.13 has none, and a request carries no probability to check it against.
 - Not deterministic: ``_cudnn_attention_backward`` only warns in warn-only mode, and torch's
@@ -77,6 +79,7 @@ a stand-in of the ops (tests/standins/cudnn.py).
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -163,6 +166,8 @@ class CudnnCall:
             raise NotImplementedError(f"{options.window!r}: cudnn serves no left bound")
         if not (n and heads and q_len) or k_len <= 1:
             return cls((), dense=True)
+        if q_len + min(0, right or 0) == 1 and decode_refused(q.device):
+            return cls((), dense=True)  # one row for cuDNN: torch refuses it there (see above)
         if right is None or right >= k_len - 1:
             return cls((CudnnPiece(0, 0, k_len, causal=False),))
         if right <= 0:  # rows before -right see no key
@@ -242,7 +247,7 @@ class CudnnKernel:
             total = dq_rows.float()
             for g in grads[1:]:
                 total.add_(g[0])
-            dq_rows = total.to(q.dtype)  # summed in float32, rounded once
+            dq_rows = total.to(q.dtype)  # each piece's rounded by the op, their sum once more
             dk, dv = (torch.cat([g[i] for g in grads], dim=-2) for i in (1, 2))
         piece = call.pieces[0]
         if piece.first:
@@ -329,6 +334,35 @@ def runtime_version() -> int | None:
     backend: Any = torch.backends.cudnn  # untyped functions
     version = backend.version() if backend.is_available() else None
     return None if version is None else int(version)
+
+
+#: ``check_cudnn_sdpa_decode`` (pytorch#193893, #194927): "cuDNN SDPA decode is disabled for
+#: cuDNN versions 9.19-9.25.0 (except 9.24.1) on SM 10.x and 11.x" (silently wrong results).
+DECODE_BROKEN = (91900, 92500)
+DECODE_FIXED = frozenset({92401})
+
+
+def decode_broken(capability: tuple[int, int], version: int | None) -> bool:
+    """Whether cuDNN ``version`` on a device of ``capability`` gives wrong results for one query
+    row (``check_cudnn_sdpa_decode``)."""
+    low, high = DECODE_BROKEN
+    in_range = version is not None and low <= version <= high and version not in DECODE_FIXED
+    return capability[0] in (10, 11) and in_range
+
+
+@functools.cache
+def _device_decode_broken(index: int) -> bool:
+    return decode_broken(torch.cuda.get_device_capability(index), runtime_version())
+
+
+def decode_refused(device: torch.device) -> bool:
+    """:func:`decode_broken` for ``device`` and this process's cuDNN, asked once per device (no
+    CUDA device, as on fake ``cuda`` tensors in a CPU-only torch: ``False``)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _device_decode_broken(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
 
 
 def _d256_capable(cc: tuple[int, int], version: int) -> bool:

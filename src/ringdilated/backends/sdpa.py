@@ -226,6 +226,7 @@ class EfficientAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
+        bias = padded_bias(mask, q)  # once: each group's is a view of its heads
         outs, lses = [], []
         with _drawing(q.device, options):  # the calls draw one after another
             for group in kv_groups(q, k, v):
@@ -233,7 +234,7 @@ class EfficientAttention:
                     group.q,
                     group.k,
                     group.v,
-                    padded_bias(mask, group.q),
+                    None if bias is None else group.query_heads(bias),
                     True,
                     options.dropout_p,
                     is_causal,
@@ -256,18 +257,20 @@ class EfficientAttention:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         is_causal, mask = _mask_args(q, k, options)
+        bias = padded_bias(mask, q)
         grads = []
+        offset = 0  # where each call's draw started: the earlier calls' increments summed
         for group in kv_groups(q, k, v):
-            scores = group.q.shape[0] * group.q.shape[1] * q.shape[2] * k.shape[2]
-            philox_seed, philox_offset = _replayed(
-                options, offset=group.index * philox_increment(scores)
+            philox_seed, philox_offset = _replayed(options, offset=offset)
+            offset += philox_increment(
+                group.q.shape[0] * group.q.shape[1] * q.shape[2] * k.shape[2]
             )
             dq, dk, dv, _ = self._backward(
                 group.query_heads(dout),
                 group.q,
                 group.k,
                 group.v,
-                padded_bias(mask, group.q),
+                None if bias is None else group.query_heads(bias),
                 packed_bmhk(group.query_heads(out)),
                 padded_lse(group.query_heads(lse)),
                 philox_seed,

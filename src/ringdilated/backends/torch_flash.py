@@ -197,11 +197,10 @@ def _active_override() -> str | None:
 
 
 @functools.cache
-@functools.cache
 def _replays_rng_state() -> bool:
     """Whether this torch's flash op reports its dropout state as one ``uint64[2]`` tensor (what
-    :func:`_replayed` builds), asked of its own meta kernel once per process; torch before the "BC breaking
-    change to flash seed/offset" reported two ``int64`` scalars instead."""
+    :func:`_replayed` builds), asked of its own meta kernel once per process; torch before the
+    "BC breaking change to flash seed/offset" reported two ``int64`` scalars instead."""
     q = torch.empty(1, 1, 8, 8, dtype=torch.float16, device="meta")
     try:
         rng_state = _aten._scaled_dot_product_flash_attention(q, q, q, 0.5)[6]
