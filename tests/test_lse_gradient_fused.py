@@ -569,3 +569,44 @@ def test_on_fake_cuda_flash4_gets_the_drivers_dlse_dense(flash4: Flash4Kernel, m
             0,
             torch.float32,
         )
+
+
+def test_a_large_dlse_in_float16_stays_finite_and_exact() -> None:
+    """A loss scaler's 65536 times an lse term of order 1 overflows float16 (65504) if ``dlse``
+    enters the second backward call as it is; scaled by a power of two on the device, the
+    gradient (about 1e4 here, which float16 holds) is the float64 oracle's."""
+    g = torch.Generator().manual_seed(4)
+    q64, k64, v64 = (
+        torch.randn(1, 2, 8, 16, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(3)
+    )
+    dlse = torch.full((1, 2, 8), 65536.0)
+    options = BlockOptions(0.25, KeyWindow(None, 0))
+    q, k, v = (x.detach().half() for x in (q64, k64, v64))
+    kernel = ReferenceKernel()
+    out, lse = kernel.forward(q, k, v, options)
+    dout = torch.zeros_like(out)
+    dq, dk, dv = backward_with_lse(kernel, dout, dlse, q, k, v, out, lse, options)
+    assert (dq.dtype, dk.dtype, dv.dtype) == (torch.float16,) * 3
+    _, want_lse = dense(q64, k64, v64, 0.25, 0)
+    wanted = torch.autograd.grad((want_lse * dlse.double()).sum(), (q64, k64))
+    for name, got, want in zip("qk", (dq, dk), wanted, strict=True):
+        assert bool(torch.isfinite(got).all()), f"d{name} overflowed"
+        error = float((got.double() - want).abs().max() / want.abs().max())
+        assert error < 4e-3, f"d{name}: relative error {error:.3g}"
+
+
+def test_wrappers_return_the_inputs_dtypes_on_both_paths() -> None:
+    """``backward_with_lse`` of a wrapped kernel without the method (two backward calls) gives
+    ``dq``, ``dk`` in the inputs' dtype, like the method itself, so wrappers nest: a checked
+    kernel over a batch-limited one over a checked one, split or not."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 8, 16, generator=g).to(torch.bfloat16) for _ in range(3))
+    options = BlockOptions(0.25, KeyWindow(None, 0))
+    out, lse = ReferenceKernel().forward(q, k, v, options)
+    dlse = torch.randn(lse.shape, generator=g)
+    for limit in (BatchLimit(), BatchLimit(problems=1), BatchLimit(query_elements=64)):
+        inner = CheckedKernel(ReferenceKernel(), "reference")
+        kernel = CheckedKernel(BatchLimitedKernel(inner, limit), "limited")
+        grads = kernel.backward_with_lse(out, dlse, q, k, v, out, lse, options)
+        assert [x.dtype for x in grads] == [torch.bfloat16] * 3, limit

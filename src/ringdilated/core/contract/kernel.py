@@ -25,9 +25,12 @@ kernel whose op takes that term (FlashAttention 4's ``dlse=``) implements
 ``backward_with_lse(dout, dlse, q, k, v, out, lse, options)``, returning ``(dq, dk, dv)`` of
 ``sum(dout * out) + sum(dlse * lse)`` under every rule of ``backward`` (``dlse`` is one more
 input of its problem, in the non-finite rule; the lse does not depend on dropout, so only the
-``out`` term goes through a dropout mask). The driver calls it once per block where the kernel
-has it; for any other kernel it makes a second ``backward`` call that gives the same gradient
-(:func:`ringdilated.core.contract.lse.lse_gradient`). The plain :class:`Kernel` is unchanged.
+``out`` term goes through a dropout mask). Where the kernel has it, the driver calls it instead
+of ``backward`` for each kernel call (a block, a row chunk, a piece) whose lse has a gradient;
+for any other kernel it makes a second ``backward`` call that gives the same gradient
+(:func:`ringdilated.core.contract.lse.lse_gradient`). The method is found by its name: a
+subclass that overrides ``backward`` of a kernel that has it must override it too. The plain
+:class:`Kernel` is unchanged.
 
 Non-finite inputs (docs/spec.md, section 4). A *problem* is one ``n`` and one key/value head
 ``g`` with the query heads that read it; its inputs are ``q[n, heads of g]``, ``k[n, g]``,

@@ -18,7 +18,10 @@ and looks for each submodule in its package's ``submodule_search_locations`` ins
   reason against the code needing it, never an error.
 
 A package whose ``__init__`` would fail to import is still found when its files are there: the
-import that needs it fails later, where it can be reported (a kernel's factory).
+import that needs it fails later, where it can be reported (a kernel's factory). A package whose
+``__init__`` extends its own ``__path__`` (``pkgutil.extend_path``) is searched in the locations
+its spec names only, until it is imported: its other directories' submodules are not found
+before that (docs/plugins.md).
 """
 
 from __future__ import annotations
