@@ -20,7 +20,7 @@ from ringdilated.core.contract.kernel import BlockOptions, Kernel
 from ringdilated.core.run.limited import BatchLimitedKernel, RowChunk, row_chunks
 from ringdilated.core.select.capabilities import BatchLimit
 from ringdilated.functional import attend
-from ringdilated.testing import check_kernel, oracle
+from ringdilated.testing import allowed_error, check_kernel, dense_attention, max_error, oracle
 from ringdilated.testing.conformance import CHECKS
 from ringdilated.testing.kernel_cases import CaseSpace
 
@@ -215,3 +215,47 @@ def test_a_sharded_run_splits_crossing_rows(workers2: Any, bound: int) -> None:
         assert max(result["errors"]) < 1e-12 and result["same_lse_rows"], result
         assert result["rows"] == (2 if bound == 40 else 16), result
         assert result["elements"] <= bound, result
+
+
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_rows_split_in_bfloat16_stay_within_the_tolerance_rule(mode: str) -> None:
+    """In bfloat16 each row chunk's ``dk``, ``dv`` is rounded by the kernel before the chunks
+    are summed (in float32): ``out`` and the gradients of ``out`` and the lse stay within the
+    tolerance rule against the float64 oracle (a plain dense bfloat16 computation the
+    baseline), split to 2 rows a call."""
+    spy = Spy(ReferenceKernel())
+    spec = attrs.evolve(
+        _spec(spy, BOUND),
+        capabilities=attrs.evolve(
+            _spec(spy, BOUND).capabilities,
+            targets=(Target("cpu", frozenset({torch.bfloat16})),),
+        ),
+    )
+    resolver = Resolver([spec], communicators=(LOCAL_SPEC,))  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(12)
+    exact = [
+        torch.randn(2, 32, h, 8, generator=g, dtype=torch.float64).requires_grad_()
+        for h in (4, 2, 2)
+    ]
+    low = [x.detach().bfloat16().requires_grad_() for x in exact]
+    pattern = ([8, 16], [1, 2])
+    out, lse, _ = attend(
+        (*pattern, mode), *low, causal=True, scale=None, dropout_p=0.0, kernel="bounded",
+        resolver=resolver, return_lse=True, full_precision_lse=True,
+    )  # fmt: skip
+    assert max(rows for _, rows, _ in spy.calls) <= 2
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+
+    def loss(o: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return (o.double() * dout).sum() + (s.double() * dlse).sum()
+
+    expected = oracle(*exact, *pattern, mode=mode, causal=True, return_lse=True)
+    base = dense_attention(*low, *pattern, mode=mode, causal=True)
+    assert max_error(out, expected[0]) <= allowed_error(expected[0], base[0], torch.bfloat16)
+    got = torch.autograd.grad(loss(out, lse), low)
+    wanted = torch.autograd.grad(loss(*expected), exact)
+    baseline = torch.autograd.grad(loss(*base), low)
+    for name, a, e, b in zip("qkv", got, wanted, baseline, strict=True):
+        error, allowed = max_error(a, e), allowed_error(e, b, torch.bfloat16)
+        assert error <= allowed, f"d{name}: {error:.3g} > {allowed:.3g}"
