@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,22 @@ from ringdilated.core.select.capabilities import Environment
 
 
 @pytest.fixture
-def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty directory first on ``sys.path``, with ``flash_attn`` out of ``sys.modules``."""
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty directory first on ``sys.path``, with ``flash_attn`` out of ``sys.modules``;
+    afterwards every module imported from that directory leaves ``sys.modules`` again."""
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
         monkeypatch.delitem(sys.modules, name)
-    return tmp_path
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if name.startswith(("rd_probe", "flash_attn")) or name.split(".")[0] in _written(tmp_path):
+            del sys.modules[name]
+
+
+def _written(site: Path) -> set[str]:
+    """The top-level names of what the test wrote into ``site``."""
+    return {p.stem for p in site.iterdir()}
 
 
 def _write(site: Path, files: dict[str, str]) -> None:

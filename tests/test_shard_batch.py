@@ -555,3 +555,33 @@ def test_a_sequence_shorter_than_the_ranks_raises_on_every_rank(workers4: Worker
             "ValueError: the sequence length 3 must be at least the 4 ranks (every shard holds a "
             "position): pad it with pad_to_multiple_of"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_logits_give_the_float64_loss_and_gradient(dtype: torch.dtype) -> None:
+    """Half logits are upcast: 8192 tokens of losses near 11 sum past float16's 65504 (the sum
+    in float16 was ``inf``; in bfloat16, 0.5% off); value and gradient against float64."""
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(8192, 1000, generator=g) * 3).to(dtype)
+    labels = torch.randint(0, 1000, (8192,), generator=g)
+    exact = logits.double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(exact, labels)
+    (want_grad,) = torch.autograd.grad(want, exact)
+    low = logits.clone().requires_grad_()
+    got = ringdilated.sharded_cross_entropy(low, labels)
+    assert got.dtype == torch.float32
+    assert abs(float(got.detach()) - float(want.detach())) <= 1e-5 * float(want.detach())
+    (grad,) = torch.autograd.grad(got, low)
+    assert grad.dtype == dtype
+    error = float((grad.double() - want_grad).abs().max() / want_grad.abs().max())
+    assert error < (1e-3 if dtype == torch.float16 else 8e-3)
+
+
+def test_a_large_token_count_keeps_its_gradient_scale_in_half_precision() -> None:
+    """``averaged_over / count`` for 2e7 tokens is below float16's smallest normal: kept in
+    float64, the gradient of a float16 ``local_sum`` is that scale rounded once."""
+    local = torch.tensor(3.0, dtype=torch.float16, requires_grad=True)
+    value = ringdilated.token_weighted_mean(local, 1, total_count=20_000_000)
+    (grad,) = torch.autograd.grad(value, local)
+    assert float(grad) == float(torch.tensor(1 / 20_000_000, dtype=torch.float16))
+    assert float(grad) > 0

@@ -18,6 +18,7 @@ call, and rows that see no key, all with grouped heads (4 query heads on 2 key/v
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from ringdilated.backends import _heads, flash, torch_flash
 from ringdilated.backends.flash import FlashKernel
 from ringdilated.backends.torch_flash import TorchFlashKernel
 from ringdilated.core import BottomRightPiece, KeyWindow
-from ringdilated.core.contract.kernel import BlockOptions, derive_seed
+from ringdilated.core.contract.kernel import BlockOptions
 from tests.standins import flash_attention, flash_attention_backward, install_flash_attn, philox
 from tests.standins.flash_attn import BACKWARD_CALLS
 from tests.standins.memory import read_as
@@ -54,11 +55,20 @@ def op_state(kernel: str, block_seed: int, call: tuple[int, int, int, bool]) -> 
       the piece (its rows, its keys and its mask), the path ``("bottom-right piece", row_start,
       row_stop, keys, causal)``, one rule for both kernels.
 
-    Written out here, independently of the code, so a change to the rule shows up here."""
+    Written out here from the documented rule, ``derive_seed`` included (:func:`_derive_seed`
+    restates its docstring's hash rather than calling it), so a change to the rule shows up
+    here."""
     if kernel not in ("flash", "torch_flash"):
         raise ValueError(f"no seed rule for {kernel!r}")
     first, stop, keys, causal = call
-    return derive_seed(block_seed, "bottom-right piece", first, stop, keys, int(causal)), 0
+    return _derive_seed(block_seed, "bottom-right piece", first, stop, keys, int(causal)), 0
+
+
+def _derive_seed(seed: int, *path: int | str) -> int:
+    """``core.contract.kernel.derive_seed`` as documented: the parts joined by commas, hashed
+    with BLAKE2b to 8 bytes, read little-endian, shifted right by one (a non-negative int64)."""
+    text = ",".join(str(part) for part in (seed, *path)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
 # -- the blocks ------------------------------------------------------------------------------------

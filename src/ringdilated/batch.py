@@ -24,8 +24,10 @@ What it gets right that is easy to get wrong by hand:
   position counted from its document's start (packed documents restart at 0; a padded row
   counts from its first token, as transformers' ``attention_mask.cumsum(-1) - 1`` does for left
   padding; padding itself gets 0, where transformers puts 1: either is ignored), else
-  ``0 .. L - 1``. These are the positions the library's rotary embeddings use
-  (:meth:`SequenceLayout.shard_positions`).
+  ``0 .. L - 1``. Computed ones are the positions the library's own rotary embeddings use
+  (:meth:`SequenceLayout.shard_positions`), which read the layout, not ``position_ids``: given
+  positions that differ from them (an offset start, a reset without ``cu_seqlens``) reach a
+  model that reads ``position_ids`` (a Hugging Face model) but not the library's modules.
 - **Documents and padding keep global coordinates**, in the batch's
   :class:`~ringdilated.SequenceLayout`, made here for every layer.
 - **Uneven lengths.** By default a sequence of ``L`` positions is dealt to ``P`` ranks as
@@ -119,8 +121,8 @@ def shard_batch(
       documents come from ``cu_seqlens`` only: without it, position ids that do not grow by 1
       from one token to the next in a row (where transformers would start a packed document)
       raise; pass the documents' ``cu_seqlens`` (e.g. ``DataCollatorWithFlattening(
-      return_flash_attn_kwargs=True)``'s ``cu_seq_lens_q``), or ``cu_seqlens=[0, L]`` to attend
-      across them.
+      return_flash_attn_kwargs=True)``'s ``cu_seq_lens_q``), or ``cu_seqlens=torch.tensor([0,
+      L])`` to attend across them.
     - ``cu_seqlens``: packed documents ``[0, e_1, ..., L]``, global, shared by every row.
     - ``process_group``: ``None`` (one process: the whole batch, shifted), a ``ProcessGroup``, a
       1-D ``DeviceMesh``, ``(mesh, "cp")``, or a 2-D layout (flat rank order), as
@@ -373,7 +375,7 @@ def _positions(
                 f"position_ids go from {before} to {after} at position {t + 1} of row {row} "
                 "between two tokens, where a packed document starts (as transformers reads "
                 "them), but no cu_seqlens says where documents start: pass their cu_seqlens "
-                f"(or cu_seqlens=[0, {width}] to attend across them)"
+                f"(or cu_seqlens=torch.tensor([0, {width}]) to attend across them)"
             )
     return positions
 

@@ -66,12 +66,17 @@ def sharded_cross_entropy(
     ``ignore_index`` (see the module docstring for the value, the gradient and
     ``averaged_over``).
 
-    ``logits``: ``(..., V)`` floating, this rank's, computed in their dtype (upcast low-precision
-    logits first, e.g. ``logits.float()``); ``labels``: int64 of ``logits.shape[:-1]``, already
+    ``logits``: ``(..., V)`` floating, this rank's; float16 and bfloat16 logits are upcast to
+    float32 here (as transformers' ``ForCausalLMLoss`` does: a float16 sum overflows past 65504,
+    a bfloat16 one loses 0.5% at 8k tokens), which holds a float32 copy of them and of their
+    log-softmax; the value is float32 then. ``labels``: int64 of ``logits.shape[:-1]``, already
     shifted (:attr:`BatchShard.labels <ringdilated.BatchShard.labels>`).
-    ``total_count``: the count to divide by when it is known beforehand, e.g. every micro-batch's
-    counted labels over the group for gradient accumulation (transformers'
-    ``num_items_in_batch``); default: this call's, all-reduced."""
+    ``total_count``: the count to divide by when it is known beforehand, for gradient
+    accumulation: the sum of every micro-batch's :attr:`BatchShard.batch_token_count
+    <ringdilated.BatchShard.batch_token_count>` (shifted labels counted over the group), summed
+    over the data-parallel ranks too when the loss group spans them. It must be the same on
+    every rank (it is not checked). transformers' ``num_items_in_batch`` counts unshifted labels
+    and is not this number. Default: this call's count, all-reduced."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError(
             f"logits and labels must be torch.Tensors, got {type(logits).__name__} and "
@@ -88,6 +93,8 @@ def sharded_cross_entropy(
         )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {safe_repr(ignore_index)}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     local_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]),
         labels.reshape(-1),
@@ -141,8 +148,10 @@ def token_weighted_mean(
 
 
 class _TokenMean(torch.autograd.Function):
-    """Forward: ``total / count`` in ``local_sum``'s dtype. Backward: the incoming gradient
-    times ``averaged_over / count`` to ``local_sum`` (0 when ``count`` is 0)."""
+    """Forward: ``total / count`` in ``local_sum``'s dtype, float32 at least. Backward: the
+    incoming gradient times ``averaged_over / count`` (kept in float64: a token count's
+    reciprocal in float16 rounds to 0 past about 3e7) to ``local_sum``, in its dtype (0 when
+    ``count`` is 0)."""
 
     @staticmethod
     def forward(
@@ -153,13 +162,14 @@ class _TokenMean(torch.autograd.Function):
         averaged_over: int,
     ) -> torch.Tensor:
         scale = torch.where(count > 0, averaged_over / count, 0.0)
-        ctx.save_for_backward(scale.to(local_sum.dtype))
-        return (total / count).to(local_sum.dtype)
+        ctx.save_for_backward(scale)
+        ctx.dtype = local_sum.dtype
+        return (total / count).to(torch.promote_types(local_sum.dtype, torch.float32))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (scale,) = ctx.saved_tensors
-        return grad * scale, None, None, None
+        return (grad.to(scale.dtype) * scale).to(ctx.dtype), None, None, None
 
 
 def _count(name: str, value: object, device: torch.device) -> torch.Tensor:
@@ -173,7 +183,8 @@ def _count(name: str, value: object, device: torch.device) -> torch.Tensor:
         return value.detach().to(device=device, dtype=torch.float64)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {safe_repr(value)}")
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
+    # A fill on the device, not a copy from the host (which would wait for the stream).
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _all_reduce(layout: dist.ProcessGroup | grid.Grid, tensor: torch.Tensor) -> None:

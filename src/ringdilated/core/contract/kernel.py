@@ -93,7 +93,9 @@ _UNSET = object()
 def derive_seed(seed: int, *path: int | str) -> int:
     """A seed for the part ``path`` of a call seeded with ``seed``: distinct parts get unrelated
     seeds in every bit. (Adding an offset is not enough: torch's CPU generator keeps only the low
-    32 bits of a seed, so ``seed + (1 << 40)`` draws the same mask as ``seed``.)"""
+    32 bits of a seed, so ``seed + (1 << 40)`` draws the same mask as ``seed``.) Exactly: ``seed``
+    and the parts as text joined by commas, hashed with BLAKE2b to 8 bytes, read little-endian
+    and shifted right by one (a non-negative int64), so masks can be reproduced elsewhere."""
     text = ",".join(map(str, (seed, *path))).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
