@@ -67,12 +67,14 @@ class ShardedRun:
     def plan(self) -> ShardPlan:
         return self.plans[self.rank]
 
-    @property
-    def kernel(self) -> Kernel:
-        """The kernel for crossing pieces (one problem per batch row, every row of a segment),
-        each call split to what one call may hold (the inner run's
-        :attr:`~ringdilated.core.run.local.LocalRun.call_limit`): by problems, and a problem
-        larger than the query bound by query rows."""
+    #: The kernel for crossing pieces (one problem per batch row, every row of a segment), each
+    #: call split to what one call may hold (the inner run's
+    #: :attr:`~ringdilated.core.run.local.LocalRun.call_limit`): by problems, and a problem larger
+    #: than the query bound by query rows. Made once, with the run.
+    kernel: Kernel = attrs.field(init=False, eq=False, repr=False)
+
+    @kernel.default
+    def _limited_kernel(self) -> Kernel:
         return BatchLimitedKernel(self.inner.kernel, self.inner.call_limit)
 
     def forward(
@@ -129,8 +131,7 @@ class ShardedRun:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             """Crossing ``c``'s partial against ``src``'s piece ``kc``, ``vc``: its ``dq`` (the
             lse's share included where ``dlse`` flows) added into this rank's, its ``dk``, ``dv``
-            returned (in the kernel's dtype, or, for an lse share from a second kernel call, in
-            the accumulation dtype: both add into accumulators)."""
+            returned, in the inputs' dtypes (they add into accumulators)."""
             qh, options = wire.q_heads(c), self.options(index[c], src, call.seed)
             qc, lse_c = wire.piece(q, c, me, qh), wire.lse_piece(lse, c, me)
             dout_c, out_c = wire.piece(dout, c, me, qh), wire.piece(out, c, me, qh)
