@@ -85,10 +85,15 @@ def pattern_weights(
     device: torch.device | str = "cpu",
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """``(B', H, L, L)`` float64: how many of head ``h``'s patterns let query ``p`` see key ``j``
     (``B' = 1`` unless ``key_padding_mask`` gives every row its own). Positions count from
-    their document's start (:func:`documents_of`), and a query sees only its own document."""
+    their document's start (:func:`documents_of`), and a query sees only its own document.
+    ``window``: ``(left, right)`` (docs/spec.md, section 5; ``None`` unbounded on that side):
+    key ``j`` only when ``p - left <= j <= p + right``, in positions (not selected keys);
+    ``causal=True`` is ``right = 0`` (with a window, its ``right`` bound is used instead)."""
+    left, right = window if window is not None else (None, 0 if causal else None)
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
     rel = p - start  # (B', L): position within its document
@@ -101,8 +106,10 @@ def pattern_weights(
             selected = (rel % w) % r == offset
             same_segment = (rel // w).unsqueeze(2) == (rel // w).unsqueeze(1)
             mask = selected.unsqueeze(2) & selected.unsqueeze(1) & same_segment & same_document
-            if causal:
-                mask &= p.unsqueeze(0) <= p.unsqueeze(1)
+            if right is not None:
+                mask &= p.unsqueeze(0) <= p.unsqueeze(1) + right
+            if left is not None:
+                mask &= p.unsqueeze(0) >= p.unsqueeze(1) - left
             weights[:, h] += mask.to(torch.float64)
     return weights
 
@@ -157,8 +164,17 @@ def masked_attention(
     dtype: torch.dtype,
     log_weights: torch.Tensor | None = None,
     drop: torch.Tensor | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense softmax attention in kernel layout over the keys each query sees: ``(out, lse)``.
+
+    docs/spec.md, section 5: ``softcap`` ``c > 0`` makes every score ``s`` (``scale * q . k``)
+    ``c * tanh(s / c)`` before ``log_weights`` are added; ``sinks`` ``(H,)`` adds ``exp(s_h)``
+    to every query's softmax denominator with a zero value (``lse = log(sum_j exp(score_j) +
+    exp(s_h))``, ``out`` scaled by ``exp(lse_keys - lse)``; a query that sees no key then has
+    ``out = 0`` and ``lse = s_h``), differentiable in ``s_h``.
 
     ``q (N, H, Lq, D)``, ``k, v (N, Hkv, Lk, D)``; ``seen`` is boolean, broadcastable to
     ``(N, H, Lq, Lk)``, ``True`` where query ``i`` sees key ``j``. ``log_weights`` (same
@@ -179,6 +195,10 @@ def masked_attention(
     vd = v.to(dtype).repeat_interleave(group, 1)
     kd = k.to(dtype).repeat_interleave(group, 1)
     raw: torch.Tensor = _SeenScores.apply(q.to(dtype), kd, seen, scale)  # type: ignore[no-untyped-call]
+    if softcap is not None:
+        if not softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {softcap!r}")
+        raw = softcap * torch.tanh(raw / softcap)
     if log_weights is not None:
         raw = raw + log_weights.to(dtype)
     # A query with no key has an all -inf row: give it finite scores so neither the values nor
@@ -191,7 +211,13 @@ def masked_attention(
     probs = torch.where(seen, torch.softmax(scores, dim=-1), raw.new_zeros(()))
     if drop is not None:
         probs = probs * drop.to(dtype)
-    return _weighted_values(probs, vd, seen), lse
+    out = _weighted_values(probs, vd, seen)
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(dtype).view(1, -1, 1).expand_as(lse)
+    total = torch.logaddexp(lse, sink)  # lse = -inf (no key): the sink's own logit
+    share = torch.exp(lse - total).masked_fill(lse == float("-inf"), 0.0)
+    return out * share.unsqueeze(-1), total
 
 
 def dense_attention(
@@ -207,13 +233,18 @@ def dense_attention(
     dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain dense masked attention computed in ``dtype`` (default: the inputs'): ``(out, lse)``.
 
     ``out`` is ``(B, Lq, H, D)`` in ``dtype``, ``lse`` ``(B, H, Lq)`` in ``dtype``; ``q`` may hold
     the last ``Lq`` of ``k``'s ``L`` positions. This is both the oracle (``dtype=float64``) and
     the baseline whose error sets a dtype's tolerance. It is :func:`masked_attention` with the
-    mask and ``log(count)`` weights of :func:`pattern_weights`.
+    mask and ``log(count)`` weights of :func:`pattern_weights`; ``window``, ``softcap`` and
+    ``sinks`` (``(H,)``, one logit per head, joining the union once in ``longnet`` mode) as
+    docs/spec.md, section 5 defines them.
     """
     dtype = dtype or q.dtype
     _, Lq, H, D = q.shape
@@ -229,9 +260,12 @@ def dense_attention(
         device=q.device,
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
+        window=window,
     )[:, :, L - Lq :]
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    out, lse = masked_attention(qt, kt, vt, weights > 0, scale, dtype, weights.log())
+    out, lse = masked_attention(
+        qt, kt, vt, weights > 0, scale, dtype, weights.log(), softcap=softcap, sinks=sinks
+    )
     return out.transpose(1, 2), lse
 
 
@@ -286,11 +320,16 @@ def oracle(
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention as docs/spec.md defines it, evaluated densely in float64; differentiable.
 
     Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout;
-    documents, padding and a query suffix included), results in float64.
+    documents, padding and a query suffix included), results in float64; and section 5's key
+    ``window`` ``(left, right)``, ``softcap`` and per-head ``sinks`` (see
+    :func:`dense_attention`), which the library's calls do not take yet.
     """
     out, lse = dense_attention(
         q,
@@ -304,6 +343,9 @@ def oracle(
         dtype=torch.float64,
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
+        window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
     return (out, lse) if return_lse else out
 
