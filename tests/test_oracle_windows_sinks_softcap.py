@@ -143,3 +143,11 @@ def test_the_sink_logits_get_their_gradient() -> None:
         return (out.sin().sum() + lse.cos().sum()).unsqueeze(0)
 
     assert torch.autograd.gradcheck(loss, (sinks,))
+
+
+def test_causal_and_a_window_that_contradicts_it_raise() -> None:
+    q, k, v = _inputs(7)
+    with pytest.raises(ValueError, match=r"causal=True asks for right = 0, but window=\(3, 2\)"):
+        oracle(q, k, v, [4, 8], [1, 2], causal=True, window=(3, 2))
+    both = oracle(q, k, v, [4, 8], [1, 2], causal=True, window=(3, 0))
+    assert torch.equal(both, oracle(q, k, v, [4, 8], [1, 2], window=(3, 0)))

@@ -92,7 +92,10 @@ def pattern_weights(
     their document's start (:func:`documents_of`), and a query sees only its own document.
     ``window``: ``(left, right)`` (docs/spec.md, section 5; ``None`` unbounded on that side):
     key ``j`` only when ``p - left <= j <= p + right``, in positions (not selected keys);
-    ``causal=True`` is ``right = 0`` (with a window, its ``right`` bound is used instead)."""
+    ``causal=True`` is ``right = 0``; with a window it asks for a window whose ``right`` is 0
+    (anything else raises ``ValueError``: one of the two would be ignored)."""
+    if window is not None and causal and window[1] != 0:
+        raise ValueError(f"causal=True asks for right = 0, but window={window!r}: pass one")
     left, right = window if window is not None else (None, 0 if causal else None)
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
