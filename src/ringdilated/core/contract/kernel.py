@@ -64,6 +64,7 @@ off the hot path.
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from typing import Protocol, runtime_checkable
 
@@ -108,6 +109,20 @@ def check_dropout(value: float, given: object = None) -> None:
         raise ValueError(f"dropout_p must satisfy 0 <= dropout_p < 1, got {shown!r}")
 
 
+def check_softcap(value: object, name: str = "softcap") -> None:
+    """Raise unless ``value`` is ``None`` or a positive finite float (an int too, not a bool):
+    the one softcap rule."""
+    if value is None:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value > 0):  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name} must be None or a positive finite number, got {value!r}")
+
+
+def _check_softcap(_: object, __: object, value: float | None) -> None:
+    check_softcap(value)
+
+
 @attrs.frozen(init=False)
 class BlockOptions:
     """Everything about one block besides its tensors.
@@ -133,6 +148,11 @@ class BlockOptions:
       in its default mode unless asked). Kernels built on torch's own attention ops cannot
       pass it on: those ops read torch's switch themselves when they run.
 
+    - ``softcap`` (keyword only): every score ``s = scale * q . k`` becomes
+      ``softcap * tanh(s / softcap)`` before the softmax (docs/spec.md, section 5), gradients
+      through it; ``None`` (the default) is no cap. A positive finite float; only kernels
+      declaring ``Capabilities.softcap`` get one.
+
     ``causal_offset`` (0.1: ``window.right``, an int or ``None``) is accepted and read for one
     release with a ``DeprecationWarning``.
     """
@@ -143,6 +163,7 @@ class BlockOptions:
     dropout_seed: int = 0
     finite: bool | None = None
     deterministic: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
+    softcap: float | None = attrs.field(default=None, validator=_check_softcap, kw_only=True)
 
     def __init__(
         self,
@@ -153,6 +174,7 @@ class BlockOptions:
         finite: bool | None = None,
         *,
         deterministic: bool = False,
+        softcap: float | None = None,
         causal_offset: object = _UNSET,
     ) -> None:
         if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
@@ -161,7 +183,13 @@ class BlockOptions:
             _deprecated_offset()
             window = KeyWindow(None, window if causal_offset is _UNSET else causal_offset)
         self.__attrs_init__(
-            scale, window, dropout_p, dropout_seed, finite, deterministic=deterministic
+            scale,
+            window,
+            dropout_p,
+            dropout_seed,
+            finite,
+            deterministic=deterministic,
+            softcap=softcap,
         )
 
     @property

@@ -61,6 +61,7 @@ FEATURES: Mapping[str, str] = MappingProxyType(
         "backward": "backward (gradients)",
         "dropout": "dropout_p > 0",
         "gqa": "grouped-query attention (fewer key/value heads)",
+        "softcap": "logit softcapping (cap * tanh(score / cap))",
     }
 )
 
@@ -85,6 +86,7 @@ class Request:
     ``head_dim`` is ``None`` when not yet known. ``compute_capability`` is ``(major, minor)`` for
     CUDA devices, ``None`` otherwise. ``window``: the call's key window (a bool: causal or not),
     needing the ``causal`` feature when bounded on the right, ``sliding_window`` on the left.
+    ``softcap``: the call's logit cap (``None``: none), needing the ``softcap`` feature.
     ``deterministic``: :func:`deterministic_algorithms` (torch's switch, strict) when the call was
     made. The core refuses no kernel for it (a backend's own reasons may: ``flash3`` above head dim
     192); a kernel that declares no deterministic mode ranks after every kernel that has one and is
@@ -101,6 +103,7 @@ class Request:
     dropout: bool = False
     gqa: bool = False
     deterministic: bool = False
+    softcap: float | None = attrs.field(default=None, kw_only=True)
 
     @property
     def causal(self) -> bool:
@@ -132,6 +135,7 @@ class Request:
             backward=self.backward and "backward" not in dropped,
             dropout=self.dropout and "dropout" not in dropped,
             gqa=self.gqa and "gqa" not in dropped,
+            softcap=None if "softcap" in dropped else self.softcap,
         )
 
     @classmethod
@@ -144,6 +148,7 @@ class Request:
         dropout: bool,
         backward: bool,
         env: Environment | None = None,
+        softcap: float | None = None,
     ) -> Request:
         """The request for attention over ``q`` ``(B, L, H, D)`` and ``k`` ``(B, L, Hkv, D)``."""
         env = env or Environment()
@@ -157,6 +162,7 @@ class Request:
             dropout=dropout,
             gqa=q.shape[2] != k.shape[2],
             deterministic=deterministic_algorithms(),
+            softcap=softcap,
         )
 
     def describe(self) -> str:
@@ -397,6 +403,7 @@ class Capabilities:
     )
     causal: bool = attrs.field(default=True, validator=rules.bools)
     sliding_window: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
+    softcap: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
     deterministic: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
     backward: bool = attrs.field(default=True, validator=rules.bools)
     dropout: bool = attrs.field(default=False, validator=rules.bools)
