@@ -243,6 +243,9 @@ _BAD_BATCHES = [
     ({"attention_mask": [[1, 2, 0]]}, ValueError, "attention_mask must hold 1 (token) and 0 "
      "(padding) only, got also [2]"),
     ({"attention_mask": [[1.0, 1.0, 0.0]]}, TypeError, "attention_mask must be bool or integer"),
+    ({"attention_mask": [[1, 0, 1]]}, ValueError, "attention_mask row 0 must hold its tokens (1) "
+     "as one contiguous run, with padding (0) only before or after them, got 2 tokens between "
+     "positions 0 and 2"),
     ({"attention_mask": [[1, 1, 0]], "cu_seqlens": [0, 1, 3]}, ValueError, "not both"),
     ({"cu_seqlens": [0, 2]}, ValueError, "cu_seqlens must run from 0 to the sequence length 3, "
      "got [0, 2]"),

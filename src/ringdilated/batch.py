@@ -341,7 +341,27 @@ def _valid(mask: object, ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"attention_mask must hold 1 (token) and 0 (padding) only, got also {values[:8]}"
         )
-    return mask.detach() != 0
+    valid = mask.detach() != 0
+    _check_one_run(valid)
+    return valid
+
+
+def _check_one_run(valid: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first row of ``attention_mask`` whose tokens (``1``) are
+    not one contiguous run (left or right padding only), in transformers' convention."""
+    width = valid.shape[1]
+    index = torch.arange(width, device=valid.device).expand_as(valid)
+    count = valid.sum(dim=1)
+    first = torch.where(valid, index, width).amin(dim=1)
+    last = torch.where(valid, index, -1).amax(dim=1)
+    broken = (count > 0) & (last - first + 1 != count)
+    if bool(broken.any()):
+        row = int(broken.nonzero()[0, 0])
+        raise ValueError(
+            f"attention_mask row {row} must hold its tokens (1) as one contiguous run, with "
+            f"padding (0) only before or after them, got {int(count[row])} tokens between "
+            f"positions {int(first[row])} and {int(last[row])}"
+        )
 
 
 def _positions(
