@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from ringdilated.core.contract.kernel import check_softcap
+from ringdilated.core.plan.window import KeyWindow
+
 __all__ = [
     "dense_attention",
     "documents_of",
@@ -85,7 +88,7 @@ def pattern_weights(
     device: torch.device | str = "cpu",
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    window: tuple[int | None, int | None] | None = None,
+    window: tuple[int | None, int | None] | KeyWindow | None = None,
 ) -> torch.Tensor:
     """``(B', H, L, L)`` float64: how many of head ``h``'s patterns let query ``p`` see key ``j``
     (``B' = 1`` unless ``key_padding_mask`` gives every row its own). Positions count from
@@ -94,9 +97,7 @@ def pattern_weights(
     key ``j`` only when ``p - left <= j <= p + right``, in positions (not selected keys);
     ``causal=True`` is ``right = 0``; with a window it asks for a window whose ``right`` is 0
     (anything else raises ``ValueError``: one of the two would be ignored)."""
-    if window is not None and causal and window[1] != 0:
-        raise ValueError(f"causal=True asks for right = 0, but window={window!r}: pass one")
-    left, right = window if window is not None else (None, 0 if causal else None)
+    left, right = _window_bounds(window, causal)
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
     rel = p - start  # (B', L): position within its document
@@ -115,6 +116,41 @@ def pattern_weights(
                 mask &= p.unsqueeze(0) >= p.unsqueeze(1) - left
             weights[:, h] += mask.to(torch.float64)
     return weights
+
+
+def _window_bounds(window: object, causal: bool) -> tuple[int | None, int | None]:
+    """``(left, right)`` of ``window`` (a pair, or anything with ``left`` and ``right``, like
+    :class:`~ringdilated.core.KeyWindow`), each ``None`` or an int (not a bool, not a float);
+    ``None``: ``(None, 0)`` when ``causal`` else unbounded. ``None`` is the only unbounded
+    side: flash-attn's ``-1`` is a bound here (hiding the query's own position, and more)."""
+    if window is None:
+        return None, 0 if causal else None
+    if hasattr(window, "left") and hasattr(window, "right"):
+        pair: tuple[object, object] = (window.left, window.right)
+    elif isinstance(window, (tuple, list)) and len(window) == 2:
+        pair = (window[0], window[1])
+    else:
+        raise TypeError(f"window must be (left, right) or a KeyWindow, got {window!r}")
+    bounds = KeyWindow(*pair)  # ints or None, bools refused, naming the value
+    if causal and bounds.right != 0:
+        raise ValueError(f"causal=True asks for right = 0, but window={window!r}: pass one")
+    return bounds.left, bounds.right
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Raise unless ``sinks`` is ``None`` or a floating tensor of shape ``(H,)`` on ``q``'s
+    device, ``H`` = ``q.shape[1]`` (kernel layout): no broadcasting of one sink to every head."""
+    if sinks is None:
+        return
+    heads = q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating tensor of shape ({heads},), got {sinks!r}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape ({heads},), one logit per query head, got {tuple(sinks.shape)}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on the queries' device {q.device}, got {sinks.device}")
 
 
 def scaled_scores(
@@ -194,13 +230,13 @@ def masked_attention(
     see it. Both references of the testing package, the pattern-level :func:`dense_attention`
     and the kernel-level :func:`ringdilated.testing.kernel_cases.dense`, are this function.
     """
+    check_softcap(softcap)
+    _check_sinks(sinks, q)
     group = q.shape[1] // k.shape[1]
     vd = v.to(dtype).repeat_interleave(group, 1)
     kd = k.to(dtype).repeat_interleave(group, 1)
     raw: torch.Tensor = _SeenScores.apply(q.to(dtype), kd, seen, scale)  # type: ignore[no-untyped-call]
     if softcap is not None:
-        if not softcap > 0:
-            raise ValueError(f"softcap must be > 0, got {softcap!r}")
         raw = softcap * torch.tanh(raw / softcap)
     if log_weights is not None:
         raw = raw + log_weights.to(dtype)
@@ -219,7 +255,8 @@ def masked_attention(
         return out, lse
     sink = sinks.to(dtype).view(1, -1, 1).expand_as(lse)
     total = torch.logaddexp(lse, sink)  # lse = -inf (no key): the sink's own logit
-    share = torch.exp(lse - total).masked_fill(lse == float("-inf"), 0.0)
+    # No key: share 0 (out stays 0), unless the sink is NaN: then NaN, never a silent 0.
+    share = torch.where(lse.isneginf() & ~total.isnan(), 0.0, torch.exp(lse - total))
     return out * share.unsqueeze(-1), total
 
 
@@ -236,7 +273,7 @@ def dense_attention(
     dtype: torch.dtype | None = None,
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    window: tuple[int | None, int | None] | None = None,
+    window: tuple[int | None, int | None] | KeyWindow | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +283,10 @@ def dense_attention(
     the last ``Lq`` of ``k``'s ``L`` positions. This is both the oracle (``dtype=float64``) and
     the baseline whose error sets a dtype's tolerance. It is :func:`masked_attention` with the
     mask and ``log(count)`` weights of :func:`pattern_weights`; ``window``, ``softcap`` and
-    ``sinks`` (``(H,)``, one logit per head, joining the union once in ``longnet`` mode) as
-    docs/spec.md, section 5 defines them.
+    ``sinks`` (``(H,)``, one logit per query head, joining the union once in ``longnet`` mode)
+    as docs/spec.md, section 5 defines them. With sinks, every query position gets the sink in
+    its denominator (one that sees no key, or that its head's pattern does not select: ``out =
+    0``, ``lse = s_h``), except padding, which is no query (``out = 0``, ``lse = -inf``).
     """
     dtype = dtype or q.dtype
     _, Lq, H, D = q.shape
@@ -269,6 +308,9 @@ def dense_attention(
     out, lse = masked_attention(
         qt, kt, vt, weights > 0, scale, dtype, weights.log(), softcap=softcap, sinks=sinks
     )
+    if sinks is not None and key_padding_mask is not None:  # padding is no query: no sink
+        padding = key_padding_mask[:, L - Lq :].to(q.device).unsqueeze(1)
+        lse = lse.masked_fill(padding, float("-inf"))
     return out.transpose(1, 2), lse
 
 
@@ -323,7 +365,7 @@ def oracle(
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    window: tuple[int | None, int | None] | None = None,
+    window: tuple[int | None, int | None] | KeyWindow | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
