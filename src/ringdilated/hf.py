@@ -45,6 +45,16 @@ What the adapter does with transformers' arguments:
   causal or bidirectional, in either order (5.23 puts the packed-sequence mask first, 5.24
   second).
 
+Sequence parallelism: inside ``with ringdilated.hf.sequence_parallel(shard.layout):`` every layer
+of a forward runs on the batch's :class:`~ringdilated.SequenceLayout` (from
+:func:`ringdilated.shard_batch`), each rank passing its shard of ``input_ids`` and the batch's
+global ``position_ids``, and getting its slice of the logits; the loss is
+:func:`ringdilated.sharded_cross_entropy` of them and the shard's labels (pass no ``labels=`` to
+the model: transformers would shift each shard on its own). The documents and padding are then
+the layout's; a shard's ``attention_mask``, ``cu_seq_lens_k`` and ``position_ids`` are only
+checked against it (see :func:`sequence_parallel`'s module, ``ringdilated._hf_sequence_parallel``,
+for what each check reads and when it raises, on every rank). Outside the block nothing changes.
+
 What it refuses, with a ``ValueError``, rather than compute something else: an
 ``attention_mask`` whose length is not the key length (e.g. 25 columns for 20 tokens, or a
 shorter all-ones mask: never cut to its last columns nor taken as no padding) or whose row's
@@ -423,8 +433,10 @@ def attention_forward(
     if active() is not None:
         raise ValueError(
             f"attn_implementation={NAME!r} under sequence_parallel needs the mask its own mask "
-            f"function makes (which carries the layout), got {_what(attention_mask)}: this "
-            "model builds no mask through transformers' create_causal_mask or "
+            f"function makes (which carries the layout), got {_what(attention_mask)}: a hook "
+            "replaced it (accelerate's context parallelism, Accelerator.prepare with cp_size > "
+            "1, sets every self_attn's attention_mask to None: shard with ringdilated instead), "
+            "or the model builds no mask through transformers' create_causal_mask or "
             "create_bidirectional_mask"
         )
     packed = kwargs.get("cu_seq_lens_k")
