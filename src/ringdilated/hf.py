@@ -45,6 +45,16 @@ What the adapter does with transformers' arguments:
   causal or bidirectional, in either order (5.23 puts the packed-sequence mask first, 5.24
   second).
 
+Sequence parallelism: inside ``with ringdilated.hf.sequence_parallel(shard.layout):`` every layer
+of a forward runs on the batch's :class:`~ringdilated.SequenceLayout` (from
+:func:`ringdilated.shard_batch`), each rank passing its shard of ``input_ids`` and the batch's
+global ``position_ids``, and getting its slice of the logits; the loss is
+:func:`ringdilated.sharded_cross_entropy` of them and the shard's labels (pass no ``labels=`` to
+the model: transformers would shift each shard on its own). The documents and padding are then
+the layout's; a shard's ``attention_mask``, ``cu_seq_lens_k`` and ``position_ids`` are only
+checked against it (see :func:`sequence_parallel`'s module, ``ringdilated._hf_sequence_parallel``,
+for what each check reads and when it raises, on every rank). Outside the block nothing changes.
+
 What it refuses, with a ``ValueError``, rather than compute something else: an
 ``attention_mask`` whose length is not the key length (e.g. 25 columns for 20 tokens, or a
 shorter all-ones mask: never cut to its last columns nor taken as no padding) or whose row's
@@ -63,10 +73,24 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ringdilated._hf_sequence_parallel import (
+    SequenceParallel,
+    ShardedForward,
+    active,
+    sequence_parallel,
+)
 from ringdilated.core.call import SequenceLayout
 from ringdilated.functional import dilated_attention
 
-__all__ = ["NAME", "KeyMask", "attention_forward", "padding_mask", "register"]
+__all__ = [
+    "NAME",
+    "KeyMask",
+    "SequenceParallel",
+    "attention_forward",
+    "padding_mask",
+    "register",
+    "sequence_parallel",
+]
 
 NAME = "ringdilated"
 
@@ -89,13 +113,16 @@ class KeyMask(NamedTuple):
     ``None`` when not packed); ``overlay``, how transformers built a mask function the adapter does
     not serve (``None`` when it serves it), which every layer's call then reports; and, in eager
     mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once here, for every
-    layer; under ``torch.compile`` each layer's op reads the tensors instead). A named tuple, which
+    layer; under ``torch.compile`` each layer's op reads the tensors instead). Under
+    :func:`sequence_parallel`: ``padding`` and ``documents`` ``None``, ``layout`` the setting's, and
+    ``sharded`` the forward's record (what its checks found; they run once). A named tuple, which
     ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
     overlay: str | None
     layout: SequenceLayout | None = None
+    sharded: ShardedForward | None = None
 
 
 _MASKING = "transformers.masking_utils"
@@ -229,6 +256,29 @@ def _padding_layout(mask: torch.Tensor) -> SequenceLayout:
         raise
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _sharded_mask(
+    setting: SequenceParallel,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    attention_mask: torch.Tensor | None,
+    mask_function: object,
+) -> KeyMask:
+    """:func:`padding_mask` under :func:`sequence_parallel`: the setting's layout and the
+    forward's record; packed documents transformers found in the shard's ``position_ids`` are
+    not read (the layout's are)."""
+    mask = None if attention_mask is None else attention_mask.bool()
+    sharded = ShardedForward.begin(
+        setting, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+        q_offset=q_offset, kv_offset=kv_offset, attention_mask=mask,
+    )  # fmt: skip
+    _, overlay = _mask_kind(mask_function)
+    return KeyMask(None, None, overlay, setting.layout, sharded)
+
+
 def padding_mask(
     *,
     batch_size: int,
@@ -244,8 +294,16 @@ def padding_mask(
     ``ValueError`` the module docstring names for an ``attention_mask`` (any nonzero value is a
     token) or a cache layout it refuses (a row's tokens not in one run: in eager mode; compiled
     calls check it in the layer's op). A mask function it does not serve is reported in
-    :attr:`KeyMask.overlay`, for the attention call to raise."""
+    :attr:`KeyMask.overlay`, for the attention call to raise. Under :func:`sequence_parallel`
+    the batch's layout replaces what transformers passes (see that function's module), and
+    nothing raises here: the first attention call raises what was found."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
+    setting = active()
+    if setting is not None:
+        sharded: KeyMask = _sharded_mask(
+            setting, batch_size, q_length, kv_length, start, offset, attention_mask, mask_function
+        )
+        return sharded
     keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
     if attention_mask is not None and (
         attention_mask.dim() != 2
@@ -272,6 +330,78 @@ def padding_mask(
     return KeyMask(None, documents, overlay, layout)
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _sharded_attention(
+    mask: KeyMask,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: Any,
+    rates: Any,
+    pattern: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """One layer's call under :func:`sequence_parallel`, on the forward's layout (its first
+    call checks what the forward passed)."""
+    assert mask.sharded is not None
+    layout = mask.sharded.layout_for_call(mask.overlay, kwargs)
+    communicator = mask.sharded.setting.communicator
+    out: torch.Tensor = dilated_attention(
+        q, k, v, segments, rates, layout=layout, communicator=communicator, **pattern
+    )
+    return out
+
+
+def _what(mask: object) -> str:
+    """A mask for error messages: ``None``, or its type and shape."""
+    shape = getattr(mask, "shape", None)
+    return repr(mask) if shape is None else f"{type(mask).__name__} of shape {tuple(shape)}"
+
+
+def _features(config: object, kwargs: dict[str, Any]) -> dict[str, object]:
+    """:func:`dilated_attention`'s keyword arguments for the attention features a model passes
+    beside the mask; none is served yet, so each raises ``ValueError`` naming it.
+
+    How transformers 5.23 passes them, each per layer as a keyword of the attention call, and
+    what each becomes once ``dilated_attention`` takes ``window=``, ``softcap=``, ``sinks=``
+    (docs/spec.md section 5; read in transformers v5.23.0: models/mistral/modeling_mistral.py,
+    models/gemma2/modeling_gemma2.py, models/gpt_oss/modeling_gpt_oss.py, masking_utils.py,
+    modeling_flash_attention_utils.py):
+
+    - ``kwargs["sliding_window"] = w``: Mistral passes ``config.sliding_window`` to every layer;
+      Gemma-2 and gpt-oss pass it to their ``"sliding_attention"`` layers
+      (``config.layer_types``) and ``None`` to the others, so read the keyword, not the config.
+      The mask transformers builds for such a layer (eager, sdpa) is ``and_masks(
+      sliding_window_overlay(w), causal_mask_function)``, ``kv_idx > q_idx - w`` and ``kv_idx <=
+      q_idx``: ``window=(w - 1, 0)``. With ``config.is_causal`` false it is
+      ``sliding_window_bidirectional_overlay(w)``, ``abs(q_idx - kv_idx) <= w``: ``window=(w,
+      w)`` (transformers' flash-attention path passes ``window_size=(w - 1, w - 1)`` in both
+      cases: one apart from its own mask when bidirectional; follow the mask). That layer's
+      mask function then arrives as an overlay, which :func:`_mask_kind` must accept when its
+      captured ``sliding_window`` equals the keyword. (Until then ``config.sliding_window``
+      itself is refused, on a model that ignores it too.)
+    - ``kwargs["softcap"] = c`` (Gemma-2: ``config.attn_logit_softcapping``, default 50.0, every
+      layer): eager computes ``c * tanh(s / c)`` of ``s = q.k * scaling`` (``scaling`` =
+      ``config.query_pre_attn_scalar ** -0.5``, passed as ``scaling``) before the mask:
+      ``softcap=float(c)``. (``config.final_logit_softcapping`` caps the logits, not attention.)
+    - ``kwargs["s_aux"]`` (gpt-oss: ``module.sinks``, a parameter of shape
+      ``(num_attention_heads,)`` in the model's dtype, every layer): eager appends it as one more
+      logit per query after the scaled, masked scores, softmaxes and drops its column, so it
+      joins each query's denominator once with a zero value: ``sinks=s_aux.float()`` (a
+      differentiable cast, float32 as ``sinks=`` takes).
+    """
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation={NAME!r} does not support {name}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None:
+        raise ValueError(
+            f"attn_implementation={NAME!r} does not combine with config.sliding_window "
+            f"({window}); the dilation pattern bounds what a query sees"
+        )
+    return {}
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -285,14 +415,29 @@ def attention_forward(
     """transformers' attention function for ``"ringdilated"``: ``(attn_output (B, Lq, H, D),
     None)``."""
     config = getattr(module, "config", None)
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation={NAME!r} does not support {name}")
-    window = getattr(config, "sliding_window", None)
-    if window is not None:
+    features = _features(config, kwargs)
+    is_causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    pattern: dict[str, Any] = {
+        "mode": _setting(config, "mode", "head_groups"),
+        "causal": causal,
+        "scale": scaling,
+        "dropout_p": dropout,
+        "kernel": _setting(config, "kernel", "auto"),
+        **features,
+    }
+    segments, rates = _setting(config, "segment_lengths"), _setting(config, "dilation_rates")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if isinstance(attention_mask, KeyMask) and attention_mask.sharded is not None:
+        return _sharded_attention(attention_mask, q, k, v, segments, rates, pattern, kwargs), None
+    if active() is not None:
         raise ValueError(
-            f"attn_implementation={NAME!r} does not combine with config.sliding_window "
-            f"({window}); the dilation pattern bounds what a query sees"
+            f"attn_implementation={NAME!r} under sequence_parallel needs the mask its own mask "
+            f"function makes (which carries the layout), got {_what(attention_mask)}: a hook "
+            "replaced it (accelerate's context parallelism, Accelerator.prepare with cp_size > "
+            "1, sets every self_attn's attention_mask to None: shard with ringdilated instead), "
+            "or the model builds no mask through transformers' create_causal_mask or "
+            "create_bidirectional_mask"
         )
     packed = kwargs.get("cu_seq_lens_k")
     key_padding_mask: torch.Tensor | None = None
@@ -318,22 +463,16 @@ def attention_forward(
             key_padding_mask = attention_mask.padding.logical_not()
         if packed is None and attention_mask.documents is not None:
             packed = _bounds(attention_mask.documents)  # packing transformers found
-    is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     out = dilated_attention(
-        query.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        _setting(config, "segment_lengths"),
-        _setting(config, "dilation_rates"),
-        mode=_setting(config, "mode", "head_groups"),
-        causal=causal,
-        scale=scaling,
-        dropout_p=dropout,
-        kernel=_setting(config, "kernel", "auto"),
+        q,
+        k,
+        v,
+        segments,
+        rates,
         cu_seqlens=packed,
         key_padding_mask=key_padding_mask,
         layout=layout,
+        **pattern,
     )
     return out, None
 
