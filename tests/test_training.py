@@ -1,6 +1,7 @@
 """examples/train_tiny.py: the same tiny model trained on one process and sequence-sharded over
 2 gloo ranks gives the same loss curve (float64, to rounding), each rank's own share of it is
-the single process's loss at that rank's positions, and it learns."""
+the single process's loss at that rank's positions, and it learns. The FSDP2 recipe of
+docs/recipes.md (examples/recipes/fsdp_compile.py) reproduces one process too."""
 
 from __future__ import annotations
 
@@ -30,15 +31,19 @@ def test_sharded_training_matches_one_process(workers2: Workers) -> None:
 def test_fsdp2_on_a_dp_x_cp_mesh_with_checkpointing_and_compile_matches_one_process(
     workers4: Workers,
 ) -> None:
-    """FSDP2 over 4 gloo ranks, the sequence sharded on the "cp" dimension of a 2 x 2 (dp, cp)
-    mesh, non-reentrant activation checkpointing and torch.compile of each block: the losses
-    and the parameters after two steps are the one-process run's."""
-    from tests.compile_tasks import one_process_training
+    """examples/recipes/fsdp_compile.py (docs/recipes.md): FSDP2 over 4 gloo ranks, the sequence
+    sharded on the "cp" dimension of a 2 x 2 (dp, cp) mesh, padded rows, non-reentrant
+    activation checkpointing and torch.compile of each block: the losses and the parameters
+    after three steps are those of one process trained with torch's mean cross-entropy."""
+    from tests.recipe_tasks import one_process_run
 
-    single = one_process_training()
-    for result in workers4.results("tests.compile_tasks:fsdp_dp_cp", {}):
+    steps = 3
+    single = one_process_run(steps, learning_rate=0.5)
+    for result in workers4.results("tests.recipe_tasks:fsdp_compile", {"steps": steps}):
         for a, b in zip(result["losses"], single["losses"], strict=True):
             assert abs(a - b) <= 1e-10 * abs(b), (result["losses"], single["losses"])
+        assert result["graphs"] >= 1, "torch.compile compiled nothing"
+        assert result["breaks"] == {}, result["breaks"]  # each block is one graph
         assert result["params"].keys() == single["params"].keys()
         for name, value in result["params"].items():
             assert torch.allclose(value, single["params"][name], atol=1e-10, rtol=0), name
