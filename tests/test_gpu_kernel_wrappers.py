@@ -24,7 +24,7 @@ from ringdilated.backends.flex import FLEX_SPEC, FlexFallbackWarning, FlexKernel
 from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
 from ringdilated.backends.xformers import XFORMERS_SPEC, XformersKernel
 from ringdilated.core import Environment, KernelSpec, KeyWindow, Request, Resolver, Target
-from ringdilated.core.contract.causal import BottomRightKernel, bottom_right_pieces
+from ringdilated.core.contract.causal import bottom_right_pieces
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.testing import ConformanceError, assert_non_finite_rule, check_kernel
 from ringdilated.testing.conformance import applicable_checks
@@ -85,7 +85,9 @@ def _check_pieces(q_len: int, k_len: int, offset: int | None) -> None:
 # flash-attn ------------------------------------------------------------------------------------
 
 
-def _bottom_right_kernel(monkeypatch: pytest.MonkeyPatch, package: str) -> BottomRightKernel:
+def _bottom_right_kernel(
+    monkeypatch: pytest.MonkeyPatch, package: str
+) -> FlashKernel | XformersKernel:
     if package == "xformers":
         install_xformers(monkeypatch)
         return XformersKernel()
@@ -139,8 +141,8 @@ def test_a_row_whose_scores_are_all_minus_inf_is_nan_not_the_kernels_zeros(
 class UnguardedFlash(FlashKernel):
     """The flash wrapper without its non-finite repair (the native calls only)."""
 
-    forward = BottomRightKernel.forward  # type: ignore[assignment]
-    backward = BottomRightKernel.backward  # type: ignore[assignment]
+    forward = FlashKernel.unguarded_forward  # type: ignore[assignment]
+    backward = FlashKernel.unguarded_backward  # type: ignore[assignment]
 
 
 def test_without_the_repair_the_flash_wrapper_fails_the_non_finite_checks(

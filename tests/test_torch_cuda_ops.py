@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ringdilated.backends import _heads, cudnn, sdpa, torch_flash
+from ringdilated.backends._windows import WindowPiece
 from ringdilated.backends.cudnn import CudnnKernel, cudnn_spec
 from ringdilated.backends.flash import FLASH_SPEC
 from ringdilated.backends.flex import FLEX_SPEC
@@ -26,7 +27,6 @@ from ringdilated.backends.sdpa import SDPA_SPEC, EfficientAttention
 from ringdilated.backends.torch_flash import TORCH_FLASH_SPEC, TorchFlashKernel
 from ringdilated.backends.xformers import XFORMERS_SPEC
 from ringdilated.core import (
-    BottomRightPiece,
     Environment,
     KernelSpec,
     KeyWindow,
@@ -113,9 +113,9 @@ class TopLeftFlash(TorchFlashKernel):
         return self.backward_piece(dout, q, k, v, out, lse, _causal_call(q, k), options)
 
 
-def _causal_call(q: torch.Tensor, k: torch.Tensor) -> BottomRightPiece:
+def _causal_call(q: torch.Tensor, k: torch.Tensor) -> WindowPiece:
     """One call on the whole block with the op's causal mask."""
-    return BottomRightPiece(0, q.shape[-2], k.shape[-2], causal=True)
+    return WindowPiece(0, q.shape[-2], 0, k.shape[-2], left=None, causal=True)
 
 
 def test_a_flash_wrapper_taking_is_causal_for_top_left_fails_the_kit() -> None:

@@ -11,8 +11,10 @@ they would be wrong on a GPU:
   read through their strides, ``out`` read with the backward's hard-coded row stride, the lse
   read in 32-row blocks, the bias over-read, the dropout mask drawn from the generator's Philox
   state and replayed from the scalars given;
-- :mod:`.torch_flash`: torch's flash op (``torch_flash``): bottom-right ``is_causal``, the lse
-  read by address, dropout replayed from ``rng_state``;
+- :mod:`.torch_flash`: torch's flash ops (``torch_flash``): bottom-right ``is_causal`` and key
+  window, the lse read by address, dropout replayed from ``rng_state``;
+- :mod:`.flash_windows`: how each flash op rewrites ``causal`` and its window arguments into the
+  mask its kernel applies (flash-attn 2 and torch's copy, FlashAttention 3, FlashAttention 4);
 - :mod:`.cudnn`: torch's cuDNN op (``cudnn``): top-left ``is_causal``, an expanded additive
   bias, key and value head counts that each divide the query's (``dk``, ``dv`` like ``key``,
   ``value``), the lse read through its own strides, unwritten outputs for empty inputs;
@@ -30,11 +32,18 @@ from tests.standins.flash_attn import VERSIONS as FLASH_VERSIONS
 from tests.standins.flash_attn import install_flash_attn
 from tests.standins.flex import math_flex_attention
 from tests.standins.mem_efficient import efficient_attention, efficient_attention_backward
-from tests.standins.torch_flash import flash_attention, flash_attention_backward
+from tests.standins.torch_flash import (
+    bshd_flash_attention,
+    bshd_flash_attention_backward,
+    flash_attention,
+    flash_attention_backward,
+)
 from tests.standins.xformers import install_xformers
 
 __all__ = [
     "FLASH_VERSIONS",
+    "bshd_flash_attention",
+    "bshd_flash_attention_backward",
     "cudnn_attention",
     "cudnn_attention_backward",
     "efficient_attention",

@@ -3,7 +3,11 @@
 Signatures and return tuples are those of the released sources (``flash_attn_interface.py`` of
 2.6.3, 2.7.4.post1 and 2.8.3); the checks are ``flash_api.cpp``'s ``TORCH_CHECK``s (half dtypes,
 matching dtypes, contiguous last dimension, head sizes, shapes, ``p_dropout < 1``,
-``return_softmax`` only with dropout, no softcap with dropout). ``softmax_lse`` is read the way
+``return_softmax`` only with dropout, no softcap with dropout). The window arguments and
+``causal`` become a mask exactly as ``mha_fwd``, ``mha_bwd`` and ``set_params_fprop`` rewrite them
+(:func:`tests.standins.flash_windows.fa2_visible`: bottom-right, a bound ``>= seqlen_k`` dropped,
+an unbounded right beside a left bound made ``seqlen_k``), and ``softcap`` caps every score,
+forward and backward (:mod:`tests.standins.math`). ``softmax_lse`` is read the way
 the backward kernel reads it: a dense float32 ``(b, h, seqlen_q)`` array from its data pointer,
 whatever its strides or dtype, so a strided or float64 lse gives wrong gradients here exactly as
 on a GPU. Gradients are written into the ``dq``, ``dk``, ``dv`` given, through their strides.
@@ -16,7 +20,9 @@ draws its mask from them and returns them as the int64 ``rng_state``; the backwa
 ``rng_state[0]`` and ``rng_state[1]`` by address as uint64 and replays that mask (without an
 ``rng_state`` it draws a fresh ``(seed, offset)``, as ``mha_bwd`` does), so a wrong state gives
 wrong gradients. Every backward call's ``deterministic`` and ``rng_state`` are recorded in
-:data:`BACKWARD_CALLS`.
+:data:`BACKWARD_CALLS`; every call's shapes, ``causal``, window and softcap in :data:`CALLS`.
+Inputs on a ``cuda`` device (FakeTensor ``cuda`` tensors) are checked and recorded, not
+computed (2.7+'s custom ops have fake implementations, as upstream registers them).
 """
 
 from __future__ import annotations
@@ -29,16 +35,29 @@ from typing import Any
 import pytest
 import torch
 
-from tests.standins.math import attend, bottom_right, grads
+from tests.standins.flash_windows import fa2_visible
+from tests.standins.math import attend, grads
 from tests.standins.memory import read_as
 from tests.standins.philox import keep_mask, philox_state
 
-__all__ = ["BACKWARD_CALLS", "VERSIONS", "install_flash_attn"]
+__all__ = ["BACKWARD_CALLS", "CALLS", "VERSIONS", "install_flash_attn"]
 
 VERSIONS = ("2.6.3", "2.7.4.post1", "2.8.3")
 _HALF = (torch.float16, torch.bfloat16)
 #: ``{"deterministic": bool, "rng_state": (seed, offset) | None}`` per backward call, in order.
 BACKWARD_CALLS: list[dict[str, Any]] = []
+#: ``{"op", "rows", "keys", "causal", "window", "softcap", "q", "k"}`` per call, in order (``q``,
+#: ``k``: ``(shape, stride, storage_offset)`` as the op got them).
+CALLS: list[dict[str, Any]] = []
+
+
+def _record(op: str, q: Any, k: Any, causal: bool, window: Any, softcap: float) -> None:
+    CALLS.append({
+        "op": op, "rows": q.shape[1], "keys": k.shape[1], "causal": causal,
+        "window": tuple(window), "softcap": softcap,
+        "q": (tuple(q.shape), q.stride(), q.storage_offset()),
+        "k": (tuple(k.shape), k.stride(), k.storage_offset()),
+    })  # fmt: skip
 
 
 def _check(condition: bool, message: str) -> None:
@@ -82,21 +101,26 @@ def _forward(  # type: ignore[no-untyped-def]
     q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, return_softmax
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, softmax_lse, rng_state)`` of ``mha_fwd``."""
-    assert window == (-1, -1) and softcap == 0.0 and alibi_slopes is None, "not what we call"
+    assert alibi_slopes is None, "not what we call"
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     _check_qkv(q, k, v)
     _check(q.shape[3] % 8 == 0, "head_size that is a multiple of 8")
     _check_dropout(dropout_p, softcap)
     if return_softmax:
         _check(dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
+    _record("forward", q, k, causal, window, softcap)
+    if q.device.type != "cpu":  # a fake cuda tensor: shapes only
+        b, sq, h, d = q.shape
+        lse = q.new_empty(b, h, sq, dtype=torch.float32)
+        return q.new_empty(b, sq, h, d), lse, q.new_empty(2, dtype=torch.int64)
     rng_state = torch.full((2,), -1, dtype=torch.int64)  # torch::empty: only dropout writes it
     drop = None
     if dropout_p > 0.0:
         seed, offset = philox_state(torch.default_generator, q.shape[0] * q.shape[2] * 32)
         rng_state = torch.tensor([seed, offset], dtype=torch.int64)
         drop = _drop(seed, offset, q, k, dropout_p)
-    visible = bottom_right(q.shape[1], k.shape[1]) if causal else None
-    out, lse = attend(q, k, v, softmax_scale, visible, drop=drop)
+    visible = fa2_visible(q.shape[1], k.shape[1], causal, *window, forward=True)
+    out, lse = attend(q, k, v, softmax_scale, visible, drop=drop, softcap=softcap)
     lse = lse.masked_fill(torch.isneginf(lse), float("inf")).float()
     return out.to(q.dtype).contiguous(), lse, rng_state
 
@@ -105,7 +129,6 @@ def _backward_into(  # type: ignore[no-untyped-def]
     dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window,
     softcap, deterministic, rng_state,
 ) -> torch.Tensor:  # fmt: skip
-    assert window == (-1, -1) and softcap == 0.0, "not what we call"
     dout, q, k, v, out = (maybe_contiguous(x) for x in (dout, q, k, v, out))
     _check_qkv(q, k, v)
     _check_dropout(dropout_p, softcap)
@@ -118,6 +141,9 @@ def _backward_into(  # type: ignore[no-untyped-def]
         _check(g.dtype == q.dtype, "dq, dk, dv must have q's dtype")
         _check(g.stride(-1) == 1, "dq, dk, dv must have contiguous last dimension")
         _check(g.shape == like.shape, "dq, dk, dv shape")
+    _record("backward", q, k, causal, window, softcap)
+    if q.device.type != "cpu":
+        return q.new_empty(b, h, -(-sq // 128) * 128, dtype=torch.float32)
     drop, replayed = None, None
     if dropout_p > 0.0:
         if rng_state is not None:  # flash_bwd_kernel.h: params.rng_state[0], [1] as uint64
@@ -129,8 +155,8 @@ def _backward_into(  # type: ignore[no-untyped-def]
     BACKWARD_CALLS.append({"deterministic": deterministic, "rng_state": replayed})
     # flash_bwd_kernel.h: lse is read at (bidb * h + bidh) * seqlen_q + row, as float32.
     lse = read_as(softmax_lse, (b, h, sq), (h * sq, sq, 1), torch.float32)
-    visible = bottom_right(sq, sk) if causal else None
-    computed = grads(dout, q, k, v, out, lse, softmax_scale, visible, drop=drop)
+    visible = fa2_visible(sq, sk, causal, *window, forward=False)
+    computed = grads(dout, q, k, v, out, lse, softmax_scale, visible, drop=drop, softcap=softcap)
     for buffer, grad in zip((dq, dk, dv), computed, strict=True):
         buffer.copy_(grad)
     return torch.zeros(b, h, -(-sq // 128) * 128)
@@ -221,7 +247,11 @@ def _custom_ops(version: str) -> tuple[Any, Any]:
             q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
             softcap, alibi_slopes, return_softmax,
         )  # fmt: skip
-        return out, lse, torch.empty(0, dtype=q.dtype), rng_state
+        return out, lse, q.new_empty(0), rng_state
+
+    @_flash_attn_forward.register_fake
+    def _(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return _flash_attn_forward._init_fn(*args, **kwargs)
 
     @torch.library.custom_op(f"{namespace}::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
     def _flash_attn_backward(
@@ -250,14 +280,19 @@ def _custom_ops(version: str) -> tuple[Any, Any]:
             (window_size_left, window_size_right), softcap, deterministic, rng_state,
         )  # fmt: skip
 
+    @_flash_attn_backward.register_fake
+    def _(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return _flash_attn_backward._init_fn(*args, **kwargs)
+
     _OPS[version] = (_flash_attn_forward, _flash_attn_backward)
     return _OPS[version]
 
 
 def install_flash_attn(monkeypatch: pytest.MonkeyPatch, version: str = "2.8.3") -> None:
     """Put the stand-in ``flash_attn`` of ``version`` (or an older, unsupported one) in
-    ``sys.modules``; :data:`BACKWARD_CALLS` starts empty."""
+    ``sys.modules``; :data:`BACKWARD_CALLS` and :data:`CALLS` start empty."""
     BACKWARD_CALLS.clear()
+    CALLS.clear()
     package = types.ModuleType("flash_attn")
     interface = types.ModuleType("flash_attn.flash_attn_interface")
     package.__version__ = version  # type: ignore[attr-defined]

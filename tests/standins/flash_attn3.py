@@ -13,7 +13,11 @@ dim 192) and what the hardware imposes: every input a TMA tensor map reads must 
 aligned and step by multiples of 16 bytes. ``softmax_lse`` is read as the backward reads it, by
 address as dense float32 ``(b, h, seqlen_q)``, an lse of ``-inf`` taken as ``0``
 (``flash_bwd_preprocess_kernel.h``). Builds before 3.0.0 deadlock in the deterministic
-grouped-query backward; the stand-in raises instead.
+grouped-query backward; the stand-in raises instead. The window (the ``window_size`` pair, or
+``window_size_left``/``_right``) and ``causal`` become a mask as ``mha_fwd``/``mha_bwd`` rewrite
+them (:func:`tests.standins.flash_windows.fa3_visible`: bottom-right, ``left >= seqlen_k - 1``
+and ``right >= seqlen_q - 1`` dropped), and ``softcap`` caps every score forward and backward
+(its ``Has_softcap`` kernels).
 
 Inputs on a ``cuda`` device (FakeTensor ``cuda`` tensors in a CPU-only torch) are checked the
 same way and recorded, not computed: the forward returns empty results of the real shapes. Every
@@ -30,7 +34,8 @@ import pytest
 import torch
 
 from tests.standins.distributions import fake_distributions
-from tests.standins.math import attend, bottom_right, grads
+from tests.standins.flash_windows import fa3_visible
+from tests.standins.math import attend, grads
 from tests.standins.memory import read_as
 
 __all__ = ["CALLS", "INTERFACES", "UNSUPPORTED", "install_flash_attn3"]
@@ -73,7 +78,6 @@ def _round_up_headdim(d: int) -> int:
 
 def _mha_fwd(q, k, v, softmax_scale, causal, window, softcap, unused):  # type: ignore[no-untyped-def]
     assert all(x is None for x in unused.values()), f"not what we call: {unused}"
-    assert window == (-1, -1) and softcap == 0.0, "not what we call"
     _check(q.dtype in _HALF, "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
     _check(k.dtype == q.dtype, "query and key must have the same dtype")
     _check(v.dtype == q.dtype, "query and value must have the same dtype")
@@ -89,13 +93,14 @@ def _mha_fwd(q, k, v, softmax_scale, causal, window, softcap, unused):  # type: 
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor_map(name, x)
     tensors = {"q": _layout(q), "k": _layout(k), "v": _layout(v)}
-    CALLS.append({"op": "forward", "tensors": tensors, "causal": causal})
+    flags = {"causal": causal, "window": tuple(window), "softcap": softcap}
+    CALLS.append({"op": "forward", "tensors": tensors, **flags})
     if q.device.type != "cpu":  # a fake cuda tensor: shapes only
         # new_empty, not torch.empty(device=...): inside a custom op's fake implementation only
         # a method of a fake tensor makes another.
         return q.new_empty(b, sq, h, d), q.new_empty(b, h, sq, dtype=torch.float32)
-    visible = bottom_right(sq, sk) if causal else None
-    out, lse = attend(q, k, v, softmax_scale, visible)
+    visible = fa3_visible(sq, sk, causal, *window)
+    out, lse = attend(q, k, v, softmax_scale, visible, softcap=softcap)
     lse = lse.masked_fill(torch.isnan(lse), float("-inf"))  # softmax.h: a NaN sum gives -inf
     return out.to(q.dtype), lse.float()
 
@@ -105,7 +110,6 @@ def _mha_bwd(  # type: ignore[no-untyped-def]
     softcap, deterministic,
 ) -> torch.Tensor:  # fmt: skip
     assert all(x is None for x in unused.values()), f"not what we call: {unused}"
-    assert window == (-1, -1) and softcap == 0.0, "not what we call"
     _check(q.dtype in _HALF, "FlashAttention only support fp16 and bf16 data type")
     for name, x in (("key", k), ("value", v), ("out", out), ("dout", dout)):
         _check(x.dtype == q.dtype, f"query and {name} must have the same dtype")
@@ -133,16 +137,15 @@ def _mha_bwd(  # type: ignore[no-untyped-def]
         name: _layout(x) for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
     }
     tensors["softmax_lse"] = _layout(softmax_lse)
-    CALLS.append(
-        {"op": "backward", "tensors": tensors, "causal": causal, "deterministic": deterministic}
-    )
+    flags = {"causal": causal, "window": tuple(window), "softcap": softcap}
+    CALLS.append({"op": "backward", "tensors": tensors, "deterministic": deterministic, **flags})
     softmax_d = q.new_zeros(b, h, -(-sq // 128) * 128, dtype=torch.float32)
     if q.device.type != "cpu":
         return softmax_d
     lse = read_as(softmax_lse, (b, h, sq), (h * sq, sq, 1), torch.float32)
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # lse_log2 = lse == -inf ? 0 : ...
-    visible = bottom_right(sq, sk) if causal else None
-    computed = grads(dout, q, k, v, out, lse, softmax_scale, visible)
+    visible = fa3_visible(sq, sk, causal, *window)
+    computed = grads(dout, q, k, v, out, lse, softmax_scale, visible, softcap=softcap)
     for buffer, grad in zip((dq, dk, dv), computed, strict=True):
         buffer.copy_(grad)
     return softmax_d

@@ -21,6 +21,13 @@ its TVM FFI call refuses any other dtype or a shape other than the lse's: a ``Ru
 here (the FFI's own message differs). It is read through its strides and folded in as
 ``D' = rowsum(dout * out) - dlse`` (:func:`tests.standins.math.grads`).
 
+Windows and softcapping: ``causal``, ``window_size_left`` and ``window_size_right`` become a
+mask as ``_resolve_causal_local_window`` and ``mask.py`` make it
+(:func:`tests.standins.flash_windows.fa4_visible`: bottom-right, ``None`` unbounded, a window
+whose bounds sum below 0 dropped); ``softcap`` (``0.0``: none) caps every forward score, and the
+backward applies it from 4.0.0b9 only: b4 and b5 pass ``None`` to their backward kernels
+("softcap - not yet supported in backward"), so their gradients here ignore the cap, as theirs do.
+
 Inputs on a ``cuda`` device (FakeTensor ``cuda`` tensors) are checked the same way and recorded,
 not computed. Every call's arguments are recorded in :data:`CALLS`.
 """
@@ -36,7 +43,8 @@ import pytest
 import torch
 
 from tests.standins.distributions import fake_distributions
-from tests.standins.math import attend, bottom_right, grads
+from tests.standins.flash_windows import fa4_visible
+from tests.standins.math import attend, grads
 
 __all__ = ["CALLS", "UNSUPPORTED", "VERSIONS", "install_flash_attn4"]
 
@@ -85,7 +93,19 @@ _SIGNATURES = {
     "4.0.0b27": (_FWD_B27, _BWD_B27),
 }
 #: What the wrapper leaves at its default; anything else is "not what we call".
-_DEFAULTED = ("window_size_left", "window_size_right", "cu_seqlens_q", "page_table")
+_DEFAULTED = ("cu_seqlens_q", "page_table", "score_mod", "mask_mod")
+#: The releases whose backward drops ``softcap`` (before 4.0.0b9).
+_BACKWARD_WITHOUT_SOFTCAP = ("4.0.0b4", "4.0.0b5")
+
+
+def _flags(a: dict[str, Any]) -> dict[str, Any]:
+    """The mask and cap arguments of a call, as recorded."""
+    window = (a["window_size_left"], a["window_size_right"])
+    return {"causal": a["causal"], "window": window, "softcap": a["softcap"]}
+
+
+def _visible(a: dict[str, Any], q_len: int, k_len: int) -> torch.Tensor | None:
+    return fa4_visible(q_len, k_len, a["causal"], a["window_size_left"], a["window_size_right"])
 
 
 def _signature(required: tuple[str, ...], optional: str) -> inspect.Signature:
@@ -151,13 +171,14 @@ class _Release:
         assert h % hk == 0, "num_head must be divisible by num_head_kv"
         self.head_dims(d, q.dtype)
         tensors = {"q": _layout(q), "k": _layout(k), "v": _layout(v)}
-        CALLS.append({"op": "forward", "tensors": tensors, "causal": a["causal"]})
+        CALLS.append({"op": "forward", "tensors": tensors, **_flags(a)})
         if q.device.type != "cpu":
             out = torch.empty(b, sq, h, d, dtype=q.dtype, device=q.device)
             lse = torch.empty(b, h, sq, dtype=torch.float32, device=q.device)
         else:
-            visible = bottom_right(sq, sk) if a["causal"] else None
-            out64, lse64 = attend(q, k, v, a["softmax_scale"], visible)
+            softcap = a["softcap"] or None  # ``if softcap == 0.0: softcap = None``
+            visible = _visible(a, sq, sk)
+            out64, lse64 = attend(q, k, v, a["softmax_scale"], visible, softcap=softcap)
             out = out64.to(q.dtype)
             lse = lse64.masked_fill(torch.isnan(lse64), float("-inf")).float()
         lse = lse if a["return_lse"] else None
@@ -199,14 +220,14 @@ class _Release:
             buffers.append(g)
         tensors = {n: _layout(t[n]) for n in names}
         det = a["deterministic"]
-        CALLS.append(
-            {"op": "backward", "tensors": tensors, "causal": a["causal"], "deterministic": det}
-        )
+        CALLS.append({"op": "backward", "tensors": tensors, "deterministic": det, **_flags(a)})
         if q.device.type == "cpu":
             seen = lse.masked_fill(torch.isneginf(lse), 0.0)  # lse_log2 = 0 where lse is -inf
-            visible = bottom_right(sq, sk) if a["causal"] else None
+            visible = _visible(a, sq, sk)
             scale = a["softmax_scale"]
-            computed = grads(dout, q, k, v, out, seen, scale, visible, dlse=dlse)
+            dropped = self.version in _BACKWARD_WITHOUT_SOFTCAP
+            softcap = None if dropped else a["softcap"] or None
+            computed = grads(dout, q, k, v, out, seen, scale, visible, dlse=dlse, softcap=softcap)
             for buffer, grad in zip(buffers, computed, strict=True):
                 buffer.copy_(grad)
         return tuple(buffers)

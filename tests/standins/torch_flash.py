@@ -1,16 +1,22 @@
 """Stand-ins for torch 2.13's flash attention ops, on CPU, in float64.
 
 :func:`flash_attention` is ``aten._scaled_dot_product_flash_attention`` and
-:func:`flash_attention_backward` its backward, with the schemas' signatures and return tuples
-(checked against the wheel's ``torch.ops.aten`` schemas by tests/test_fake_cuda_torch_ops.py)
-and the checks of what they call, read from pytorch/pytorch:
+:func:`flash_attention_backward` its backward; :func:`bshd_flash_attention` and
+:func:`bshd_flash_attention_backward` are the ops they call, ``aten._flash_attention_forward``
+and ``_flash_attention_backward`` (dense path), which take the key window
+(``window_size_left``/``_right``, ``None`` as ``-1``). All with the schemas' signatures and return
+tuples (checked against the wheel's ``torch.ops.aten`` schemas by
+tests/test_fake_cuda_torch_ops.py and tests/test_gpu_windows_softcap.py) and the checks of what
+they call, read from pytorch/pytorch:
 
 - ``attention.cu`` ``_scaled_dot_product_flash_attention_cuda``: key and value share a sequence
   length; the ``(B, H, L, D)`` arguments go to ``_flash_attention_forward`` as ``(B, L, H, D)``
   views, and the output comes back the same way.
 - ``flash_attn/flash_api.cpp`` ``mha_fwd``/``mha_bwd``: fp16 or bf16, one dtype, contiguous last
   dimension, head dim a multiple of 8 and at most 256, ``Hq % Hkv == 0``, ``k`` and ``v`` of one
-  shape; ``is_causal`` bottom-right (``window_size_right = 0``); ``lse`` float32 ``(B, H, Lq)``,
+  shape; ``is_causal`` and the window bottom-right, rewritten as flash-attn 2 rewrites them
+  (:func:`tests.standins.flash_windows.fa2_visible`; torch's vendored ``flash_api.cpp`` at
+  03b7c19d has flash-attn 2.6+'s lines); ``lse`` float32 ``(B, H, Lq)``,
   ``+inf`` for a row whose scores are all ``-inf`` (and ``out`` 0 there, FA2's ``softmax.h``);
   the backward reads ``softmax_lse`` by address as dense float32 ``(B, H, Lq)``, and
   ``_flash_attention_backward`` makes ``grad_out`` and ``out`` contiguous; ``dk``, ``dv`` summed
@@ -40,10 +46,16 @@ import math
 import torch
 
 from tests.standins import philox
-from tests.standins.math import attend, bottom_right, grads
+from tests.standins.flash_windows import fa2_visible
+from tests.standins.math import attend, grads
 from tests.standins.memory import read_as
 
-__all__ = ["flash_attention", "flash_attention_backward"]
+__all__ = [
+    "bshd_flash_attention",
+    "bshd_flash_attention_backward",
+    "flash_attention",
+    "flash_attention_backward",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -85,21 +97,35 @@ def _scale(scale: float | None, head_dim: int) -> float:
     return 1 / math.sqrt(head_dim) if scale is None else scale
 
 
-def flash_attention(
+def bshd_flash_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    return_debug_mask: bool = False,
+    cum_seq_q: torch.Tensor | None,
+    cum_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    is_causal: bool,
+    return_debug_mask: bool,
     *,
     scale: float | None = None,
-) -> tuple[object, ...]:
-    """``aten._scaled_dot_product_flash_attention``: ``(output, logsumexp, cum_seq_q, cum_seq_k,
-    max_q, max_k, rng_state, unused, debug_attn_mask)``."""
-    assert not return_debug_mask, "the wrapper never asks for the debug mask"
-    _check(key.shape[2] == value.shape[2], "Key and Value must have the same sequence length")
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, L, H, D) views
+    window_size_left: int | None = None,
+    window_size_right: int | None = None,
+    seqused_k: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``aten._flash_attention_forward`` on ``(B, L, H, D)`` tensors, dense path: ``(output,
+    softmax_logsumexp, rng_state, unused, debug_attn_mask)``. ``attention.cu`` passes the window
+    to ``mha_fwd`` as ``window_size_left.value_or(-1)`` (likewise right) with ``softcap = 0.0``;
+    ``mha_fwd`` rewrites it as flash-attn 2 does (:func:`.flash_windows.fa2_visible`).
+    """
+    assert cum_seq_q is None and cum_seq_k is None, "dense inputs: no cumulative lengths"
+    assert seqused_k is None and alibi_slopes is None and block_table is None, "not what we call"
+    assert not return_debug_mask and num_splits is None, "not what we call"
+    q, k, v = query, key, value
     _check_bshd(q, k, v)
     _check(dropout_p < 1.0, "p_dropout < 1")
     b, q_len, h, d = q.shape
@@ -111,13 +137,89 @@ def flash_attention(
         seed, offset = philox.take(_op_generator(query.device), b * h * 32)
         rng_state = torch.tensor([seed, offset], dtype=torch.uint64)
         drop = _keep(seed, offset, (b, h, q_len, k_len), dropout_p)
-    visible = bottom_right(q_len, k_len) if is_causal else None
+    window = _window(window_size_left, window_size_right)
+    visible = fa2_visible(q_len, k_len, is_causal, *window, forward=True)
     out, lse = attend(q, k, v, _scale(scale, d), visible, drop=drop)
     no_key = torch.isneginf(lse)  # every score -inf: FA2 stores lse = +inf, out = 0
     out = out.masked_fill(no_key.transpose(1, 2).unsqueeze(-1), 0.0)
     output = torch.empty(b, q_len, h, v.shape[-1], dtype=query.dtype).copy_(out)
     logsumexp = lse.masked_fill(no_key, float("inf")).float()
-    debug = torch.empty(0, dtype=query.dtype)
+    return output, logsumexp, rng_state, unused, torch.empty(0, dtype=query.dtype)
+
+
+def bshd_flash_attention_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    cum_seq_q: torch.Tensor | None,
+    cum_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    is_causal: bool,
+    rng_state: torch.Tensor,
+    unused: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window_size_left: int | None = None,
+    window_size_right: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``aten._flash_attention_backward`` on ``(B, L, H, D)`` tensors, dense path: ``(dq, dk,
+    dv)``; ``attention_backward.cu`` makes ``grad_out`` and ``out`` contiguous and passes the
+    window as the forward does (``mha_bwd``: ``is_causal`` first, then the clamps)."""
+    assert cum_seq_q is None and cum_seq_k is None, "dense inputs: no cumulative lengths"
+    q, k, v = query, key, value
+    dout, o = grad_out.contiguous(), out.contiguous()
+    _check_bshd(q, k, v)
+    _check(o.dtype == q.dtype, "query and out must have the same dtype")
+    _check(dout.dtype == q.dtype, "query and dout must have the same dtype")
+    b, q_len, h, d = q.shape
+    k_len = k.shape[1]
+    _check(o.shape == q.shape and dout.shape == q.shape, "out and dout must have q's shape")
+    # The dense path ignores max_q and max_k; the wrapper passes the lengths.
+    assert (max_q, max_k) == (q_len, k_len), f"max_q, max_k = {max_q}, {max_k}"
+    drop = None
+    if dropout_p > 0.0:
+        _check(rng_state.dtype == torch.uint64, "expected scalar type UInt64 for rng_state")
+        _check(rng_state.device == query.device, "rng_state must be on the query's device")
+        seed, offset = (int(x) for x in read_as(rng_state, (2,), (1,)).tolist())
+        drop = _keep(seed, offset, (b, h, q_len, k_len), dropout_p)
+    # mha_bwd: softmax_lse.data_ptr(), read as dense float32 (b, h, seqlen_q), unchecked.
+    lse = read_as(logsumexp, (b, h, q_len), (h * q_len, q_len, 1), torch.float32)
+    window = _window(window_size_left, window_size_right)
+    visible = fa2_visible(q_len, k_len, is_causal, *window, forward=False)
+    dq, dk, dv = grads(dout, q, k, v, o, lse, _scale(scale, d), visible, drop=drop)
+    return tuple(torch.empty(g.shape, dtype=q.dtype).copy_(g) for g in (dq, dk, dv))  # type: ignore[return-value]
+
+
+def _window(left: int | None, right: int | None) -> tuple[int, int]:
+    """``window_size_left.value_or(-1)``, ``window_size_right.value_or(-1)``."""
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    return_debug_mask: bool = False,
+    *,
+    scale: float | None = None,
+) -> tuple[object, ...]:
+    """``aten._scaled_dot_product_flash_attention``: ``(output, logsumexp, cum_seq_q, cum_seq_k,
+    max_q, max_k, rng_state, unused, debug_attn_mask)``; :func:`bshd_flash_attention` on the
+    ``(B, L, H, D)`` transposes, as ``attention.cu`` calls it."""
+    assert not return_debug_mask, "the wrapper never asks for the debug mask"
+    _check(key.shape[2] == value.shape[2], "Key and Value must have the same sequence length")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, L, H, D) views
+    q_len, k_len = q.shape[1], k.shape[1]
+    output, logsumexp, rng_state, unused, debug = bshd_flash_attention(
+        q, k, v, None, None, q_len, k_len, dropout_p, is_causal, False, scale=scale
+    )
     return output.transpose(1, 2), logsumexp, None, None, q_len, k_len, rng_state, unused, debug
 
 
@@ -140,28 +242,10 @@ def flash_attention_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``aten._scaled_dot_product_flash_attention_backward``: ``(grad_query, grad_key,
-    grad_value)``, shaped like ``query``, ``key``, ``value``."""
-    assert cum_seq_q is None and cum_seq_k is None, "dense inputs: no cumulative lengths"
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    dout, o = grad_out.transpose(1, 2).contiguous(), out.transpose(1, 2).contiguous()
-    _check_bshd(q, k, v)
-    _check(o.dtype == q.dtype, "query and out must have the same dtype")
-    _check(dout.dtype == q.dtype, "query and dout must have the same dtype")
-    b, q_len, h, d = q.shape
-    k_len = k.shape[1]
-    _check(o.shape == q.shape and dout.shape == q.shape, "out and dout must have q's shape")
-    # The dense path ignores max_q and max_k; the wrapper passes what the forward returned.
-    assert (max_q, max_k) == (q_len, k_len), f"max_q, max_k = {max_q}, {max_k}"
-    drop = None
-    if dropout_p > 0.0:
-        _check(philox_seed.dtype == torch.uint64, "expected scalar type UInt64 for rng_state")
-        _check(philox_seed.device == query.device, "rng_state must be on the query's device")
-        seed, offset = (int(x) for x in read_as(philox_seed, (2,), (1,)).tolist())
-        drop = _keep(seed, offset, (b, h, q_len, k_len), dropout_p)
-    # mha_bwd: softmax_lse.data_ptr(), read as dense float32 (b, h, seqlen_q), unchecked.
-    lse = read_as(logsumexp, (b, h, q_len), (h * q_len, q_len, 1), torch.float32)
-    visible = bottom_right(q_len, k_len) if is_causal else None
-    dq, dk, dv = grads(dout, q, k, v, o, lse, _scale(scale, d), visible, drop=drop)
-    return tuple(  # type: ignore[return-value]
-        torch.empty(g.shape, dtype=q.dtype).copy_(g).transpose(1, 2) for g in (dq, dk, dv)
-    )
+    grad_value)``, shaped like ``query``, ``key``, ``value``; :func:`bshd_flash_attention_backward`
+    on the transposes."""
+    grads_ = bshd_flash_attention_backward(
+        *(x.transpose(1, 2) for x in (grad_out, query, key, value, out)), logsumexp, cum_seq_q,
+        cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale,
+    )  # fmt: skip
+    return tuple(g.transpose(1, 2) for g in grads_)  # type: ignore[return-value]

@@ -45,6 +45,11 @@ listed in tests/standins/cudnn.py):
   returns without writing its outputs), and one query row on SM 10.x and 11.x with cuDNN 9.19 to
   9.25.0 but 9.24.1 (``check_cudnn_sdpa_decode``: decoding there gives silently wrong results,
   pytorch#193893; :func:`decode_refused`, asked of the device once).
+- No key window bounded on the left and no softcap: ``_scaled_dot_product_cudnn_attention``
+  and its backward (2.13 schemas) take ``attn_bias`` and ``is_causal`` only, and ``MHA.cpp``
+  builds its graph from those (a left bound as a bias would be a dense ``Lq x Lk`` tensor, which
+  this kernel never makes): the spec declines both with the reason (:func:`cudnn_reasons`), and
+  the kernel raises ``NotImplementedError`` if handed them.
 - No dropout: cuDNN's probability must be a multiple of 1/16 (``check_cudnn_dropout``), cuDNN
   9.11 to 9.13 has none, and a request carries no probability to check it against.
 - Not deterministic: ``_cudnn_attention_backward`` only warns in warn-only mode, and torch's
@@ -164,6 +169,8 @@ class CudnnCall:
         right = options.window.right
         if options.window.left is not None:
             raise NotImplementedError(f"{options.window!r}: cudnn serves no left bound")
+        if options.softcap is not None:
+            raise NotImplementedError(f"cudnn serves no softcap (softcap={options.softcap})")
         if not (n and heads and q_len) or k_len <= 1:
             return cls((), dense=True)
         if q_len + min(0, right or 0) == 1 and decode_refused(q.device):
@@ -388,10 +395,27 @@ def _head_dim_reasons(request: Request, version: int) -> Iterator[str]:
         )
 
 
+#: Why torch's cuDNN op serves no sliding window or softcap.
+_NO_WINDOW = (
+    "torch's _scaled_dot_product_cudnn_attention takes no key window (its schema: attn_bias and "
+    "is_causal only; a left bound would need a dense Lq x Lk bias)"
+)
+_NO_SOFTCAP = "torch's _scaled_dot_product_cudnn_attention takes no softcap"
+
+
 def cudnn_reasons(request: Request, env: Environment) -> Iterable[str]:
-    """The reasons against a CUDA request that depend on the cuDNN torch runs with."""
+    """The reasons against a CUDA request that depend on the cuDNN torch runs with, and what its
+    op's schema lacks (a left window bound, softcap)."""
     if request.device_type != "cuda":
         return ()
+    missing = [_NO_WINDOW] if request.sliding_window else []
+    if request.softcap is not None:
+        missing.append(_NO_SOFTCAP)
+    return (*missing, *_runtime_reasons(request))
+
+
+def _runtime_reasons(request: Request) -> Iterable[str]:
+    """The reasons that depend on the cuDNN torch runs with."""
     version = runtime_version()
     if version is None:
         return ("torch has no cuDNN here (torch.backends.cudnn.is_available() is False)",)

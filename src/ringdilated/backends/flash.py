@@ -16,9 +16,8 @@ construction, so an unknown signature fails there (the resolver falls back, with
 rather than on the first call. ``flash_api.cpp`` reads ``softmax_lse`` as a dense float32
 ``(batch, heads, seqlen_q)`` array with no check, so it is passed contiguous; every other tensor
 needs a contiguous last dimension and 16-byte alignment (its 128-bit loads): a misaligned view
-is copied (:func:`~ringdilated.backends._layouts.aligned`). flash-attn's causal mask is
-bottom-right aligned, so any causal offset runs as at most two calls
-(:mod:`ringdilated.core.contract.causal`). Key/value heads are never repeated: ``flash_api.cpp``
+is copied (:func:`~ringdilated.backends._layouts.aligned`). flash-attn's masks are
+bottom-right aligned (below). Key/value heads are never repeated: ``flash_api.cpp``
 takes ``num_heads_k`` dividing ``num_heads``.
 
 Dropout is flash-attn's own (``flash_api.cpp``, 2.6.3 to 2.8.3): ``mha_fwd`` takes the Philox
@@ -28,12 +27,30 @@ elements it returns; ``mha_bwd`` reads ``rng_state[0]`` and ``rng_state[1]`` fro
 pointer it is given (no dtype or shape check) and replays the mask. Each native call runs under
 :func:`~ringdilated.backends._philox.seeded_generator` with the seed of its piece of the block
 (:func:`~ringdilated.core.contract.causal.piece_seed`: ``BlockOptions.dropout_seed`` and the
-piece, so the block's at most two calls draw unrelated masks), and its backward is handed
+piece, :attr:`~ringdilated.backends._windows.WindowPiece.bottom_right`, so the block's calls draw
+unrelated masks), and its backward is handed
 :func:`~ringdilated.backends._philox.replay_state` of the same seed: the mask is a function of
 the contract's seed, the caller's random stream does not move. The backward is deterministic
 (``deterministic=True``, a per-split ``dq`` accumulator) whenever ``BlockOptions.deterministic``
 (the plan's reading of torch's switch, strict: not in warn-only mode, as torch's own attention
 backwards read it); the forward always is.
+
+Key windows and softcapping, read at the tags v2.6.3, v2.7.4.post1 and v2.8.3
+(``flash_attn/flash_attn_interface.py``; ``csrc/flash_attn/flash_api.cpp`` ``mha_fwd``,
+``mha_bwd``, ``mha_varlen_fwd``, ``mha_varlen_bwd``, ``set_params_fprop``; ``src/mask.h``;
+``src/flash_bwd_launch_template.h``). ``window_size`` exists from v2.3.0 and ``softcap`` from
+v2.6.0, forward and backward (``Is_local``, ``Is_softcap`` kernels), so every supported release
+has both. The window is aligned to the bottom right and each function rewrites it (a bound
+``>= seqlen_k`` is dropped; next to a left bound an unbounded right becomes ``seqlen_k``): a
+block's top-left window runs as at most three calls each of which the op computes exactly
+(:mod:`ringdilated.backends._windows`), each given ``causal`` for a right bound of 0 and
+``window_size_left`` for its left bound (``-1``: none; the right is always ``-1``), so a block
+without a left bound makes exactly the calls it made before. ``softcap`` is passed as given
+(``0.0``: none): ``set_params_fprop`` scales by ``softmax_scale / softcap`` inside ``tanh`` and by
+``softcap`` outside, ``cap * tanh(s / cap)`` with ``s = scale * q . k``. Both ``mha_fwd`` and
+``mha_bwd`` refuse softcap with dropout ("Softcapping does not support dropout for now"), so the
+spec declines such requests (:func:`softcap_reasons`) and the kernel raises for them; alibi, which
+the op also combines with softcap, is never passed.
 
 Declared (:data:`FLASH_SPEC`), with the reasons the spec cannot hold: 2.6.x takes compute
 capability 8.x and 9.0 only, as its ``flash_api.cpp`` checks; the batch is ``gridDim.y``. Not yet
@@ -50,14 +67,13 @@ from typing import Any
 import torch
 
 from ringdilated.backends import _philox
-from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import check_parameters, distribution_version
 from ringdilated.backends._versions import version_tuple
+from ringdilated.backends._windows import WindowKernel, WindowPiece
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
-    BottomRightPiece,
     Capabilities,
     Environment,
     KernelSpec,
@@ -67,22 +83,41 @@ from ringdilated.core import (
     piece_seed,
 )
 
-__all__ = ["FLASH_SPEC", "MIN_VERSION", "FlashKernel", "backward_window_keywords"]
+__all__ = [
+    "FLASH_SPEC",
+    "MIN_VERSION",
+    "FlashKernel",
+    "backward_window_keywords",
+    "softcap_reasons",
+    "window_keywords",
+]
 
 MIN_VERSION = (2, 6)
 #: The first version whose functions take ``window_size_left`` / ``window_size_right``.
 SPLIT_WINDOW_VERSION = (2, 7)
 
 
+#: What ``mha_fwd`` and ``mha_bwd`` say to softcap with dropout (2.6.0 to 2.8.3).
+_SOFTCAP_DROPOUT = "Softcapping does not support dropout for now"
+
+
+def window_keywords(version: tuple[int, ...], left: int | None = None) -> dict[str, Any]:
+    """The window keywords of ``_flash_attn_forward`` and ``_flash_attn_backward`` in
+    ``version`` for a left bound ``left`` (``None``: none) and no right bound: ``-1`` is
+    unbounded in both conventions."""
+    bound = -1 if left is None else left
+    if version < SPLIT_WINDOW_VERSION:
+        return {"window_size": (bound, -1)}
+    return {"window_size_left": bound, "window_size_right": -1}
+
+
 def backward_window_keywords(version: tuple[int, ...]) -> dict[str, Any]:
     """The "no sliding window" keywords of ``_flash_attn_forward`` and ``_flash_attn_backward``
     in ``version``."""
-    if version < SPLIT_WINDOW_VERSION:
-        return {"window_size": (-1, -1)}
-    return {"window_size_left": -1, "window_size_right": -1}
+    return window_keywords(version)
 
 
-class FlashKernel(GuardedBottomRightKernel):
+class FlashKernel(WindowKernel):
     """flash-attn 2 kernels. Construction imports the package, checks its version and both
     functions' parameters; any mismatch raises ``ImportError`` with the reason."""
 
@@ -100,8 +135,9 @@ class FlashKernel(GuardedBottomRightKernel):
         self._backward: Any = interface._flash_attn_backward
         #: 2.6.x returns 8 values with the lse 6th, 2.7+ 4 values with it 2nd.
         self._lse_index = 5 if version < SPLIT_WINDOW_VERSION else 1
-        self._window = backward_window_keywords(version)
-        common = {"dropout_p", "softmax_scale", "causal", "softcap", "alibi_slopes", *self._window}
+        self._version = version
+        window = window_keywords(version)
+        common = {"dropout_p", "softmax_scale", "causal", "softcap", "alibi_slopes", *window}
         checks = (
             ("_flash_attn_forward", self._forward, {*common, "return_softmax"}),
             ("_flash_attn_backward", self._backward, {*common, "deterministic", "rng_state"}),
@@ -125,18 +161,23 @@ class FlashKernel(GuardedBottomRightKernel):
         scale: float,
         dropout_p: float = 0.0,
         seed: int = 0,
+        *,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ``_flash_attn_forward`` call; with ``dropout_p``, its mask drawn from the default
-        generator seeded with ``seed``."""
+        """One ``_flash_attn_forward`` call (``causal`` and ``window_left``: the op's
+        bottom-right mask); with ``dropout_p``, its mask drawn from the default generator seeded
+        with ``seed``."""
+        _refuse_softcap_dropout(softcap, dropout_p)
         qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))  # 128-bit loads
         keywords = {
             "dropout_p": dropout_p,
             "softmax_scale": scale,
             "causal": causal,
-            "softcap": 0.0,
+            "softcap": softcap or 0.0,
             "alibi_slopes": None,
             "return_softmax": False,
-            **self._window,
+            **window_keywords(self._version, window_left),
         }
         if dropout_p:
             with _philox.seeded_generator(q.device, seed):
@@ -159,9 +200,12 @@ class FlashKernel(GuardedBottomRightKernel):
         seed: int = 0,
         *,
         deterministic: bool = False,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ``_flash_attn_backward`` call; with ``dropout_p``, replaying the mask of a forward
         seeded with ``seed``."""
+        _refuse_softcap_dropout(softcap, dropout_p)
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         rng_state = _philox.replay_state(seed, q.device, torch.int64) if dropout_p else None
@@ -178,11 +222,11 @@ class FlashKernel(GuardedBottomRightKernel):
             dropout_p=dropout_p,
             softmax_scale=scale,
             causal=causal,
-            softcap=0.0,
+            softcap=softcap or 0.0,
             alibi_slopes=None,
             deterministic=deterministic,
             rng_state=rng_state,
-            **self._window,
+            **window_keywords(self._version, window_left),
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -191,12 +235,15 @@ class FlashKernel(GuardedBottomRightKernel):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        piece: BottomRightPiece,
+        piece: WindowPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         p = options.dropout_p
-        seed = piece_seed(options.dropout_seed, piece) if p else 0
-        return self.native_forward(q, k, v, piece.causal, options.scale, p, seed)
+        seed = piece_seed(options.dropout_seed, piece.bottom_right) if p else 0
+        return self.native_forward(
+            q, k, v, piece.causal, options.scale, p, seed,
+            window_left=piece.left, softcap=options.softcap,
+        )  # fmt: skip
 
     def backward_piece(
         self,
@@ -206,15 +253,25 @@ class FlashKernel(GuardedBottomRightKernel):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        piece: BottomRightPiece,
+        piece: WindowPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p, scale = options.dropout_p, options.scale
-        seed = piece_seed(options.dropout_seed, piece) if p else 0
+        seed = piece_seed(options.dropout_seed, piece.bottom_right) if p else 0
         return self.native_backward(
             dout, q, k, v, out, lse, piece.causal, scale, p, seed,
-            deterministic=options.deterministic,
+            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
         )  # fmt: skip
+
+
+def _refuse_softcap_dropout(softcap: float | None, dropout_p: float) -> None:
+    """``NotImplementedError`` for softcap with dropout, which ``mha_fwd`` and ``mha_bwd``
+    refuse (the spec declines such requests: :func:`softcap_reasons`)."""
+    if softcap and dropout_p:
+        raise NotImplementedError(
+            f"flash-attn 2 takes no softcap ({softcap}) with dropout_p={dropout_p} "
+            f"(mha_fwd, mha_bwd: {_SOFTCAP_DROPOUT!r})"
+        )
 
 
 def _installed_version() -> tuple[int, ...] | None:
@@ -226,16 +283,27 @@ def _installed_version() -> tuple[int, ...] | None:
     return None if text is None else version_tuple(text, 2)
 
 
+def softcap_reasons(request: Request) -> tuple[str, ...]:
+    """Softcap with dropout: ``mha_fwd`` and ``mha_bwd`` of every supported release refuse it."""
+    if request.softcap is None or not request.dropout:
+        return ()
+    version = _installed_version()
+    text = "2.6 to 2.8" if version is None else ".".join(map(str, version))
+    return (f"flash-attn {text} takes no softcap with dropout (mha_fwd: {_SOFTCAP_DROPOUT!r})",)
+
+
 def _version_reasons(request: Request, env: Environment) -> Iterable[str]:
-    """flash-attn 2.6.x's ``flash_api.cpp`` accepts compute capability 8.x and 9.0 only."""
+    """flash-attn 2.6.x's ``flash_api.cpp`` accepts compute capability 8.x and 9.0 only; no
+    release takes softcap with dropout (:func:`softcap_reasons`)."""
     version = _installed_version()
     cc = request.compute_capability
+    reasons = list(softcap_reasons(request))
     if version is not None and version < SPLIT_WINDOW_VERSION and cc is not None and cc > (9, 0):
-        return (
+        reasons.append(
             f"flash-attn {'.'.join(map(str, version))} supports compute capability 8.x and 9.0 "
-            f"only (2.7 lifts it), device has {cc[0]}.{cc[1]}",
+            f"only (2.7 lifts it), device has {cc[0]}.{cc[1]}"
         )
-    return ()
+    return tuple(reasons)
 
 
 FLASH_SPEC = KernelSpec(
@@ -253,6 +321,8 @@ FLASH_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
+        softcap=True,
         backward=True,
         dropout=True,
         gqa=True,
@@ -262,6 +332,7 @@ FLASH_SPEC = KernelSpec(
     ),
     priority=0,
     priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),
-    description="FlashAttention 2 (flash-attn 2.6 to 2.8): Ampere and newer, fp16/bf16, dropout",
+    description="FlashAttention 2 (flash-attn 2.6 to 2.8): Ampere and newer, fp16/bf16, dropout, "
+    "sliding windows, softcap",
     extra_reasons=_version_reasons,
 )

@@ -29,8 +29,16 @@ of 2025-11-17 on): ``hopper/flash_attn_interface.py`` and ``hopper/flash_api.cpp
   dimension, head dim a multiple of 8 and at most 256, ``num_heads_k`` dividing ``num_heads``
   (key/value heads are never repeated). On sm90 the inputs go through TMA tensor maps, which need
   16-byte alignment (:mod:`ringdilated.backends._layouts`).
-- The causal mask is bottom-right aligned (``flash_attn_func``'s docstring and ``mask.h``), so any
-  causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
+- Key windows and softcapping, forward and backward, in every supported interface:
+  ``window_size=(left, right)`` (3.0.0b1) or ``window_size_left``/``window_size_right`` (3.0.0),
+  and ``softcap`` (``flash_api.cpp``: ``Has_softcap`` forward and backward kernels, refused only
+  by a build with ``FLASHATTENTION_DISABLE_SOFTCAP``). The masks are bottom-right aligned
+  (``flash_attn_func``'s docstring, ``hopper/mask.h``) and ``mha_fwd``/``mha_bwd`` rewrite the
+  window (``left >= seqlen_k - 1`` and ``right >= seqlen_q - 1`` become unbounded), so a block's
+  top-left window runs as at most three calls each of which the op computes exactly
+  (:mod:`ringdilated.backends._windows`), each given ``causal`` for a right bound of 0 and its
+  left bound (``-1``: none; the right always ``-1``); a block without a left bound makes the calls
+  it made before. ``softcap`` is passed as given (``0.0``: none).
 - ``deterministic=True`` (when ``BlockOptions.deterministic``: the plan's reading of torch's
   switch) serialises the ``dq`` (and, with grouped heads, ``dk``/``dv``) accumulation. 3.0.0's
   ``mha_bwd`` refuses it for head dims above 192 ("Deterministic backward not supported for
@@ -54,7 +62,6 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import DeterministicBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import (
     check_parameters,
@@ -62,8 +69,10 @@ from ringdilated.backends._upstream import (
     release,
     required_parameters,
 )
+from ringdilated.backends._windows import WindowKernel, WindowPiece
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
+    BlockOptions,
     Capabilities,
     Environment,
     KernelSpec,
@@ -129,7 +138,16 @@ def _check(function: Any, name: str, needed: set[str]) -> tuple[str, ...]:
     return check_parameters(function, name, needed, package="FlashAttention 3")
 
 
-class Flash3Kernel(DeterministicBottomRightKernel):
+def _window(split: bool, left: int | None) -> dict[str, Any]:
+    """The window keywords for a left bound ``left`` (``None``: none) and no right bound:
+    ``window_size_left``/``_right`` (``split``, 3.0.0) or the ``window_size`` pair (3.0.0b1)."""
+    bound = -1 if left is None else left
+    if split:
+        return {"window_size_left": bound, "window_size_right": -1}
+    return {"window_size": (bound, -1)}
+
+
+class Flash3Kernel(WindowKernel):
     """FlashAttention 3's kernels. Construction imports ``flash_attn_interface`` (which loads
     the extension) and reads both functions' parameters; an interface it does not know raises
     ``ImportError`` with the reason."""
@@ -138,7 +156,7 @@ class Flash3Kernel(DeterministicBottomRightKernel):
         interface = importlib.import_module("flash_attn_interface")
         self._forward: Any = interface._flash_attn_forward
         self._backward: Any = interface._flash_attn_backward
-        _check(self._forward, "_flash_attn_forward", {"softmax_scale", "causal"})
+        forward_names = _check(self._forward, "_flash_attn_forward", {"softmax_scale", "causal"})
         names = _check(self._backward, "_flash_attn_backward", {"softmax_scale", "deterministic"})
         self._causal = "is_causal" if "is_causal" in names else "causal"
         _check(self._backward, "_flash_attn_backward", {self._causal, "dq", "dk", "dv"})
@@ -147,14 +165,29 @@ class Flash3Kernel(DeterministicBottomRightKernel):
         backward_nones = _nones(self._backward, "_flash_attn_backward", given, BACKWARD_UNUSED)
         self._forward_extra = dict.fromkeys(forward_nones)
         self._backward_extra = dict.fromkeys(backward_nones)
+        self._split = "window_size_left" in forward_names
+        windowed = {"softcap", *_window(self._split, None)}
+        _check(self._forward, "_flash_attn_forward", windowed)
+        _check(self._backward, "_flash_attn_backward", windowed)
 
     def native_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_forward`` call (``causal`` and ``window_left``: the op's
+        bottom-right mask)."""
         qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))
         out, lse, *_ = self._forward(
-            qt, kt, vt, softmax_scale=scale, causal=causal, **self._forward_extra
-        )
+            qt, kt, vt, softmax_scale=scale, causal=causal, softcap=softcap or 0.0,
+            **_window(self._split, window_left), **self._forward_extra,
+        )  # fmt: skip
         return out.transpose(1, 2), lse
 
     def native_backward(
@@ -169,7 +202,10 @@ class Flash3Kernel(DeterministicBottomRightKernel):
         scale: float,
         *,
         deterministic: bool = False,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_backward`` call into fresh ``dq``, ``dk``, ``dv``."""
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         self._backward(
@@ -184,10 +220,40 @@ class Flash3Kernel(DeterministicBottomRightKernel):
             dv=dv,
             softmax_scale=scale,
             deterministic=deterministic,
+            softcap=softcap or 0.0,
             **{self._causal: causal},
+            **_window(self._split, window_left),
             **self._backward_extra,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.native_forward(
+            q, k, v, piece.causal, options.scale, window_left=piece.left, softcap=options.softcap
+        )
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.native_backward(
+            dout, q, k, v, out, lse, piece.causal, options.scale,
+            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
+        )  # fmt: skip
 
 
 def determinism_reasons(request: Request, env: Environment) -> Iterable[str]:
@@ -230,6 +296,8 @@ FLASH3_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
+        softcap=True,
         backward=True,
         dropout=False,
         gqa=True,
@@ -239,6 +307,7 @@ FLASH3_SPEC = KernelSpec(
     ),
     priority=0,
     priority_rules=(PriorityRule(450, "cuda", min_capability=(9, 0), max_capability=(9, 0)),),
-    description="FlashAttention 3 (flash_attn_interface, 3.0.0b1 and 3.0.0): Hopper, fp16/bf16",
+    description="FlashAttention 3 (flash_attn_interface, 3.0.0b1 and 3.0.0): Hopper, fp16/bf16, "
+    "sliding windows, softcap",
     extra_reasons=determinism_reasons,
 )

@@ -1,8 +1,9 @@
 """FlashAttention 4 (``flash_attn/cute`` of Dao-AILab/flash-attention: the package
 ``flash_attn.cute``, installed as ``flash-attn-4``) behind the kernel contract.
 
-Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
-(``flash_attn/cute/interface.py``, ``flash_bwd_preprocess.py``, ``softmax.py``, ``mask.py``):
+Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``, and ``beta8``/``beta9`` for the
+softcapped backward (``flash_attn/cute/interface.py``, ``flash_bwd_preprocess.py``,
+``softmax.py``, ``mask.py``):
 
 - Forward is ``_flash_attn_fwd(q, k, v, softmax_scale=, causal=, return_lse=True)``, which
   returns ``(out, lse)`` (4.0.0b5 to b18) or ``(out, lse, p, row_max)`` (from b19); ``lse`` is
@@ -19,7 +20,7 @@ Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
   (``fake_tensor(Float32, mLSE.shape)``), read through its strides. This kernel implements the
   contract's optional :meth:`Flash4Kernel.backward_with_lse`
   (:class:`ringdilated.core.LseGradientKernel`) with it: where the caller differentiates the
-  lse, the driver makes one backward call per bottom-right piece, each given its rows of
+  lse, the driver makes one backward call per window piece, each given its rows of
   ``dlse`` as a dense float32 ``(batch, heads, rows)``, instead of the second backward call any
   other kernel gets (``lse_gradient`` in ``ringdilated.core.contract.lse``). A non-finite
   ``dlse`` makes its problem's ``dq`` and ``dk`` NaN, as that second call does (its ``dout`` is
@@ -33,8 +34,20 @@ Read at the tags ``fa4-v4.0.0.beta5`` and ``fa4-v4.0.0.beta27``
   8 for 2-byte types; 4.0.0b11 adds a dedicated 256 kernel on sm100, not declared here). The
   kernels are compiled assuming 16-byte aligned inputs (b5 passes inputs as they are; b27 copies
   misaligned ones itself), so inputs are aligned first (:mod:`ringdilated.backends._layouts`).
-- The causal mask is bottom-right aligned (``mask.py``: ``seqlen_k - seqlen_q`` row offset), so
-  any causal offset runs as at most two calls (:mod:`ringdilated.core.contract.causal`).
+- Key windows, forward and backward, in every supported release: ``window_size_left`` and
+  ``window_size_right`` (``None``: unbounded), aligned to the bottom right like ``causal``
+  (``mask.py``: ``seqlen_k - seqlen_q`` row offset); ``_resolve_causal_local_window`` drops a
+  window whose bounds sum below 0. A block's top-left window runs as at most three calls each
+  of which the op computes exactly (:mod:`ringdilated.backends._windows`), each given ``causal``
+  for a right bound of 0 and ``window_size_left`` (the right always ``None``); a block without
+  a left bound makes the calls it made before.
+- Softcapping (``softcap``, a ``score_mod`` made by ``utils.create_softcap_scoremod``): forward
+  in every supported release; the backward of 4.0.0b5 to b8 passes ``None`` to its kernels
+  ("softcap - not yet supported in backward": its gradients would ignore the cap), and from
+  4.0.0b9 it applies ``create_softcap_scoremod_bwd``. Requests for softcapped gradients are
+  declined with the reason below b9 or for an unknown version (:func:`softcap_reasons`), and the
+  kernel raises for them. (b11's dedicated head-dim-256 kernels on sm100 refuse softcap; this
+  kernel declares head dims up to 128 there.)
 - ``deterministic`` (when ``BlockOptions.deterministic``): b5 is the first
   release that takes it on sm90 (b0 to b4 assert "bwd deterministic only supported for
   sm100/sm110"), and the first whose backward takes ``dlse``: the minimum this kernel accepts.
@@ -52,33 +65,45 @@ this project.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import DeterministicBottomRightKernel, refuse_dropout
+from ringdilated.backends._dense import refuse_dropout
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import check_parameters, distribution_version, release
+from ringdilated.backends._windows import WindowKernel, WindowPiece, backward_by_window
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
-    BottomRightPiece,
     Capabilities,
+    Environment,
     KernelSpec,
     PriorityRule,
+    Request,
     Target,
-    backward_with_lse_by_piece,
     mark_non_finite_problems,
 )
-from ringdilated.core.contract.causal import right_bound
 
-__all__ = ["FLASH4_SPEC", "MIN_VERSION", "Flash4Kernel"]
+__all__ = [
+    "FLASH4_SPEC",
+    "MIN_VERSION",
+    "SOFTCAP_BACKWARD_VERSION",
+    "Flash4Kernel",
+    "softcap_reasons",
+]
 
 MIN_VERSION = "4.0.0b5"
-_FORWARD_NEEDS = frozenset({"q", "k", "v", "softmax_scale", "causal", "return_lse"})
+#: The first release whose backward applies ``softcap`` (b5 to b8 pass ``None`` to its kernels).
+SOFTCAP_BACKWARD_VERSION = "4.0.0b9"
+_FORWARD_NEEDS = frozenset(
+    {"q", "k", "v", "softmax_scale", "causal", "return_lse", "softcap", "window_size_left",
+     "window_size_right"}
+)  # fmt: skip
 _BACKWARD_NEEDS = frozenset(
     {"q", "k", "v", "out", "dout", "lse", "softmax_scale", "causal", "deterministic", "dq", "dk",
-     "dv", "dlse"}
+     "dv", "dlse", "softcap", "window_size_left", "window_size_right"}
 )  # fmt: skip
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -88,7 +113,26 @@ def _installed_version() -> str | None:
     return distribution_version("flash-attn-4", "flash-attn4")
 
 
-class Flash4Kernel(DeterministicBottomRightKernel):
+def _softcap_backward(version: str | None) -> bool:
+    """Whether the backward of release ``version`` applies ``softcap`` (unknown: no)."""
+    return version is not None and release(version) >= release(SOFTCAP_BACKWARD_VERSION)
+
+
+def softcap_reasons(request: Request, env: Environment) -> Iterable[str]:
+    """Softcapped gradients need the backward of 4.0.0b9 or later (b5 to b8 drop the cap)."""
+    if request.softcap is None or not request.backward:
+        return ()
+    version = _installed_version()
+    if _softcap_backward(version):
+        return ()
+    return (
+        f"flash-attn-4 {version or 'of unknown version'}: its backward applies softcap from "
+        f"{SOFTCAP_BACKWARD_VERSION} on (before, _flash_attn_bwd passes None to its kernels: "
+        "'softcap - not yet supported in backward')",
+    )
+
+
+class Flash4Kernel(WindowKernel):
     """FlashAttention 4's kernels. Construction checks the installed release and imports
     ``flash_attn.cute.interface``, checking both functions' parameters; a mismatch raises
     ``ImportError`` with the reason. :meth:`backward_with_lse` takes the lse's gradient in the
@@ -112,14 +156,26 @@ class Flash4Kernel(DeterministicBottomRightKernel):
         check_parameters(
             self._backward, "_flash_attn_bwd", _BACKWARD_NEEDS, package=package, known=known
         )
+        self._version = version
 
     def native_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``_flash_attn_fwd`` call (``causal`` and ``window_left``: the op's bottom-right
+        mask)."""
         qt, kt, vt = (aligned(x.transpose(1, 2)) for x in (q, k, v))
         out, lse, *_ = self._forward(
-            q=qt, k=kt, v=vt, softmax_scale=scale, causal=causal, return_lse=True
-        )
+            q=qt, k=kt, v=vt, softmax_scale=scale, causal=causal, softcap=softcap,
+            window_size_left=window_left, window_size_right=None, return_lse=True,
+        )  # fmt: skip
         return out.transpose(1, 2), lse
 
     def native_backward(
@@ -135,9 +191,17 @@ class Flash4Kernel(DeterministicBottomRightKernel):
         *,
         deterministic: bool = False,
         dlse: torch.Tensor | None = None,
+        window_left: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ``_flash_attn_bwd`` call; with ``dlse`` (``(batch, heads, rows)``, handed over
-        dense float32), the gradient of ``sum(dout * out) + sum(dlse * lse)``."""
+        dense float32), the gradient of ``sum(dout * out) + sum(dlse * lse)``. Raises
+        ``NotImplementedError`` for ``softcap`` before 4.0.0b9 (module docstring)."""
+        if softcap and not _softcap_backward(self._version):
+            raise NotImplementedError(
+                f"flash-attn-4 {self._version or '(version unknown)'}: no softcap in backward "
+                f"before {SOFTCAP_BACKWARD_VERSION} (softcap={softcap})"
+            )
         dout_t, qt, kt, vt, out_t = (aligned(x.transpose(1, 2)) for x in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (qt, kt, vt))
         self._backward(
@@ -149,6 +213,9 @@ class Flash4Kernel(DeterministicBottomRightKernel):
             lse=dense_float32(lse),
             softmax_scale=scale,
             causal=causal,
+            softcap=softcap or 0.0,
+            window_size_left=window_left,
+            window_size_right=None,
             deterministic=deterministic,
             dq=dq,
             dk=dk,
@@ -156,6 +223,34 @@ class Flash4Kernel(DeterministicBottomRightKernel):
             dlse=None if dlse is None else dense_float32(dlse),
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.native_forward(
+            q, k, v, piece.causal, options.scale, window_left=piece.left, softcap=options.softcap
+        )
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.native_backward(
+            dout, q, k, v, out, lse, piece.causal, options.scale,
+            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
+        )  # fmt: skip
 
     def backward_with_lse(
         self,
@@ -169,8 +264,8 @@ class Flash4Kernel(DeterministicBottomRightKernel):
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)``: one ``_flash_attn_bwd``
-        per bottom-right piece, its rows of ``dlse`` passed as ``dlse=``; repaired for
-        non-finite inputs as :meth:`backward` is, ``dlse`` counted as one of them."""
+        per window piece, its rows of ``dlse`` passed as ``dlse=``; repaired for non-finite
+        inputs as :meth:`backward` is, ``dlse`` counted as one of them."""
         refuse_dropout(type(self).__name__, options)
 
         def native(
@@ -181,15 +276,16 @@ class Flash4Kernel(DeterministicBottomRightKernel):
             v: torch.Tensor,
             out: torch.Tensor,
             lse: torch.Tensor,
-            piece: BottomRightPiece,
+            piece: WindowPiece,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return self.native_backward(
                 dout, q, k, v, out, lse, piece.causal, options.scale,
-                deterministic=options.deterministic, dlse=dlse,
+                deterministic=options.deterministic, dlse=dlse, window_left=piece.left,
+                softcap=options.softcap,
             )  # fmt: skip
 
-        offset = right_bound(options)
-        dq, dk, dv = backward_with_lse_by_piece(native, dout, dlse, q, k, v, out, lse, offset)
+        window = options.window
+        dq, dk, dv = backward_by_window(native, dout, dlse, q, k, v, out, lse, window)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options, dlse=dlse
         )
@@ -221,6 +317,8 @@ FLASH4_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
+        softcap=True,
         backward=True,
         dropout=False,
         gqa=True,
@@ -233,5 +331,7 @@ FLASH4_SPEC = KernelSpec(
         PriorityRule(500, "cuda", min_capability=(10, 0), max_capability=(11, 9)),
         PriorityRule(400, "cuda", min_capability=(9, 0), max_capability=(9, 0)),
     ),
-    description="FlashAttention 4 (flash-attn-4 4.0.0b5 on): Hopper and Blackwell, fp16/bf16",
+    description="FlashAttention 4 (flash-attn-4 4.0.0b5 on): Hopper and Blackwell, fp16/bf16, "
+    "sliding windows, softcap (gradients from 4.0.0b9)",
+    extra_reasons=softcap_reasons,
 )

@@ -13,10 +13,18 @@ are listed in tests/standins/torch_flash.py):
   device (the meta kernel's "BC breaking change to flash seed/offset").
 - ``is_causal`` is FA2's mask, aligned to the bottom right: ``mha_fwd`` sets
   ``window_size_right = 0`` (``sdp_utils.cpp``'s ``check_flash_causal_non_square_seqlens``
-  keeps SDPA off it when ``Lq != Lk`` for that reason). Any ``window.right`` runs as at most two
-  calls (core's pieces loop, :class:`~ringdilated.core.contract.causal.BottomRightKernel`), none
-  of which holds a row that sees no key, so the op's value for such rows (``lse = +inf``) never
-  reaches the contract.
+  keeps SDPA off it when ``Lq != Lk`` for that reason). A block's window runs as at most three
+  calls (:mod:`ringdilated.backends._windows`), none of which holds a row that sees no key, so
+  the op's value for such rows (``lse = +inf``) never reaches the contract.
+- Key windows with a left bound: the SDPA-level op takes none, so a call with a left bound goes
+  to the ops it wraps, ``aten._flash_attention_forward`` and ``_flash_attention_backward``
+  (``(B, L, H, D)`` views of the same tensors, as ``attention.cu`` hands them over), whose
+  ``window_size_left``/``window_size_right`` (2.13 schema: ``SymInt?``, ``None`` read as ``-1``:
+  ``attention.cu`` ``window_size_left.value_or(-1)``, ``attention_backward.cu`` likewise) reach
+  ``mha_fwd``/``mha_bwd`` of torch's vendored FlashAttention 2, which rewrite them as flash-attn
+  2.6+ does (``flash_attn/flash_api.cpp``); every other call keeps the SDPA-level op, as before.
+  No softcap: both ops pass ``softcap = 0.0`` to ``mha_fwd``/``mha_bwd`` and their schemas
+  take none (the spec declines it, :func:`torch_flash_reasons`, and the kernel raises).
 - Grouped heads natively: ``mha_fwd``/``mha_bwd`` check ``num_heads % num_heads_k == 0`` and the
   backward sums ``dk``, ``dv`` over each group, so ``k``, ``v`` go with their ``Hkv`` heads.
 - ``q``, ``k``, ``v`` need a contiguous last dimension (``mha_fwd`` reads their strides) and
@@ -69,9 +77,9 @@ from typing import Any
 
 import torch
 
-from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._philox import replay_state, seeded_generator
+from ringdilated.backends._windows import WindowKernel, WindowPiece
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
@@ -93,19 +101,27 @@ FlashForward = Callable[..., tuple[Any, ...]]
 FlashBackward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class TorchFlashKernel(GuardedBottomRightKernel):
+class TorchFlashKernel(WindowKernel):
     """torch's flash attention op per block. ``forward_op`` and ``backward_op`` default to the
-    aten ops; tests pass stand-ins that follow their signatures and checks."""
+    SDPA-level aten ops, ``window_forward_op`` and ``window_backward_op`` (for calls with a left
+    bound) to ``_flash_attention_forward`` and ``_flash_attention_backward``; tests pass
+    stand-ins that follow their signatures and checks."""
 
     serves_dropout = True
 
     def __init__(
-        self, forward_op: FlashForward | None = None, backward_op: FlashBackward | None = None
+        self,
+        forward_op: FlashForward | None = None,
+        backward_op: FlashBackward | None = None,
+        window_forward_op: FlashForward | None = None,
+        window_backward_op: FlashBackward | None = None,
     ) -> None:
         self._forward: FlashForward = forward_op or _aten._scaled_dot_product_flash_attention
         self._backward: FlashBackward = (
             backward_op or _aten._scaled_dot_product_flash_attention_backward
         )
+        self._window_forward = window_forward_op or _aten._flash_attention_forward
+        self._window_backward = window_backward_op or _aten._flash_attention_backward
         self._replays_dropout = _replays_rng_state()  # asked of the meta kernel once
 
     def forward_piece(
@@ -113,20 +129,27 @@ class TorchFlashKernel(GuardedBottomRightKernel):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        piece: BottomRightPiece,
+        piece: WindowPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        _refuse_softcap(options)
         q, k, v = (aligned(x) for x in (q, k, v))  # the rare misaligned caller view: a copy
         if options.dropout_p and not self._replays_dropout:  # the spec refuses it too
             raise NotImplementedError(
                 f"torch_flash cannot replay dropout (dropout_p={options.dropout_p}) on this "
                 "torch: its flash op does not report its dropout state as one uint64[2] rng_state"
             )
-        with _drawing(q.device, options, piece):
-            out, lse, *_ = self._forward(
-                q, k, v, options.dropout_p, piece.causal, False, scale=options.scale
-            )
-        return out, lse
+        p, scale = options.dropout_p, options.scale
+        with _drawing(q.device, options, piece.bottom_right):
+            if piece.left is None:
+                out, lse, *_ = self._forward(q, k, v, p, piece.causal, False, scale=scale)
+                return out, lse
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            out, lse, *_ = self._window_forward(
+                qt, kt, vt, None, None, qt.shape[1], kt.shape[1], p, piece.causal, False,
+                scale=scale, window_size_left=piece.left, window_size_right=None,
+            )  # fmt: skip
+        return out.transpose(1, 2), lse
 
     def backward_piece(
         self,
@@ -136,27 +159,36 @@ class TorchFlashKernel(GuardedBottomRightKernel):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        piece: BottomRightPiece,
+        piece: WindowPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rng_state, unused = _replayed(q.device, options, piece)
+        _refuse_softcap(options)
+        rng_state, unused = _replayed(q.device, options, piece.bottom_right)
         dout, q, k, v, out = (aligned(x) for x in (dout, q, k, v, out))
-        return self._backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            dense_float32(lse),  # read by address
-            None,
-            None,
-            q.shape[-2],
-            k.shape[-2],
-            options.dropout_p,
-            piece.causal,
-            rng_state,
-            unused,
-            scale=options.scale,
+        lse = dense_float32(lse)  # read by address
+        rows, keys, p = q.shape[-2], k.shape[-2], options.dropout_p
+        if piece.left is None:
+            return self._backward(
+                dout, q, k, v, out, lse, None, None, rows, keys, p, piece.causal, rng_state,
+                unused, scale=options.scale,
+            )  # fmt: skip
+        dq, dk, dv = self._window_backward(
+            *(x.transpose(1, 2) for x in (dout, q, k, v, out)), lse, None, None, rows, keys, p,
+            piece.causal, rng_state, unused, scale=options.scale, window_size_left=piece.left,
+            window_size_right=None,
+        )  # fmt: skip
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+#: Why the ops take no softcap (``attention.cu``, ``attention_backward.cu``).
+_NO_SOFTCAP = "its flash ops pass softcap = 0.0 to mha_fwd/mha_bwd and their schemas take none"
+
+
+def _refuse_softcap(options: BlockOptions) -> None:
+    if options.softcap is not None:
+        raise NotImplementedError(
+            f"torch_flash has no softcap (softcap={options.softcap}): torch {torch.__version__}'s "
+            + _NO_SOFTCAP
         )
 
 
@@ -263,6 +295,8 @@ def torch_flash_reasons(request: Request, env: Environment) -> Iterable[str]:
             f"torch {torch.__version__}'s flash op reports its dropout state in a form this "
             "kernel does not replay (it replays rng_state, uint64[2])"
         )
+    if request.softcap is not None:
+        reasons.append(f"torch {torch.__version__}: {_NO_SOFTCAP}")
     reasons.extend(_training_head_dim_reasons(request))
     reasons.extend(_override_reasons(request))
     return tuple(reasons)
@@ -284,6 +318,7 @@ TORCH_FLASH_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
         backward=True,
         dropout=True,
         gqa=True,
@@ -292,6 +327,7 @@ TORCH_FLASH_SPEC = KernelSpec(
     ),
     priority=0,
     priority_rules=(PriorityRule(250, "cuda", min_capability=(8, 0), max_capability=(12, 1)),),
-    description="torch's FlashAttention 2 op: sm80 to sm121, fp16/bf16, dropout, deterministic",
+    description="torch's FlashAttention 2 op: sm80 to sm121, fp16/bf16, dropout, deterministic, "
+    "sliding windows",
     extra_reasons=torch_flash_reasons,
 )

@@ -40,7 +40,19 @@ Grouped-query heads, as xformers 0.0.35 takes them (``xformers/ops/fmha/__init__
 wheel built for another torch); xformers then rejects every CUDA call ("xFormers wasn't build with
 CUDA support"). The factory asks xformers the same questions (its build flags and its operators'
 ``is_available()``) and raises ``ImportError`` with the answer, so the resolver falls back with
-that reason instead of choosing a kernel that cannot run. Not yet run on GPU hardware by this
+that reason instead of choosing a kernel that cannot run.
+
+No sliding window and no softcap (read at v0.0.35: ``fmha/attn_bias.py``, ``cutlass.py``,
+``flash.py``, ``flash3.py``): of the local-attention biases, ``cutlass.FwOp`` takes
+``LowerTriangularFromBottomRightLocalAttentionMask`` (a left window only together with the
+bottom-right causal diagonal, ``window_size`` of ``aten._efficient_attention_forward``) and the
+block-diagonal ones (which need packed ``B = 1`` inputs), and ``cutlass.BwOp`` leaves the
+bottom-right local mask out ("Still some infs/nans in the BW pass for local + causal");
+``LocalAttentionFromBottomRightMask`` (both bounds) is served only by xformers' own flash
+operators, which this kernel does not use. A block of a windowed call also needs keys cut on the
+left with none cut on the right, which no ``cutlass`` mask expresses; so the spec declines
+windows with a left bound (:func:`window_softcap_reasons`). The ``cutlass`` operators have no
+softcap (xformers' flash operators pass ``softcap = 0.0``). Not yet run on GPU hardware by this
 project.
 """
 
@@ -55,9 +67,24 @@ from ringdilated.backends._dense import GuardedBottomRightKernel
 from ringdilated.backends._heads import join_heads, kv_groups
 from ringdilated.backends._memeff import packed_bmhk, padded_lse
 from ringdilated.backends._versions import version_tuple
-from ringdilated.core import FUSED_GRID_LIMIT, Capabilities, KernelSpec, PriorityRule, Target
+from ringdilated.core import (
+    FUSED_GRID_LIMIT,
+    BlockOptions,
+    Capabilities,
+    Environment,
+    KernelSpec,
+    PriorityRule,
+    Request,
+    Target,
+)
 
-__all__ = ["MIN_VERSION", "XFORMERS_SPEC", "XformersKernel", "unusable_reasons"]
+__all__ = [
+    "MIN_VERSION",
+    "XFORMERS_SPEC",
+    "XformersKernel",
+    "unusable_reasons",
+    "window_softcap_reasons",
+]
 
 
 def _bmhk(x: torch.Tensor) -> torch.Tensor:
@@ -118,6 +145,25 @@ class XformersKernel(GuardedBottomRightKernel):
         if reasons:
             raise ImportError("; ".join(reasons))
 
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _refuse_softcap(options)
+        return super().forward(q, k, v, options)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _refuse_softcap(options)
+        return super().backward(dout, q, k, v, out, lse, options)
+
     def _bias(self, causal: bool) -> object:
         return self._fmha.attn_bias.LowerTriangularFromBottomRightMask() if causal else None
 
@@ -162,6 +208,32 @@ class XformersKernel(GuardedBottomRightKernel):
         return dq, dk, dv
 
 
+_NO_WINDOW = (
+    "xformers 0.0.35's cutlass operators mask a left window only with the bottom-right causal "
+    "diagonal (LowerTriangularFromBottomRightLocalAttentionMask), forward only (cutlassB: "
+    "'Still some infs/nans in the BW pass for local + causal'), while a windowed call's blocks "
+    "also need keys cut on the left alone"
+)
+_NO_SOFTCAP = "xformers 0.0.35's cutlass operators have no softcap"
+
+
+def window_softcap_reasons(request: Request, env: Environment) -> tuple[str, ...]:
+    """Why the ``cutlass`` operators cannot serve a window with a left bound or a softcap."""
+    return tuple(
+        reason
+        for needed, reason in (
+            (request.sliding_window, _NO_WINDOW),
+            (request.softcap is not None, _NO_SOFTCAP),
+        )
+        if needed
+    )
+
+
+def _refuse_softcap(options: BlockOptions) -> None:
+    if options.softcap is not None:
+        raise NotImplementedError(f"{_NO_SOFTCAP} (softcap={options.softcap})")
+
+
 XFORMERS_SPEC = KernelSpec(
     name="xformers",
     factory=XformersKernel,
@@ -194,4 +266,5 @@ XFORMERS_SPEC = KernelSpec(
     priority=50,
     priority_rules=(PriorityRule(150, "cuda", min_capability=(7, 0), max_capability=(7, 5)),),
     description="xformers memory-efficient attention (CUTLASS): Maxwell to Hopper",
+    extra_reasons=window_softcap_reasons,
 )

@@ -1,0 +1,350 @@
+"""Key windows through ops whose masks are bottom-right aligned (flash-attn 2, 3 and 4, torch's
+flash op): a block's window as at most three calls such ops compute exactly.
+
+The kernel contract's window is top-left (:class:`~ringdilated.core.contract.kernel.BlockOptions`:
+query ``i`` and key ``j`` both counted from the block's start, ``j`` visible iff ``i - left <=
+j <= i + right``). The ops' ``window_size`` and ``causal`` are aligned to the bottom-right corner:
+with ``shift = keys - rows``, row ``r`` sees key ``c`` iff ``r + shift - left <= c <= r + shift +
+right`` (flash-attn's ``mask.h`` at v2.6.3 and v2.8.3, ``hopper/mask.h`` at v2.8.3,
+``flash_attn/cute/mask.py`` at fa4-v4.0.0.beta27), and each op rewrites its arguments before
+masking (``flash_api.cpp`` of flash-attn v2.6.3 to v2.8.3 and of torch's vendored copy: a bound
+``>= seqlen_k`` becomes unbounded, and an unbounded right beside a bounded left becomes
+``seqlen_k``, which hides keys from the first rows when ``rows > keys + 1``; FlashAttention 3
+clamps at ``seqlen_k - 1`` and ``seqlen_q - 1``; FlashAttention 4 drops a window whose bounds sum
+below 0). :func:`window_pieces` keeps every call where all of them are exact:
+
+- ``causal`` (the op's right bound 0: the call's last row sees its last key) or no right bound;
+- no left bound, or ``0 <= left < keys - 1`` (a left bound that hides nothing is passed as none);
+- a call with a left bound and no right bound has at least as many keys as rows;
+- every row of a call sees a key, so no op's value for a row that sees none (flash-attn 2 and
+  torch's op: ``lse = +inf``) reaches the contract: rows outside every call get ``out = 0``,
+  ``lse = -inf`` here. A call's keys are those some row of it sees (narrowed views, no copy).
+
+The calls, for rows ``[first, last)`` that see a key (``-right <= i < Lk + left``):
+
+- rows whose last key ``i + right`` is before the last key: one ``causal`` call on keys up to
+  ``rows' last + right``, left bound ``left + right`` (bottom-right coordinates);
+- rows that see every key from 0 to the end: one call without a mask;
+- rows that see the keys from ``i - left > 0`` to the end: one call on keys from the first such
+  row's ``i - left``, left bound ``keys - rows``, no right bound.
+
+Without a left bound these are core's bottom-right pieces (:mod:`ringdilated.core.contract.causal`)
+with their dropout seeds (:attr:`WindowPiece.bottom_right`). :class:`WindowKernel` is a fused
+kernel built on them, its results repaired for non-finite inputs on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import attrs
+import torch
+
+from ringdilated.backends._dense import refuse_dropout
+from ringdilated.core import (
+    BlockOptions,
+    BottomRightPiece,
+    KeyWindow,
+    accumulation_dtype,
+    mark_non_finite_problems,
+    mark_non_finite_rows,
+)
+
+__all__ = [
+    "PieceBackward",
+    "PieceForward",
+    "WindowKernel",
+    "WindowPiece",
+    "backward_by_window",
+    "forward_by_window",
+    "seen_rows",
+    "window_pieces",
+]
+
+
+@attrs.frozen
+class WindowPiece:
+    """One op call: query rows ``[row_start, row_stop)`` against keys ``[key_start, key_stop)``
+    under the op's bottom-right mask, ``causal`` (right bound 0) or unbounded on the right, and
+    ``left`` (``None``: unbounded), in the op's own convention."""
+
+    row_start: int
+    row_stop: int
+    key_start: int
+    key_stop: int
+    left: int | None
+    causal: bool
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def keys(self) -> int:
+        return self.key_stop - self.key_start
+
+    @property
+    def bottom_right(self) -> BottomRightPiece:
+        """Core's piece of these rows, key stop and mask: the path of this call's dropout seed
+        (:func:`~ringdilated.core.contract.causal.piece_seed`). Without a left bound it is the
+        call core's pieces make, so the seeds are theirs; the pieces of one block have
+        distinct rows, so their seeds are distinct."""
+        return BottomRightPiece(self.row_start, self.row_stop, self.key_stop, self.causal)
+
+    def covers(self, q_len: int, k_len: int) -> bool:
+        """Whether this call is the whole ``q_len x k_len`` block."""
+        return (self.row_start, self.row_stop, self.key_start, self.key_stop) == (
+            0,
+            q_len,
+            0,
+            k_len,
+        )
+
+    def rows_of(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """This call's rows of ``x`` (``q``, ``out``, ``dout``; the lse with ``dim=-1``)."""
+        return x.narrow(dim, self.row_start, self.rows)
+
+    def keys_of(self, x: torch.Tensor) -> torch.Tensor:
+        """This call's keys of ``x`` (``k``, ``v``, their gradients)."""
+        return x.narrow(-2, self.key_start, self.keys)
+
+
+def seen_rows(q_len: int, k_len: int, window: KeyWindow) -> tuple[int, int]:
+    """``(first, last)``: the rows ``[first, last)`` of a ``q_len x k_len`` block that see at
+    least one key under ``window`` (``first == last``: none does)."""
+    left, right = window.left, window.right
+    if not k_len or (left is not None and right is not None and left + right < 0):
+        return 0, 0
+    first = 0 if right is None else min(q_len, max(0, -right))
+    last = q_len if left is None else min(q_len, max(0, k_len + left))
+    return (first, last) if first < last else (0, 0)
+
+
+def window_pieces(q_len: int, k_len: int, window: KeyWindow) -> tuple[WindowPiece, ...]:
+    """The op calls that reproduce ``window`` on a ``q_len x k_len`` block (module docstring),
+    in row order."""
+    first, last = seen_rows(q_len, k_len, window)
+    if first == last:
+        return ()
+    left, right = window.left, window.right
+    if right is not None and right >= k_len - 1:  # hides nothing: no mask, as core's pieces
+        right = None
+    # Rows before ``split`` see up to i + right <= Lk - 1; rows before ``whole`` see from key 0.
+    split = first if right is None else min(last, max(first, k_len - right))
+    whole = last if left is None else min(last, max(split, left + 1))
+    pieces = []
+    if split > first:
+        assert right is not None
+        start = 0 if left is None else max(0, first - left)
+        bound = None  # in bottom-right terms the rows' left bound is ``left + right``
+        if left is not None and split - 1 - left > start:  # the last row hides a key
+            bound = left + right
+        pieces.append(WindowPiece(first, split, start, split + right, bound, True))
+    if whole > split:
+        pieces.append(WindowPiece(split, whole, 0, k_len, None, False))
+    if last > whole:
+        assert left is not None
+        start = whole - left
+        bound = (k_len - start) - (last - whole) if last - whole > 1 else None
+        pieces.append(WindowPiece(whole, last, start, k_len, bound, False))
+    return tuple(pieces)
+
+
+PieceForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, WindowPiece], tuple[torch.Tensor, torch.Tensor]
+]
+"""``(q, k, v, piece) -> (out, lse)``: the call ``piece`` (its rows and keys) in kernel layout."""
+
+PieceBackward = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor | None,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        WindowPiece,
+    ],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+]
+"""``(dout, dlse, q, k, v, out, lse, piece) -> (dq, dk, dv)``: the call ``piece`` in kernel layout,
+the gradient of ``sum(dout * out) + sum(dlse * lse)`` (``dlse`` ``None``: of the first term)."""
+
+
+def _mark_unseen(out: torch.Tensor, lse: torch.Tensor, first: int, last: int) -> None:
+    """Rows outside ``[first, last)``: ``out = 0``, ``lse = -inf``, in place."""
+    q_len = lse.shape[-1]
+    for start, stop in ((0, first), (last, q_len)) if first < last else ((0, q_len),):
+        if stop > start:
+            lse.narrow(-1, start, stop - start).fill_(float("-inf"))
+            out.narrow(-2, start, stop - start).zero_()
+
+
+# narrow, fill_ and add_, not slicing and copy_: a CPU-only torch has neither for fake CUDA tensors.
+def forward_by_window(
+    native: PieceForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: KeyWindow
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the block under ``window`` from one ``native`` call per
+    :func:`window_pieces` piece. One piece covering the block is one call whose results are
+    returned as they are; otherwise the calls' results are added into zeros, the rows in no
+    call given ``out = 0``, ``lse = -inf``."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    pieces = window_pieces(q_len, k_len, window)
+    if len(pieces) == 1 and pieces[0].covers(q_len, k_len):
+        return native(q, k, v, pieces[0])
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = q.new_zeros(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
+    _mark_unseen(out, lse, *seen_rows(q_len, k_len, window))
+    for p in pieces:
+        part, part_lse = native(p.rows_of(q), p.keys_of(k), p.keys_of(v), p)
+        p.rows_of(out).add_(part)
+        p.rows_of(lse, -1).add_(part_lse)
+    return out, lse
+
+
+def backward_by_window(
+    native: PieceBackward,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    window: KeyWindow,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` under ``window`` from one ``native`` call per piece (the forward's
+    pieces), each handed its rows of ``dout``, ``out``, the lse and ``dlse`` (``(N, Hq, Lq)``;
+    ``None``: no lse term) and its keys, added into zeros: pieces that share keys sum their
+    gradients, rows and keys in no piece get none."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    pieces = window_pieces(q_len, k_len, window)
+    if len(pieces) == 1 and pieces[0].covers(q_len, k_len):
+        return native(dout, dlse, q, k, v, out, lse, pieces[0])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for p in pieces:
+        gq, gk, gv = native(
+            p.rows_of(dout),
+            None if dlse is None else p.rows_of(dlse, -1),
+            p.rows_of(q),
+            p.keys_of(k),
+            p.keys_of(v),
+            p.rows_of(out),
+            p.rows_of(lse, -1),
+            p,
+        )
+        p.rows_of(dq).add_(gq)
+        p.keys_of(dk).add_(gk)
+        p.keys_of(dv).add_(gv)
+    return dq, dk, dv
+
+
+class WindowKernel:
+    """A fused kernel whose op masks with a bottom-right window: implement
+    :meth:`forward_piece` and :meth:`backward_piece` (kernel layout, the piece's rows and keys,
+    the block's options: its scale, softcap, dropout) and inherit the contract's ``forward`` and
+    ``backward`` for any window.
+
+    The results are repaired on the device for non-finite inputs, as
+    :class:`~ringdilated.backends._dense.GuardedBottomRightKernel` repairs them (flash-style
+    kernels return zeros for a row whose scores are all ``-inf``, which an infinite query or key
+    produces): :func:`~ringdilated.core.mark_non_finite_rows` and
+    :func:`~ringdilated.core.mark_non_finite_problems`, then ``out = 0``, ``lse = -inf`` again
+    for rows that see no key. :meth:`unguarded_forward` and :meth:`unguarded_backward` are the
+    calls alone. Dropout is refused (``NotImplementedError``) unless :attr:`serves_dropout`."""
+
+    #: Whether this kernel's pieces draw dropout themselves (else ``dropout_p > 0`` is refused).
+    serves_dropout: ClassVar[bool] = False
+
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call ``piece`` of a block run with ``options``."""
+        raise NotImplementedError
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward of the call ``piece`` (every tensor: the piece's)."""
+        raise NotImplementedError
+
+    def unguarded_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's calls, unrepaired."""
+
+        def native(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: WindowPiece
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.forward_piece(q, k, v, piece, options)
+
+        return forward_by_window(native, q, k, v, options.window)
+
+    def unguarded_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's backward calls, unrepaired."""
+
+        def native(
+            dout: torch.Tensor,
+            _: torch.Tensor | None,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            lse: torch.Tensor,
+            piece: WindowPiece,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self.backward_piece(dout, q, k, v, out, lse, piece, options)
+
+        return backward_by_window(native, dout, None, q, k, v, out, lse, options.window)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.serves_dropout:
+            refuse_dropout(type(self).__name__, options)
+        out, lse = self.unguarded_forward(q, k, v, options)
+        mark_non_finite_rows(out, lse, q, k, v)
+        _mark_unseen(out, lse, *seen_rows(q.shape[-2], k.shape[-2], options.window))
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.serves_dropout:
+            refuse_dropout(type(self).__name__, options)
+        dq, dk, dv = self.unguarded_backward(dout, q, k, v, out, lse, options)
+        mark_non_finite_problems(
+            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
+        )
+        return dq, dk, dv
