@@ -52,8 +52,13 @@ tokens are not one run, both named in its convention; a static or sliding-window
 (the queries must be the last positions of the keys: use the default dynamic cache); a custom
 4-D mask; any mask function other than those above (sliding windows, chunked, prefix or
 bidirectional overlays, or one it does not recognise: the error names how it was built, e.g.
-``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``,
-``softcap`` and attention sinks (``s_aux``).
+``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``.
+
+A model's logit cap (``softcap=``, Gemma 2's ``attn_logit_softcapping``) and attention sinks
+(``s_aux=``, gpt-oss's ``sinks`` parameter, one logit per query head) are passed on as
+:func:`ringdilated.dilated_attention`'s ``softcap`` and ``sinks`` (transformers 5.23:
+``models/gemma2/modeling_gemma2.py`` and ``models/gpt_oss/modeling_gpt_oss.py`` pass them to
+the attention function by these names).
 """
 
 from __future__ import annotations
@@ -285,9 +290,6 @@ def attention_forward(
     """transformers' attention function for ``"ringdilated"``: ``(attn_output (B, Lq, H, D),
     None)``."""
     config = getattr(module, "config", None)
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation={NAME!r} does not support {name}")
     window = getattr(config, "sliding_window", None)
     if window is not None:
         raise ValueError(
@@ -334,6 +336,8 @@ def attention_forward(
         cu_seqlens=packed,
         key_padding_mask=key_padding_mask,
         layout=layout,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
     return out, None
 
