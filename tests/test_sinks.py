@@ -362,3 +362,13 @@ def test_dropout_with_sinks_is_the_merge_of_the_same_call_without_them(mode: str
     assert max_error(fused, composed) < 1e-6
     for a, b in zip(fused_grads, composed_grads, strict=True):
         assert max_error(a, b) < 1e-6
+
+
+def test_a_second_derivative_through_the_sinks_says_it_is_not_supported() -> None:
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g).requires_grad_() for _ in range(3))
+    sinks = torch.zeros(2, requires_grad=True)
+    out = ringdilated.dilated_attention(q, k, v, [8], [1], sinks=sinks)
+    (dsinks,) = torch.autograd.grad(out.sum(), sinks, create_graph=True)
+    with pytest.raises(RuntimeError, match="ringdilated does not support higher-order gradients"):
+        dsinks.sum().backward()

@@ -804,10 +804,12 @@ class DilatedAttentionFunction(torch.autograd.Function):
                 BackwardInputs(dout, dlse, q, k, v, out, lse),
                 ctx.call,  # type: ignore[attr-defined]
             )
-            # (a trailing None for sinks that were left out is dropped by autograd)
-            if sinks is None or not ctx.needs_input_grad[5]:  # type: ignore[attr-defined]
-                return (*first_order_only(grads, (q, k, v)), None, None, None)
-            dsinks = sinks_gradient(dout, dlse, out, lse, sinks)
+            learns = sinks is not None and ctx.needs_input_grad[5]  # type: ignore[attr-defined]
+            dsinks = sinks_gradient(dout, dlse, out, lse, sinks) if learns else None
+        # Outside no_grad: a backward building a graph ties the gradients to the inputs. (A
+        # trailing None for sinks that were left out is dropped by autograd.)
+        if dsinks is None:
+            return (*first_order_only(grads, (q, k, v)), None, None, None)
         *tied, dsinks = first_order_only((*grads, dsinks), (q, k, v, sinks))
         return (*tied, None, None, dsinks)
 
