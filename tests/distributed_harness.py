@@ -48,6 +48,23 @@ def mismatched_config(payload: dict[str, Any]) -> str:
     return "no error"
 
 
+def mismatched_features(payload: dict[str, Any]) -> str:
+    """Rank 1 alone passes a logit cap and attention sinks; every rank must raise naming
+    both fields."""
+    import ringdilated
+
+    q = torch.randn(1, 8, 2, 8)
+    one = dist.get_rank() == 1
+    try:
+        ringdilated.dilated_attention(
+            q, q, q, [8], [1], process_group=dist.group.WORLD, kernel="reference",
+            softcap=2.0 if one else None, sinks=torch.zeros(2) if one else None,
+        )  # fmt: skip
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def rank_dies(payload: dict[str, Any]) -> str:
     """Rank 1 exits before the call; the others must raise (in the agreement), not hang."""
     import time

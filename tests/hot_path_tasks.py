@@ -23,8 +23,9 @@ def _process_layout(kind: str) -> object:
 def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
     """Build a layout (``payload['layout']``: ``"equal"``, ``"uneven"``, ``"documents"`` or
     ``"padding"``), make one call with ``payload['communicator']`` to plan it, then count a
-    second and a third call (forward and backward) with new inputs. Returns the counts, this
-    rank's outputs and gradients of the third call, and everything the oracle needs."""
+    second and a third call (forward and backward) with new inputs (``payload['sinks']``: with
+    attention sinks, new values each call, their gradient returned too). Returns the counts,
+    this rank's outputs and gradients of the third call, and everything the oracle needs."""
     import ringdilated
     from ringdilated.testing.hot_path import HotPathCounter
 
@@ -64,13 +65,18 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
         dout = torch.randn(batch, total, heads, dim, generator=g, dtype=torch.float64)
         dlse = torch.randn(batch, heads, total, generator=g, dtype=torch.float64)
         q, k, v = (x[:, shard].clone().requires_grad_() for x in full)
-        result = ringdilated.dilated_attention(q, k, v, payload["segments"], payload["rates"], **kw)
+        sinks = None
+        if payload.get("sinks"):
+            sinks = torch.randn(heads, generator=g, dtype=torch.float64).requires_grad_()
+        result = ringdilated.dilated_attention(
+            q, k, v, payload["segments"], payload["rates"], sinks=sinks, **kw
+        )
         out, lse = result if payload["return_lse"] else (result, None)
         loss = (out * dout[:, shard]).sum()
         if lse is not None:
             loss = loss + (lse.double() * dlse[:, :, shard]).sum()
         loss.backward()
-        return out.detach(), q.grad, k.grad, v.grad, full, dout, dlse
+        return out.detach(), (q.grad, k.grad, v.grad), sinks, full, dout, dlse
 
     call(0)  # plans the call (and agrees on it)
     with HotPathCounter() as counts:
@@ -80,14 +86,16 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
     kw["transfer_stats"] = stats
     call(2)  # a new plan key (transfer_stats is not a key; it is per call), still planned
     with HotPathCounter() as counts:
-        out, dq, dk, dv, full, dout, dlse = call(3)
+        out, grads, sinks, full, dout, dlse = call(3)
     return {
         "second": second,
         "third": (counts.host_reads, counts.host_copies, counts.control_collectives),
         "exchanges": counts.exchanges,
         "events": counts.events,
         "out": out,
-        "grads": [dq, dk, dv],
+        "grads": list(grads),
+        "sinks": None if sinks is None else sinks.detach(),
+        "dsinks": None if sinks is None else sinks.grad,
         "full": full,
         "dout": dout,
         "dlse": dlse,

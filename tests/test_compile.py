@@ -50,6 +50,27 @@ def test_compiled_block_matches_eager() -> None:
     assert max(max_error(a, b) for a, b in zip(grads, eager_grads, strict=True)) < 1e-10
 
 
+def test_compiled_block_with_softcap_and_sinks_matches_eager() -> None:
+    """The op takes the cap and the sinks (an input whose gradient its backward op returns):
+    one graph, eager's results and the sinks' gradient."""
+    torch.manual_seed(0)
+    block = DilatedTransformerBlock(
+        32, 4, segment_lengths=[8, 16], dilation_rates=[1, 2], mode="longnet", causal=True,
+        softcap=5.0, sinks=True, kernel="reference", dtype=torch.float64,
+    )  # fmt: skip
+    with torch.no_grad():
+        block.attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 32, 32, dtype=torch.float64, requires_grad=True)
+    eager, out = block(x), compiled(x)
+    assert max_error(out, eager) < 1e-12
+    grads = torch.autograd.grad(out.sum(), (x, *block.parameters()))
+    eager_grads = torch.autograd.grad(eager.sum(), (x, *block.parameters()))
+    assert max(max_error(a, b) for a, b in zip(grads, eager_grads, strict=True)) < 1e-10
+    names = [name for name, _ in block.named_parameters()]
+    assert bool(grads[1 + names.index("attn.sinks")].abs().sum() > 0)  # the sinks learn
+
+
 @pytest.mark.filterwarnings("ignore::ringdilated.SlowFeatureWarning")  # reference on CPU
 def test_compiled_dropout_draws_new_masks_without_recompiling() -> None:
     torch.manual_seed(0)

@@ -25,8 +25,10 @@ from ringdilated.testing.kernel_cases import CaseSpace
 @pytest.mark.parametrize("name", ["sdpa", "reference"])
 def test_builtin_kernels_conform(name: str) -> None:
     report = check_kernel(name, max_examples=20)
-    # sdpa serves dropout on CUDA only (its CPU op has none), reference everywhere
-    not_applicable = ("dropout",) if name == "sdpa" else ()
+    # sdpa serves dropout on CUDA only (its CPU op has none) and no softcap, reference both
+    not_applicable = (
+        ("dropout", "softcap", "softcap-gradients", "softcap-dropout") if name == "sdpa" else ()
+    )
     assert report.passed == tuple(c for c in CHECKS if c not in not_applicable)
     assert report.not_applicable == not_applicable
 
@@ -244,6 +246,9 @@ def test_kernel_without_causal_is_checked_without_offsets() -> None:
         "non-finite",
         "non-finite-gradients",
         "dropout",
+        "softcap",
+        "softcap-gradients",
+        "softcap-dropout",
     )
     assert report.not_applicable == ("causal", "empty-rows")
 
@@ -255,7 +260,12 @@ def test_forward_only_target_is_not_checked_for_gradients() -> None:
         capabilities=attrs.evolve(REFERENCE_SPEC.capabilities, targets=(forward_only,)),
     )
     report = check_kernel(spec, max_examples=5)
-    assert report.not_applicable == ("gradients", "split-merge", "non-finite-gradients")
+    assert report.not_applicable == (
+        "gradients",
+        "split-merge",
+        "non-finite-gradients",
+        "softcap-gradients",
+    )
     assert "no-mutation" in report.passed
 
 

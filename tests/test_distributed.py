@@ -25,6 +25,7 @@ from ringdilated.testing import (
 )
 from ringdilated.testing.communicators import (
     case_layout,
+    case_sinks,
     communicator_cases,
     grid_shape,
     shard_slice,
@@ -153,6 +154,9 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
     kw.update(case_layout(case))
+    sinks = case_sinks(case)
+    kw.update(softcap=case.get("softcap"), sinks=sinks)
+    leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
     out = torch.cat([r["out"] for r in results], 1)
     assert [r["out"].shape[1] for r in results] == [
         shard_slice(case, r, world).stop - shard_slice(case, r, world).start for r in range(world)
@@ -171,9 +175,11 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     _, base_lse = dense_attention(q, k, v, *pattern, **kw, dtype=lse_dtype)
     assert_within_tolerance(out, expected_out, base_out, what="out")
     assert_within_tolerance(lse, expected_lse, base_lse, dtype=lse_dtype, what="lse")
-    expected = torch.autograd.grad(loss(expected_out, expected_lse), (q, k, v))
-    baseline = torch.autograd.grad(loss(*dense_attention(q, k, v, *pattern, **kw)), (q, k, v))
-    for name, a, e, b in zip("qkv", grads, expected, baseline, strict=True):
+    expected = torch.autograd.grad(loss(expected_out, expected_lse), leaves)
+    baseline = torch.autograd.grad(loss(*dense_attention(q, k, v, *pattern, **kw)), leaves)
+    if sinks is not None:  # each rank's share of the sinks' gradient, summed over the ranks
+        grads.append(torch.stack([r["dsinks"] for r in results]).sum(0))
+    for name, a, e, b in zip("qkvs"[: len(grads)], grads, expected, baseline, strict=True):
         assert_within_tolerance(a, e, b, what=f"d{name}")
     if case["communicator"] == "auto":  # the choice is the cost model's (tests/test_resolver.py)
         return
@@ -224,6 +230,32 @@ def test_two_ranks_match_the_oracle(workers2: Workers, kernel: str, data: st.Dat
 @given(data=st.data())
 def test_four_ranks_match_the_oracle(workers4: Workers, kernel: str, data: st.DataObject) -> None:
     _run_each_communicator(workers4, {**data.draw(communicator_cases(4)), "kernel": kernel}, 4)
+
+
+@settings(max_examples=12)
+@given(data=st.data())
+def test_two_ranks_with_sinks_and_softcap_match_the_oracle(
+    workers2: Workers, data: st.DataObject
+) -> None:
+    """Every communicator, with attention sinks and a logit cap (each in half the problems):
+    exact, its gradient too, and the same bytes as without them (the sinks move nothing)."""
+    case = data.draw(communicator_cases(2, sinks=True, softcap=True))
+    _run_each_communicator(workers2, {**case, "kernel": "reference"}, 2)
+
+
+@settings(max_examples=8)
+@given(data=st.data())
+def test_four_ranks_with_sinks_and_softcap_match_the_oracle(
+    workers4: Workers, data: st.DataObject
+) -> None:
+    case = data.draw(communicator_cases(4, sinks=True, softcap=True))
+    _run_each_communicator(workers4, {**case, "kernel": "reference"}, 4)
+
+
+def test_ranks_that_disagree_on_sinks_or_softcap_raise_on_every_rank(workers2: Workers) -> None:
+    messages = workers2.results("mismatched_features", {})
+    assert all("softcap: rank 0 None, rank 1 2.0" in m for m in messages), messages
+    assert all("sinks: rank 0 None, rank 1 tensor (2,) torch.float32" in m for m in messages)
 
 
 @settings(max_examples=25)

@@ -472,12 +472,15 @@ def test_flex_on_cpu_is_forward_only_and_conforms() -> None:
         "empty-rows",
         "no-mutation",
         "non-finite",
+        "softcap",
     )
     assert report.not_applicable == (
         "gradients",
         "split-merge",
         "non-finite-gradients",
         "dropout",
+        "softcap-gradients",
+        "softcap-dropout",
     )
     reasons = FLEX_SPEC.reasons(Request(head_dim=16, backward=True), Environment())
     assert reasons == (

@@ -481,3 +481,35 @@ def test_a_warning_through_the_adapter_names_the_user_s_line(
     with torch.no_grad(), pytest.warns(DistributedNotInitializedWarning) as caught:
         model(input_ids=_ids(1, 8))
     assert [w.filename for w in caught] == [__file__]
+
+
+def test_softcap_and_sinks_pass_through_as_gemma2_and_gpt_oss_pass_them() -> None:
+    """``softcap=`` (Gemma 2) and ``s_aux=`` (gpt-oss's sinks, in the model's dtype) reach the
+    call: the result is the oracle's with both."""
+    import types
+
+    from ringdilated.testing import max_error, oracle
+
+    config = types.SimpleNamespace(
+        ringdilated_segment_lengths=[4, 8], ringdilated_dilation_rates=[1, 2],
+        ringdilated_kernel="reference",
+    )  # fmt: skip
+    module = types.SimpleNamespace(config=config, is_causal=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    out, _ = ringdilated.hf.attention_forward(
+        module,
+        3 * q,
+        k,
+        v,
+        None,
+        scaling=0.5,
+        softcap=1.5,
+        s_aux=sinks,  # type: ignore[arg-type]
+    )
+    expected = oracle(
+        (3 * q).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), [4, 8], [1, 2],
+        causal=True, scale=0.5, softcap=1.5, sinks=sinks,
+    )  # fmt: skip
+    assert max_error(out, expected) < 1e-12

@@ -54,16 +54,22 @@ def test_every_module_in_steady_state_makes_no_host_traffic(mode: str) -> None:
         (ringdilated.MultiheadDilatedAttention(32, 4, dtype=torch.float64,
                                                rotary=rotary_embedding, **kw), "mha"),
         (ringdilated.DilatedTransformerBlock(32, 4, dtype=torch.float64, **kw), "block"),
+        (ringdilated.MultiheadDilatedAttention(32, 4, dtype=torch.float64, sinks=True, **kw),
+         "mha"),
+        (ringdilated.DilatedAttention(SEGMENTS, RATES, mode=mode, causal=True), "qkv+sinks"),
     ]  # fmt: skip
     for module, kind in modules:
-        if kind == "qkv":
+        if kind.startswith("qkv"):
             args = _inputs()
+            if kind == "qkv+sinks":
+                args.append(torch.randn(4, dtype=torch.float64).requires_grad_())
         else:
             x = torch.randn(2, 32, 32, dtype=torch.float64, requires_grad=True)
             args = [x, x, x] if kind == "mha" else [x]
 
         def step(module: torch.nn.Module = module, args: list[Any] = args) -> None:
-            result = module(*args)
+            sinks = {"sinks": args[3]} if len(args) == 4 else {}
+            result = module(*args[:3], **sinks)
             out = result[0] if isinstance(result, tuple) else result
             out.sum().backward()
 
@@ -142,21 +148,29 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]]) -> None:
         extra["cu_seqlens"] = torch.tensor(case["cu_seqlens"])
     if case["layout"] == "padding":
         extra["key_padding_mask"] = torch.tensor(case["padding"])
+    sinks = results[0]["sinks"]
+    leaves: tuple[torch.Tensor, ...] = (q, k, v)
+    if sinks is not None:
+        sinks = sinks.clone().requires_grad_()
+        leaves = (q, k, v, sinks)
     out, lse = oracle(
         q, k, v, SEGMENTS, RATES, mode=case["mode"], causal=case["causal"], return_lse=True,
-        **extra,
+        sinks=sinks, **extra,
     )  # fmt: skip
     loss = (out * dout).sum()
     if case["return_lse"]:
         loss = loss + (lse.masked_fill(lse.isneginf(), 0) * dlse).sum()
-    expected_grads = torch.autograd.grad(loss, (q, k, v))
+    expected_grads = torch.autograd.grad(loss, leaves)
     # lse comes back in float32 (docs/spec.md, section 1), so its gradient arrives rounded to it.
     atol = 1e-6 if case["return_lse"] else 1e-10
     for r in results:
         shard = slice(*r["shard"])
         assert torch.allclose(r["out"], out[:, shard].detach(), atol=1e-10, rtol=0)
-        for a, e in zip(r["grads"], expected_grads, strict=True):
+        for a, e in zip(r["grads"], expected_grads[:3], strict=True):
             assert torch.allclose(a, e[:, shard], atol=atol, rtol=0)
+    if sinks is not None:  # each rank's share of the sinks' gradient, summed
+        total = torch.stack([r["dsinks"] for r in results]).sum(0)
+        assert torch.allclose(total, expected_grads[3], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses"])
@@ -166,6 +180,18 @@ def test_two_ranks_make_no_host_traffic_in_steady_state(
 ) -> None:
     case = _case(2, layout, communicator, mode="longnet", return_lse=layout == "equal")
     _check(case, workers2.results(f"{TASKS}:counted_layer_calls", case))
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses", "hybrid"])
+def test_sinks_add_no_host_traffic_on_two_or_four_ranks(
+    workers2: Workers, workers4: Workers, communicator: str
+) -> None:
+    """Attention sinks, new values every call: merged on the device, no read, no collective."""
+    if communicator != "hybrid":
+        case = _case(2, "padding", communicator, mode="longnet", return_lse=True, sinks=True)
+        _check(case, workers2.results(f"{TASKS}:counted_layer_calls", case))
+    case = _case(4, "uneven", communicator, sinks=True)
+    _check(case, workers4.results(f"{TASKS}:counted_layer_calls", case))
 
 
 @pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses", "hybrid"])

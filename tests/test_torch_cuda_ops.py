@@ -67,12 +67,12 @@ def efficient_kernel() -> EfficientAttention:
 
 def test_torch_flash_conforms() -> None:
     report = check_kernel(_with(TORCH_FLASH_SPEC, flash_kernel), max_examples=12)
-    assert report.passed == CHECKS  # dropout included
+    assert report.passed == tuple(c for c in CHECKS if "softcap" not in c)  # dropout included
 
 
 def test_cudnn_conforms() -> None:
     report = check_kernel(_with(cudnn_spec(), cudnn_kernel), max_examples=12)
-    assert report.passed == CHECKS[:-1]  # no dropout declared
+    assert report.passed == tuple(c for c in CHECKS if "dropout" not in c and "softcap" not in c)
 
 
 @pytest.mark.parametrize("kernel", [flash_kernel, cudnn_kernel])

@@ -66,9 +66,9 @@ import attrs
 import torch
 
 from ringdilated.core import DilationPattern, HeadRun, Kernel, Mode, accumulation_dtype
-from ringdilated.core.call import check_bool, check_options
+from ringdilated.core.call import as_softcap, check_bool, check_options, check_sinks
 from ringdilated.core.plan import check_readable, read_padding, split_by_kv
-from ringdilated.core.run import effective_scale
+from ringdilated.core.run import effective_scale, merge_sinks
 from ringdilated.functional import attend
 from ringdilated.registry import default_resolver
 
@@ -210,6 +210,9 @@ class DilatedKVCache:
     the buffers; :meth:`reset` starts every row over at position 0 and keeps them (a call of
     another batch, head dim, dtype or device after a reset allocates new ones).
 
+    ``softcap``: the logit cap of :func:`ringdilated.dilated_attention` (``None``: none), applied
+    to every score of every step (the one-token step caps its scores on the device).
+
     ``kernel`` (``"auto"``, a known kernel's name or a Kernel) is checked on construction; it
     serves the steps of several tokens, whose results do not depend on it (up to the tolerance
     rule), so a module does not compare it (:meth:`bind`).
@@ -249,6 +252,7 @@ class DilatedKVCache:
         causal: bool = True,
         scale: float | None = None,
         kernel: str | Kernel = "auto",
+        softcap: float | None = None,
     ) -> None:
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -260,6 +264,7 @@ class DilatedKVCache:
         default_resolver().check_kernel_name(kernel)
         self.causal = check_bool("causal", causal)
         self.scale = scale
+        self.softcap = as_softcap(softcap)
         self.kernel = kernel
         self.num_heads, self.num_kv_heads = num_heads, kv_heads
         self._runs, self._entries, self._span = _runs(self.pattern, num_heads, kv_heads)
@@ -371,15 +376,17 @@ class DilatedKVCache:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype | None,
+        softcap: float | None = None,
     ) -> None:
         """Make this cache ``module``'s, or raise ``ValueError`` naming every field in which it
         does not fit ``module`` (both values) and the module that owns it.
 
         It fits when its pattern (``segment_lengths``, ``dilation_rates``, ``mode``),
-        ``causal``, effective scale (:func:`~ringdilated.core.run.local.effective_scale`) and head
-        counts are the module's; when, holding a sequence, that sequence's head dim, device and
-        (unless ``dtype`` is ``None``: not known before the projections, as under autocast)
-        dtype are the module's; and when it belongs to no module or to ``module``. A cache
+        ``causal``, ``softcap``, effective scale
+        (:func:`~ringdilated.core.run.local.effective_scale`) and head counts are the module's;
+        when, holding a sequence, that sequence's head dim, device and (unless ``dtype`` is
+        ``None``: not known before the projections, as under autocast) dtype are the module's;
+        and when it belongs to no module or to ``module``. A cache
         belongs to the first module bound to it for its whole life (``make_cache()`` binds
         the cache it makes; :meth:`reset` keeps the owner): a cache of identical configuration
         used by another module holds that module's keys and values (per-layer caches swapped),
@@ -391,6 +398,7 @@ class DilatedKVCache:
             ("dilation_rates", p.dilation_rates, given.dilation_rates),
             ("mode", p.mode, given.mode),
             ("causal", self.causal, causal),
+            ("softcap", self.softcap, softcap),
             ("scale", effective_scale(self.scale, head_dim), effective_scale(scale, head_dim)),
             ("num_heads", self.num_heads, num_heads),
             ("num_kv_heads", self.num_kv_heads, num_kv_heads),
@@ -403,8 +411,8 @@ class DilatedKVCache:
                 holds.append(("dtype", held.dtype, dtype))
         problems = []
         for fields, rule in (
-            (made, "a cache serves only a module of its pattern, mode, causality, scale and "
-                   "head counts: make it with the module's make_cache()"),
+            (made, "a cache serves only a module of its pattern, mode, causality, softcap, scale "
+                   "and head counts: make it with the module's make_cache()"),
             (holds, "the sequence it holds must be in the module's head dim, device and dtype: "
                     "reset() it to start another"),
         ):  # fmt: skip
@@ -462,13 +470,19 @@ class DilatedKVCache:
         return_lse: bool = False,
         *,
         key_padding_mask: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Add each row's next ``m`` tokens' keys and values and attend their queries: ``out``
         ``(B, m, H, D)`` (and ``lse`` ``(B, H, m)`` float32 with ``return_lse``).
 
         ``key_padding_mask`` ``(B, m)`` bool (``True`` = padding, one contiguous valid run per
         row), on the first call after construction or :meth:`reset` only: each row's prompt is
-        its valid tokens; padded positions give ``out = 0`` and ``lse = -inf``."""
+        its valid tokens; padded positions give ``out = 0`` and ``lse = -inf`` (with sinks,
+        ``lse = sinks[h]``).
+
+        ``sinks``: attention sinks ``(H,)``, :func:`ringdilated.dilated_attention`'s, checked as
+        it checks them (metadata only: a one-token step still reads nothing on the host) and
+        merged into every step's results once, in the accumulation dtype; differentiable."""
         shapes = self._step_shapes
         if (
             shapes is not None
@@ -480,18 +494,24 @@ class DilatedKVCache:
             and q.dtype == k.dtype == v.dtype == self._dtype
             and q.device == k.device == v.device == self._device
         ):
-            out, lse = self._step(q, k, v, return_lse)  # the steady state: no other checks
+            check_sinks(sinks, q)
+            out, lse = self._step(q, k, v, return_lse or sinks is not None)  # the steady state
         else:
             self._check(q, k, v, key_padding_mask)
+            check_sinks(sinks, q)
             if q.shape[1] == 1 and key_padding_mask is None and self._started:
-                out, lse = self._step(q, k, v, return_lse)
-            elif not self._started:
-                out, lse = self._prefill(q, k, v, key_padding_mask)
+                out, lse = self._step(q, k, v, return_lse or sinks is not None)
+            elif not self._started:  # a call of the library's: it merges the sinks itself
+                out, lse = self._prefill(q, k, v, key_padding_mask, sinks)
+                sinks = None
             else:
                 out, lse = self._chunk(q, k, v)
+        if sinks is not None:
+            assert lse is not None
+            out, lse = merge_sinks(out, lse, sinks)
         if return_lse:
             assert lse is not None
-            return out, lse
+            return out, lse.float()
         return out
 
     # -- the one-token step, on the device ------------------------------------------------------
@@ -529,7 +549,10 @@ class DilatedKVCache:
         )
         work = self._work
         query = q.reshape(batch, kv_heads, group, dim).to(work) * self._scale
-        scores = torch.matmul(query, keys.to(work)).masked_fill_(hidden, float("-inf"))
+        scores = torch.matmul(query, keys.to(work))
+        if self.softcap is not None:  # docs/spec.md, section 5: before the mask and softmax
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, -1)
         out = torch.matmul(probs, values.to(work))
         # A head that sees no key (none of its runs selects the position; none has a run of rate
@@ -543,7 +566,7 @@ class DilatedKVCache:
             lse = scores.amax(-1, keepdim=True) - probs.amax(-1, keepdim=True).log()
             if seen is not None:
                 lse = torch.where(seen, lse, float("-inf"))
-            lse = lse.view(batch, heads, 1).float()
+            lse = lse.view(batch, heads, 1)  # in the step's arithmetic (float64 for float64)
         positions.add_(1)
         return out.to(q.dtype).view(batch, 1, heads, dim), lse
 
@@ -555,9 +578,10 @@ class DilatedKVCache:
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None,
+        sinks: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first call: the prompt attended with the real pattern, then its last segments
-        written into the buffers."""
+        """The first call: the prompt attended with the real pattern (and ``sinks``), then its
+        last segments written into the buffers."""
         batch, m = q.shape[:2]
         self._allocate(k)
         assert self._positions is not None
@@ -572,6 +596,8 @@ class DilatedKVCache:
             kernel=self.kernel,
             key_padding_mask=key_padding_mask,
             return_lse=True,  # read (and differentiable): the caller may ask for it
+            softcap=self.softcap,
+            sinks=sinks,
         )
         if key_padding_mask is None:
             prompts = [(b, 0, 0, m) for b in range(batch)]
@@ -601,7 +627,8 @@ class DilatedKVCache:
             out, lse = self._chunk_rows(q, k, v, lengths[0], slice(None))
         else:
             out = q.new_zeros(batch, m, heads, dim)
-            lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
+            acc = accumulation_dtype(q.dtype)
+            lse = q.new_full((batch, heads, m), float("-inf"), dtype=acc)
             for position, members in groups.items():
                 rows = torch.tensor(members, device=q.device)
                 out[rows], lse[rows] = self._chunk_rows(q[rows], k[rows], v[rows], position, rows)
@@ -617,10 +644,12 @@ class DilatedKVCache:
         start: int,
         rows: slice | torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``rows`` of the buffers, all at position ``start``: their next tokens' attention."""
+        """Rows ``rows`` of the buffers, all at position ``start``: their next tokens' attention
+        (``lse`` in the accumulation dtype)."""
         assert self._keys is not None and self._values is not None
         batch, m, heads, dim = q.shape
-        lse = q.new_full((batch, heads, m), float("-inf"), dtype=torch.float32)
+        acc = accumulation_dtype(q.dtype)
+        lse = q.new_full((batch, heads, m), float("-inf"), dtype=acc)
         parts: list[tuple[_Run, list[int], torch.Tensor, torch.Tensor]] = []
         for run in self._runs:
             new = [p - start for p in run.selected(start, start + m)]  # columns of q, k, v
@@ -644,6 +673,7 @@ class DilatedKVCache:
                 kernel=self.kernel,
                 return_lse=True,  # read, and differentiated through the merge below
                 full_precision_lse=True,  # longnet merges it further
+                softcap=self.softcap,
             )
             parts.append((run, new, run_out, run_lse))
         if self.pattern.mode == "longnet":
@@ -652,7 +682,7 @@ class DilatedKVCache:
         for run, columns, run_out, run_lse in parts:
             h = run.heads
             out[:, columns, h.q_start : h.q_stop] = run_out
-            lse[:, h.q_start : h.q_stop, columns] = run_lse.float()
+            lse[:, h.q_start : h.q_stop, columns] = run_lse.to(acc)
         return out, lse
 
     @staticmethod
@@ -674,7 +704,7 @@ class DilatedKVCache:
         seen = torch.isneginf(total).logical_not()  # NaN and +inf stay: never "no key"
         weights = torch.where(seen, torch.exp(state - total.masked_fill(~seen, 0)), 0.0)
         merged = (outs * weights.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
-        return merged.to(q.dtype), total.float().where(seen, lse)
+        return merged.to(q.dtype), total.where(seen, lse)
 
     def _write(
         self, k: torch.Tensor, v: torch.Tensor, rows: list[tuple[int, int, int, int]]

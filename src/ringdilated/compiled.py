@@ -18,7 +18,9 @@ selective activation checkpointing and for CUDA graphs.
 
 Both re-find their plan from their arguments (a cached lookup), so a graph holds no Python state
 but the layout; the dropout seed is a tensor drawn in the graph, so each call draws new masks
-without recompiling (reading it is one read of a CPU scalar, never of the device).
+without recompiling (reading it is one read of a CPU scalar, never of the device). The call's
+attention sinks (``Tensor?``, after the seed) are an input like ``q``: their gradient is the
+backward op's fourth result (an empty tensor without sinks).
 """
 
 from __future__ import annotations
@@ -97,10 +99,12 @@ def _planned(
     causal: bool,
     scale: float | None,
     dropout_p: float,
+    softcap: float | None,
     kernel: str,
     communicator: str,
     return_lse: bool,
     backward: bool,
+    sinks: torch.Tensor | None,
     documents: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> CallPlan:
     """The plan of an op's call (:func:`~ringdilated.core.call.prepare.plan_for`) on ``layout``,
@@ -126,6 +130,8 @@ def _planned(
         "transfer_stats": _counted(stats),
         "cu_seqlens": documents[0],
         "key_padding_mask": documents[1],
+        "softcap": softcap,
+        "sinks": sinks,
     }
     per_call = layout is WHOLE_SEQUENCES and any(groups)
     group, on = (_process_layout(groups), None) if per_call else (None, layout)
@@ -147,11 +153,26 @@ def _fake_out(
 
 
 def _fake_grads(
-    dout: torch.Tensor, dlse: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *a: Any
+    dout: torch.Tensor,
+    dlse: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    sinks: torch.Tensor | None,
+    *a: Any,
 ) -> tuple[torch.Tensor, ...]:
     """The gradients are contiguous, whatever the strides of the inputs (a fake must give the
-    real strides, or inductor's generated code asserts)."""
-    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    real strides, or inductor's generated code asserts); the sinks' too, or an empty tensor."""
+    grads = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    return (*grads, _no_sinks(q) if sinks is None else torch.empty_like(sinks))
+
+
+def _no_sinks(q: torch.Tensor) -> torch.Tensor:
+    """The backward op's sink gradient for a call without sinks (an op returns a tensor)."""
+    return q.new_empty(0)
 
 
 def _define(
@@ -159,8 +180,9 @@ def _define(
 ) -> tuple[Any, Any]:
     """The op ``ringdilated::<name>`` running ``forward``, and its backward op
     ``ringdilated::<name>_backward`` running ``backward`` (both kept in :data:`IMPLEMENTATIONS`),
-    with their fakes and the op's autograd: the backward op on the saved ``q, k, v, seed, out,
-    lse`` and the op's other arguments but its last (``backward``), first-order only."""
+    with their fakes and the op's autograd: the backward op on the saved ``q, k, v, seed,
+    sinks, out, lse`` and the op's other arguments but its last (``backward``), first-order
+    only."""
     ops = []
     for suffix, function, fake in (("", forward, _fake_out), ("_backward", backward, _fake_grads)):
         qualified = f"ringdilated::{name}{suffix}"
@@ -170,15 +192,19 @@ def _define(
     op, backward_op = ops
 
     def setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-        q, k, v, seed, *arguments = inputs
-        ctx.save_for_backward(q, k, v, seed, *output)
+        q, k, v, seed, sinks, *arguments = inputs
+        ctx.save_for_backward(q, k, v, seed, sinks, *output)
         ctx.arguments = arguments[:-1]  # all but ``backward``
 
     def gradients(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> Any:
-        q, k, v, seed, out, lse = ctx.saved_tensors
+        q, k, v, seed, sinks, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout
-        grads = backward_op(dout, dlse, q, k, v, out, lse, seed, *ctx.arguments)
-        return (*first_order_only(grads, (q, k, v)), *(None,) * (len(ctx.arguments) + 2))
+        *grads, dsinks = backward_op(dout, dlse, q, k, v, out, lse, seed, sinks, *ctx.arguments)
+        rest = (None,) * (len(ctx.arguments) + 1)  # the other arguments and ``backward``
+        if sinks is None:
+            return (*first_order_only(grads, (q, k, v)), None, None, *rest)
+        *tied, dsinks = first_order_only((*grads, dsinks), (q, k, v, sinks))
+        return (*tied, None, dsinks, *rest)
 
     op.register_autograd(gradients, setup_context=setup)
     return op, backward_op
@@ -198,6 +224,7 @@ def _attention(
     k: torch.Tensor,
     v: torch.Tensor,
     seed: torch.Tensor,
+    sinks: torch.Tensor | None,
     layout: SequenceLayout,
     stats: TransferStats,
     group: str,
@@ -208,6 +235,7 @@ def _attention(
     causal: bool,
     scale: float | None,
     dropout_p: float,
+    softcap: float | None,
     kernel: str,
     communicator: str,
     return_lse: bool,
@@ -217,9 +245,9 @@ def _attention(
     docstring); everything is checked as an eager call checks it, on every rank."""
     _last.plan = plan = _planned(
         q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
-        causal, scale, dropout_p, kernel, communicator, return_lse, backward,
+        causal, scale, dropout_p, softcap, kernel, communicator, return_lse, backward, sinks,
     )  # fmt: skip
-    return execute(plan, q, k, v, _counted(stats), seed=seed)
+    return execute(plan, q, k, v, _counted(stats), seed=seed, sinks=sinks)
 
 
 def _attention_backward(
@@ -231,6 +259,7 @@ def _attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     seed: torch.Tensor,
+    sinks: torch.Tensor | None,
     layout: SequenceLayout,
     stats: TransferStats,
     group: str,
@@ -241,17 +270,21 @@ def _attention_backward(
     causal: bool,
     scale: float | None,
     dropout_p: float,
+    softcap: float | None,
     kernel: str,
     communicator: str,
     return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`_attention` (the same plan, the same masks)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)`` of :func:`_attention` (the same plan, the same masks)."""
     plan = _planned(
         q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
-        causal, scale, dropout_p, kernel, communicator, return_lse, True,
+        causal, scale, dropout_p, softcap, kernel, communicator, return_lse, True, sinks,
     )  # fmt: skip
     dlse = dlse if return_lse else None
-    return execute_backward(plan, dout, dlse, q, k, v, out, lse, seed, _counted(stats))
+    *grads, dsinks = execute_backward(
+        plan, dout, dlse, q, k, v, out, lse, seed, _counted(stats), sinks
+    )
+    return (*grads, _no_sinks(q) if dsinks is None else dsinks)  # type: ignore[return-value]
 
 
 attention_op, attention_backward_op = (
@@ -298,6 +331,7 @@ def _dilated_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     seed: torch.Tensor,
+    sinks: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     segment_lengths: list[int],
@@ -306,6 +340,7 @@ def _dilated_attention(
     causal: bool,
     scale: float,
     dropout_p: float,
+    softcap: float | None,
     kernel: str,
     backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,9 +349,10 @@ def _dilated_attention(
     as in an eager call without a layout."""
     plan = _planned(
         q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
-        scale, dropout_p, kernel, "auto", False, backward, (cu_seqlens, key_padding_mask),
+        scale, dropout_p, softcap, kernel, "auto", False, backward, sinks,
+        (cu_seqlens, key_padding_mask),
     )  # fmt: skip
-    return execute(plan, q, k, v, seed=seed)
+    return execute(plan, q, k, v, seed=seed, sinks=sinks)
 
 
 def _dilated_attention_backward(
@@ -328,6 +364,7 @@ def _dilated_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     seed: torch.Tensor,
+    sinks: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     segment_lengths: list[int],
@@ -336,9 +373,11 @@ def _dilated_attention_backward(
     causal: bool,
     scale: float,
     dropout_p: float,
+    softcap: float | None,
     kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`dilated_attention_op` (the same kernel, the same masks).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dsinks)`` of :func:`dilated_attention_op` (the same kernel, the same
+    masks).
 
     The op always returns the lse, so autograd hands this backward a ``dlse`` of zeros whenever
     the lse's gradient is not used: the lse pass (one more kernel backward per block, or the
@@ -346,10 +385,12 @@ def _dilated_attention_backward(
     nonzero entry (read on the host: this op reads it anyway)."""
     plan = _planned(
         q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
-        scale, dropout_p, kernel, "auto", False, True, (cu_seqlens, key_padding_mask),
+        scale, dropout_p, softcap, kernel, "auto", False, True, sinks,
+        (cu_seqlens, key_padding_mask),
     )  # fmt: skip
     dlse = dlse if dlse is not None and bool(dlse.any()) else None
-    return execute_backward(plan, dout, dlse, q, k, v, out, lse, seed)
+    *grads, dsinks = execute_backward(plan, dout, dlse, q, k, v, out, lse, seed, sinks=sinks)
+    return (*grads, _no_sinks(q) if dsinks is None else dsinks)  # type: ignore[return-value]
 
 
 dilated_attention_op, dilated_attention_backward_op = _define(

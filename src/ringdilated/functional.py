@@ -42,6 +42,7 @@ from ringdilated.core.call import (
     execute,
     group_size,
     plan_for,
+    wants_gradients,
 )
 from ringdilated.core.run import effective_scale
 from ringdilated.core.select import autocast_inputs
@@ -73,6 +74,8 @@ def attend(
     layout: object = None,
     full_precision_lse: bool = False,
     lse_needed: bool = True,
+    softcap: object = None,
+    sinks: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
     the call's :class:`~ringdilated.core.call.prepare.CallPlan` (``full_precision_lse``: the lse in
@@ -102,6 +105,8 @@ def attend(
         transfer_stats=transfer_stats,
         cu_seqlens=cu_seqlens,
         key_padding_mask=key_padding_mask,
+        softcap=softcap,
+        sinks=sinks,
     )
     compiling = torch.compiler.is_compiling()
     routed = None
@@ -143,12 +148,12 @@ def _plain(x: object) -> bool:
     """Whether ``x`` is a dense tensor with data: what reaches the op's own implementation on
     every rank (a nested, sparse or meta tensor would be dispatched elsewhere on its rank alone,
     stranding its peers: the eager path rejects it on every rank)."""
-    return (
-        type(x) is torch.Tensor
-        and not x.is_nested
-        and x.layout == torch.strided
-        and x.device.type != "meta"
-    )
+    return type(x) is torch.Tensor and _dense_data(x)
+
+
+def _dense_data(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a tensor or a subclass such as ``nn.Parameter``) is dense, with data."""
+    return not x.is_nested and x.layout == torch.strided and x.device.type != "meta"
 
 
 def _attend_op(
@@ -169,7 +174,7 @@ def _attend_op(
     does, on every rank. Returns the plan too in eager mode (for ``explain()``)."""
     kernel, communicator = options["kernel"], options["communicator"]
     scale, dropout_p = options["scale"], options["dropout_p"]
-    causal, return_lse = options["causal"], options["return_lse"]
+    causal, return_lse, softcap = options["causal"], options["return_lse"], options["softcap"]
     cu_seqlens, key_padding_mask = options["cu_seqlens"], options["key_padding_mask"]
     documents = cu_seqlens is not None or key_padding_mask is not None
     if not (isinstance(kernel, str) and isinstance(communicator, str) and resolver is None):
@@ -180,15 +185,21 @@ def _attend_op(
         return None
     if type(dropout_p) not in (int, float):
         return None
+    if softcap is not None and type(softcap) not in (int, float):
+        return None
+    sinks = options["sinks"]
+    if sinks is not None and not (isinstance(sinks, torch.Tensor) and _dense_data(sinks)):
+        return None
     fields = _op_pattern(pattern)
     if fields is None or not (compiling or all(_plain(x) for x in (q, k, v))):
         return None
     stats = options["transfer_stats"]
     if stats is not None and not isinstance(stats, TransferStats):
         return None
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    backward = wants_gradients(q, k, v, sinks)
     dropout = float(dropout_p)  # type: ignore[arg-type]
     scale_value = None if scale is None else float(scale)  # type: ignore[arg-type]
+    cap = None if softcap is None else float(softcap)  # type: ignore[arg-type]
     if layout is None and process_group is None and documents:
         given = (cu_seqlens, key_padding_mask)
         if not compiling or any(x is not None and not isinstance(x, torch.Tensor) for x in given):
@@ -198,12 +209,14 @@ def _attend_op(
             k,
             v,
             _seed(dropout),
+            sinks,
             cu_seqlens,
             key_padding_mask,
             *fields,
             causal,
             effective_scale(scale_value, q.shape[-1]),
             dropout,
+            cap,
             kernel,
             backward,
         )
@@ -225,6 +238,7 @@ def _attend_op(
         k,
         v,
         _seed(dropout),
+        sinks,
         layout,
         stats if stats is not None else NO_STATS,
         *group_names(group),
@@ -232,6 +246,7 @@ def _attend_op(
         causal,
         scale_value,
         dropout,
+        cap,
         kernel,
         communicator,
         return_lse,
@@ -260,7 +275,10 @@ def _attend_eager(
     plan = plan_for(
         pattern, q, k, v, arguments, resolver or default_resolver, process_group, layout
     )
-    out, lse = execute(plan, q, k, v, arguments["transfer_stats"], lse_needed=lse_needed)
+    sinks = arguments["sinks"]
+    assert sinks is None or isinstance(sinks, torch.Tensor)  # plan_for checked it
+    stats = arguments["transfer_stats"]
+    out, lse = execute(plan, q, k, v, stats, lse_needed=lse_needed, sinks=sinks)
     return out, lse, plan
 
 
@@ -284,6 +302,8 @@ def dilated_attention(
     cu_seqlens: torch.Tensor | None = ...,
     key_padding_mask: torch.Tensor | None = ...,
     layout: SequenceLayout | None = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -307,6 +327,8 @@ def dilated_attention(
     cu_seqlens: torch.Tensor | None = ...,
     key_padding_mask: torch.Tensor | None = ...,
     layout: SequenceLayout | None = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -329,6 +351,8 @@ def dilated_attention(
     cu_seqlens: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     layout: SequenceLayout | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention over ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``.
 
@@ -340,6 +364,26 @@ def dilated_attention(
       using pattern ``i`` at offset ``i % r_i``; unselected positions give ``0`` (no ``1/G``
       factor). ``mode="longnet"``: every head uses every pattern, mixed by softmax denominators.
     - ``causal``: keys after the query are hidden. ``scale`` defaults to ``1/sqrt(D)``.
+    - ``softcap``: logit softcapping (docs/spec.md, section 5): every score ``s = scale * q . k``
+      becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2's attention), with
+      gradients through it; a positive finite number, or ``None`` (no cap). Only kernels that
+      declare it serve it (``Capabilities.softcap``: ``reference`` and ``flex`` here; ``sdpa``
+      does not, and ``explain()`` says so), so on CPU ``"auto"`` falls to ``reference`` (with
+      a :class:`~ringdilated.SlowFeatureWarning` once: pass ``kernel="reference"`` to choose
+      it knowingly).
+    - ``sinks``: attention sinks (docs/spec.md, section 5; gpt-oss's): a tensor ``(H,)``, one
+      logit per query head, that joins every query's softmax denominator with a zero value,
+      ``lse = log(sum exp(score) + exp(sinks[h]))`` (in ``longnet`` mode once per query, over
+      the union of the patterns), ``out`` scaled down to match; a query that sees no key (and a
+      padded position) then gets ``out = 0`` and ``lse = sinks[h]``. Gradients flow to
+      ``sinks`` as to ``q``, ``k``, ``v``. float32 (float16 and bfloat16 are widened exactly,
+      so a module in half precision may keep them so; float64 only with float64 inputs, as a
+      float32 merge would round it), exactly ``(H,)`` (never broadcast), on ``q``'s device;
+      anything else raises before any work. Every kernel serves them: they are merged once
+      per query after the call's own lse is final, on the device, with no host read and no
+      collective. On a process group every rank passes the same sinks (shape and dtype are
+      agreed, values are not read: keep them equal, as any parameter); each rank's gradient
+      is its positions' share, summed across ranks like every parameter's.
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
     - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
@@ -410,5 +454,7 @@ def dilated_attention(
         key_padding_mask=key_padding_mask,
         layout=layout,
         lse_needed=return_lse is True,
+        softcap=softcap,
+        sinks=sinks,
     )
     return (out, lse) if return_lse else out

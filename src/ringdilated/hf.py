@@ -62,8 +62,13 @@ tokens are not one run, both named in its convention; a static or sliding-window
 (the queries must be the last positions of the keys: use the default dynamic cache); a custom
 4-D mask; any mask function other than those above (sliding windows, chunked, prefix or
 bidirectional overlays, or one it does not recognise: the error names how it was built, e.g.
-``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``,
-``softcap`` and attention sinks (``s_aux``).
+``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``.
+
+A model's logit cap (``softcap=``, Gemma 2's ``attn_logit_softcapping``) and attention sinks
+(``s_aux=``, gpt-oss's ``sinks`` parameter, one logit per query head) are passed on as
+:func:`ringdilated.dilated_attention`'s ``softcap`` and ``sinks`` (transformers 5.23:
+``models/gemma2/modeling_gemma2.py`` and ``models/gpt_oss/modeling_gpt_oss.py`` pass them to
+the attention function by these names).
 """
 
 from __future__ import annotations
@@ -360,7 +365,7 @@ def _what(mask: object) -> str:
 
 def _features(config: object, kwargs: dict[str, Any]) -> dict[str, object]:
     """:func:`dilated_attention`'s keyword arguments for the attention features a model passes
-    beside the mask; none is served yet, so each raises ``ValueError`` naming it.
+    beside the mask: ``softcap`` and ``sinks`` served; a sliding window still refused.
 
     How transformers 5.23 passes them, each per layer as a keyword of the attention call, and
     what each becomes once ``dilated_attention`` takes ``window=``, ``softcap=``, ``sinks=``
@@ -390,16 +395,13 @@ def _features(config: object, kwargs: dict[str, Any]) -> dict[str, object]:
       joins each query's denominator once with a zero value: ``sinks=s_aux.float()`` (a
       differentiable cast, float32 as ``sinks=`` takes).
     """
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation={NAME!r} does not support {name}")
     window = getattr(config, "sliding_window", None)
     if window is not None:
         raise ValueError(
             f"attn_implementation={NAME!r} does not combine with config.sliding_window "
             f"({window}); the dilation pattern bounds what a query sees"
         )
-    return {}
+    return {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
 
 
 def attention_forward(

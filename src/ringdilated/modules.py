@@ -17,6 +17,7 @@ from ringdilated.core.call import (
     agree,
     agreed,
     as_process_group,
+    as_softcap,
     check_bool,
     check_options,
     group_size,
@@ -34,7 +35,11 @@ class DilatedAttention(nn.Module):
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
     semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens``,
     ``key_padding_mask``, ``layout`` (whose process group must be the module's) and query
-    suffix. ``dropout`` applies in training mode only.
+    suffix. ``dropout`` applies in training mode only. ``softcap``: the logit cap of every call
+    (:func:`ringdilated.dilated_attention`'s; ``None``: none), checked at construction.
+    ``forward(..., sinks=)``: attention sinks ``(H,)`` for that call (the functional
+    ``sinks``); this module owns no parameters, so a module that learns them holds them
+    (:class:`~ringdilated.MultiheadDilatedAttention` ``(sinks=True)`` does).
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
@@ -70,10 +75,12 @@ class DilatedAttention(nn.Module):
         kernel: str | Kernel = "auto",
         process_group: object = None,
         communicator: str | Communicator = "auto",
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
+        self.softcap = as_softcap(softcap)
         self.causal = check_bool("causal", causal)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
@@ -100,6 +107,7 @@ class DilatedAttention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
         layout: SequenceLayout | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, lse, call = attend(
             self.pattern,
@@ -117,6 +125,8 @@ class DilatedAttention(nn.Module):
             key_padding_mask=key_padding_mask,
             layout=layout,
             lse_needed=return_lse is True,
+            softcap=self.softcap,
+            sinks=sinks,
         )
         # None under torch.compile, where the op resolves in the graph; the same plan object in
         # steady state (nn.Module's __setattr__ costs microseconds: skip it then).
@@ -168,4 +178,5 @@ class DilatedAttention(nn.Module):
         return (
             f"segment_lengths={p.segment_lengths}, dilation_rates={p.dilation_rates}, "
             f"mode={p.mode!r}, causal={self.causal}, dropout={self.dropout}, kernel={self.kernel!r}"
+            + ("" if self.softcap is None else f", softcap={self.softcap}")
         )

@@ -100,6 +100,19 @@ class MultiheadDilatedAttention(AutoDtype):
     applied to ``q`` and ``k`` after the projections, with positions counted from each document's
     start (padding and packed documents restart at 0; on a process group, global positions; with
     a cache, from each row's position in it, on the device). See :mod:`ringdilated.rotary`.
+
+    ``softcap``: logit softcapping, ``softcap * tanh(score / softcap)`` on every score
+    (:func:`ringdilated.dilated_attention`'s; Gemma 2 uses 50.0), in every call and in decoding
+    with :meth:`make_cache`.
+
+    ``sinks=True``: learnable attention sinks, as in gpt-oss: a parameter ``sinks``
+    ``(num_heads,)``, one logit per query head, joining every query's softmax denominator with
+    a zero value (:func:`ringdilated.dilated_attention`'s ``sinks``), in every call and in
+    decoding. It is made in the parameters' dtype and follows their conversions (the call
+    widens float16 and bfloat16 exactly to float32) and starts at 0 (as if each query had one
+    more key of score 0 and value 0; :meth:`reset_parameters`). On a process group its gradient
+    on each rank is that rank's positions' share: reduce it across the ranks as every other
+    parameter's (data or context parallelism does). ``sinks=False`` (default): no parameter.
     """
 
     def __init__(
@@ -123,6 +136,8 @@ class MultiheadDilatedAttention(AutoDtype):
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
         rotary: Rotary | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if rotary is not None and not callable(rotary):
@@ -137,7 +152,8 @@ class MultiheadDilatedAttention(AutoDtype):
         kv_heads = num_heads if num_kv_heads is None else positive_int("num_kv_heads", num_kv_heads)
         if num_heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({num_heads})")
-        for name, flag in (("bias", bias), ("layer_norm", layer_norm), ("causal", causal)):
+        flags = (("bias", bias), ("layer_norm", layer_norm), ("causal", causal), ("sinks", sinks))
+        for name, flag in flags:
             check_bool(name, flag)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, kv_heads
         self.head_dim = embed_dim // num_heads
@@ -150,6 +166,7 @@ class MultiheadDilatedAttention(AutoDtype):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory) if layer_norm else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.sinks = nn.Parameter(torch.empty(num_heads, **factory)) if sinks else None
         self.attention = DilatedAttention(
             segment_lengths,
             dilation_rates,
@@ -159,6 +176,7 @@ class MultiheadDilatedAttention(AutoDtype):
             kernel=kernel,
             process_group=process_group,
             communicator=communicator,
+            softcap=softcap,
         )
         self.reset_parameters()
 
@@ -181,6 +199,8 @@ class MultiheadDilatedAttention(AutoDtype):
                 nn.init.zeros_(proj.bias)
         if self.norm is not None:
             self.norm.reset_parameters()
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     _checked_call: tuple[object, ...] = ()
     """What :meth:`_check_cache_first` has checked, which :meth:`forward` then does not check."""
@@ -254,11 +274,12 @@ class MultiheadDilatedAttention(AutoDtype):
             # rank: the peers are waiting in that agreement.
             self.attention.reject(error, layout)
         if cache is not None:
-            out = cache.attend(q, k, v, key_padding_mask=key_padding_mask)
+            out = cache.attend(q, k, v, key_padding_mask=key_padding_mask, sinks=self.sinks)
         else:
             out = self.attention(
-                q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask, layout=layout
-            )
+                q, k, v, cu_seqlens=cu_seqlens, key_padding_mask=key_padding_mask, layout=layout,
+                sinks=self.sinks,
+            )  # fmt: skip
         assert isinstance(out, torch.Tensor)
         out = out.reshape(b, length, self.embed_dim)
         if self.norm is not None:
@@ -342,6 +363,7 @@ class MultiheadDilatedAttention(AutoDtype):
             causal=a.causal,
             scale=a.scale,
             kernel=a.kernel,
+            softcap=a.softcap,
         )
         self._bind_cache(cache)
         return cache
@@ -359,6 +381,7 @@ class MultiheadDilatedAttention(AutoDtype):
             pattern=a.pattern,
             causal=a.causal,
             scale=a.scale,
+            softcap=a.softcap,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
@@ -402,4 +425,5 @@ class MultiheadDilatedAttention(AutoDtype):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, gamma_init={self.gamma_init}"
+            + (", sinks=True" if self.sinks is not None else "")
         )

@@ -39,7 +39,9 @@ class DilatedTransformerBlock(AutoDtype):
     ``rotary``: rotary position embeddings for the attention's ``q`` and ``k`` (see
     :class:`~ringdilated.MultiheadDilatedAttention` and :mod:`ringdilated.rotary`).
     ``dtype="auto"`` is the block's, decided once for all its parameters, the attention's
-    included (see :mod:`ringdilated.auto_dtype`).
+    included (see :mod:`ringdilated.auto_dtype`). ``softcap``: the attention's logit cap;
+    ``sinks=True``: its learnable attention sinks, ``attn.sinks`` (see
+    :class:`~ringdilated.MultiheadDilatedAttention`).
     """
 
     def __init__(
@@ -62,6 +64,8 @@ class DilatedTransformerBlock(AutoDtype):
         device: torch.device | str | None = None,
         dtype: torch.dtype | Literal["auto"] | None = "auto",
         rotary: Rotary | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         embed_dim = positive_int("embed_dim", embed_dim)
@@ -87,6 +91,8 @@ class DilatedTransformerBlock(AutoDtype):
             device=device,
             dtype=factory["dtype"],
             rotary=rotary,
+            softcap=softcap,
+            sinks=sinks,
         )
         self.ffn_norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps, **factory)
         up = nn.Linear(embed_dim, ffn_dim, **factory)

@@ -13,6 +13,12 @@ tables of the block grid's shape, every entry a valid block number (the kernels 
 first entry even when it lists none), no block both partial and full, lengths equal to
 ``seq_lengths``. Anything else (``block_mask.mask_mod`` alone, as the tests' dense references
 pass) is evaluated densely.
+
+A ``score_mod`` is applied as the kernels apply it (torch 2.13,
+``torch/_inductor/kernel/flex/templates/common.py.jinja``: ``qk *= SM_SCALE``, then the
+``score_mod`` on every score with its ``(b, h, q_idx, kv_idx)``, then the ``mask_mod`` sets
+hidden scores to ``-inf``), and differentiated by autograd, as the kernels' joint graph
+differentiates it.
 """
 
 from __future__ import annotations
@@ -77,12 +83,16 @@ def math_flex_attention(
     *,
     return_aux=None,
 ):  # type: ignore[no-untyped-def]
-    assert score_mod is None and not return_lse and return_aux.lse
+    assert not return_lse and return_aux.lse
     assert enable_gqa == (query.shape[1] != key.shape[1]), "enable_gqa must match the heads"
     assert query.shape[-2] == (query.shape[-2] if block_mask is None else block_mask.shape[-2])
     group = query.shape[1] // key.shape[1]
     kd, vd = (x.double().repeat_interleave(group, 1) for x in (key, value))
     s = query.double() @ kd.transpose(-1, -2) * scale
+    if score_mod is not None:
+        index = [torch.arange(n).view([-1 if i == d else 1 for i in range(4)]) for d, n in
+                 enumerate(s.shape)]  # fmt: skip
+        s = score_mod(s, *index).double()
     if isinstance(block_mask, BlockMask):
         visible = kernel_visibility(block_mask, query.shape[-2], key.shape[-2])
         s = s.masked_fill(~visible, float("-inf"))

@@ -12,6 +12,13 @@ coarser than the exact math is ``P @ V``: a hidden key's weight is an exact zero
 is NaN, so a non-finite value can reach the rows of its own problem that do not see it (the
 kernel contract allows that; fused kernels do the same). NaN never crosses problems.
 
+Softcapping (``options.softcap``, docs/spec.md, section 5): every score ``s = scale * q . k``
+becomes ``c * tanh(s / c)`` before the mask and the softmax, and the backward multiplies each
+score's gradient by the cap's derivative, ``1 - tanh(s / c)^2``, before scaling it (both
+recomputed per tile from ``q`` and ``k``). A score beyond the cap saturates at ``+-c`` with a
+derivative that goes to 0, as the exact math's does; an infinite score (an infinite ``q`` or
+``k``) is capped to ``+-c`` as the exact math caps it.
+
 Memory: scores are computed a tile of query rows at a time, at most ``TILE_ELEMENTS`` of them
 when one query row of every problem fits (``N x H x Lk <= TILE_ELEMENTS``), else one row at a
 time (no ``Lq x Lk`` matrix per problem is ever held whole).
@@ -63,14 +70,29 @@ def _tiles(q: torch.Tensor, k_len: int) -> list[slice]:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, visible: torch.Tensor | None
-) -> torch.Tensor:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    options: BlockOptions,
+    visible: torch.Tensor | None,
+    *,
+    slope: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(scores, derivative)``: the scores of ``q`` against ``k`` in the accumulation dtype
+    (``scale * q . k``, capped when ``options.softcap`` is set, ``-inf`` where a key is hidden)
+    and, asked for with ``slope`` under a cap, each capped score's derivative by its uncapped
+    one, ``1 - tanh(s / c)^2`` (else ``None``)."""
     dtype = accumulation_dtype(q.dtype)
     kd = repeat_kv(k, q.shape[1]).to(dtype)
-    scores = torch.matmul(q.to(dtype), kd.transpose(-1, -2)) * scale
+    scores = torch.matmul(q.to(dtype), kd.transpose(-1, -2)) * options.scale
+    derivative = None
+    if options.softcap is not None:
+        tanh = torch.tanh(scores / options.softcap)
+        scores = tanh * options.softcap
+        if slope:
+            derivative = 1.0 - tanh * tanh
     if visible is not None:  # where, not an added mask: a NaN score of a hidden key goes too
         scores = torch.where(visible, scores, scores.new_full((), float("-inf")))
-    return scores
+    return scores, derivative
 
 
 def _probabilities(
@@ -104,7 +126,7 @@ def forward(
     lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
     for rows in _tiles(q, k.shape[-2]):
         seen = None if visible is None else visible[rows]
-        scores = _scores(q[..., rows, :], k, options.scale, seen)
+        scores, _ = _scores(q[..., rows, :], k, options, seen)
         lse[..., rows] = torch.logsumexp(scores, dim=-1)
         p = _probabilities(scores, lse[..., rows], seen)
         if drop is not None:
@@ -135,7 +157,8 @@ def backward(
     for rows in _tiles(q, k.shape[-2]):
         seen = None if visible is None else visible[rows]
         qr = q[..., rows, :]
-        p = _probabilities(_scores(qr, k, options.scale, seen), lse[..., rows], seen)
+        scores, slope = _scores(qr, k, options, seen, slope=True)
+        p = _probabilities(scores, lse[..., rows], seen)
         do = dout[..., rows, :].to(dtype)
         dp = torch.matmul(do, values.transpose(-1, -2))
         p_used = p if drop is None else p * drop[..., rows, :]
@@ -143,6 +166,8 @@ def backward(
             dp = dp * drop[..., rows, :]
         delta = (do * out[..., rows, :].to(dtype)).sum(-1, keepdim=True)
         ds = p * (dp - delta) * options.scale
+        if slope is not None:  # through the cap: d(c * tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            ds = ds * slope
         if seen is not None:
             ds = torch.where(seen, ds, ds.new_zeros(()))
         dq[..., rows, :] = torch.matmul(ds, keys)

@@ -30,6 +30,17 @@ silently runs the unfused eager path, which materialises every score. So:
 - if the limit is hit anyway, the call runs uncompiled and :class:`FlexFallbackWarning` says so,
   once per kernel; ``uncompiled_calls`` counts them.
 
+Softcapping (``BlockOptions.softcap``, docs/spec.md, section 5) is a ``score_mod``,
+``cap * tanh(score / cap)``: FlexAttention hands it the score already multiplied by ``scale``
+and applies the ``mask_mod`` after it, forward and backward, and differentiates it for the
+backward (its joint graph: torch 2.13, ``torch/_inductor/kernel/flex/templates/common.py.jinja``
+and ``flex_backwards.py.jinja``, ``qk *= SM_SCALE`` then the score_mod, then ``grad_scores``
+through it; ``torch/_higher_order_ops/flex_attention.py``, ``_math_attention_inner`` and
+``sdpa_dense_backward``, the same on CPU). Like the masks, every cap shares one code closing
+over a 0-dim tensor of the cap (in the accumulation dtype, never requiring a gradient: no
+captured-buffer gradient, so no atomic add), cached per (cap, device, dtype), so a compiled
+FlexAttention serves every cap without a guard on its value.
+
 Declared, not discovered:
 
 - CUDA: the compiled kernel, forward and backward; the limit on problems times key/value heads
@@ -79,7 +90,14 @@ from ringdilated.core import (
 )
 from ringdilated.core.support.caller import user_stacklevel
 
-__all__ = ["FLEX_SPEC", "FlexFallbackWarning", "FlexKernel", "compile_flex", "offset_mask"]
+__all__ = [
+    "FLEX_SPEC",
+    "FlexFallbackWarning",
+    "FlexKernel",
+    "compile_flex",
+    "offset_mask",
+    "softcap_score",
+]
 
 Attention = Callable[..., tuple[torch.Tensor, Any]]
 Compile = Callable[[Attention], Attention]
@@ -115,6 +133,22 @@ def offset_mask(offset: torch.Tensor) -> Callable[..., Any]:
     return visible
 
 
+def softcap_score(cap: torch.Tensor) -> Callable[..., Any]:
+    """The ``score_mod`` for a logit cap: ``cap * tanh(score / cap)``, ``cap`` a 0-dim tensor.
+    Every cap shares this code (as every mask shares :func:`offset_mask`'s)."""
+
+    def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return cap * torch.tanh(score / cap)
+
+    return capped
+
+
+@functools.lru_cache(maxsize=64)
+def _softcap_score(cap: float, device: str, dtype: torch.dtype) -> Callable[..., Any]:
+    """The cached ``score_mod`` of ``cap`` on ``device``, its tensor in ``dtype`` (the scores')."""
+    return softcap_score(torch.full((), cap, dtype=dtype, device=device))  # a fill: no host copy
+
+
 def _block_mask(
     q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize = DEFAULT_BLOCK_SIZE
 ) -> Any:
@@ -140,6 +174,25 @@ def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
         for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
         if hasattr(exc, name)
     )
+
+
+def _distinct(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` and ``v`` as tensor objects distinct from ``q`` and each other (a view where one
+    is passed twice, as in self-attention called with ``(x, x, x)``). FlexAttention runs under
+    dynamo, whose guards require its tensor arguments to be distinct objects; when that guard
+    fails against a cached graph whose ``score_mod`` closed over a tensor and the new call's
+    ``score_mod`` has no closure (a capped call, then an uncapped one with ``(x, x, x)``),
+    torch 2.13 raises a ``TypeError`` while wording the recompile's reason
+    (``torch/_dynamo/guards.py``, ``recompilation_reason_for_no_tensor_aliasing_guard``
+    evaluates ``args[3].__closure__[0]`` of the new call). The driver's calls always pass
+    distinct views; a direct call may not."""
+    if k is q:
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
+    return k, v
 
 
 class FlexKernel:
@@ -202,10 +255,16 @@ class FlexKernel:
         if options.needs_mask(q_len, k_len):
             assert options.window.right is not None
             mask = _block_mask(q_len, k_len, options.window.right, str(q.device), self._block_size)
+        score_mod = None
+        if options.softcap is not None:
+            dtype = accumulation_dtype(q.dtype)
+            score_mod = _softcap_score(options.softcap, str(q.device), dtype)
         gqa = q.shape[1] != k.shape[1]
+        k, v = _distinct(q, k, v)
         out, aux = self._call(
-            q, k, v, block_mask=mask, scale=options.scale, enable_gqa=gqa, return_aux=self._aux
-        )
+            q, k, v, score_mod=score_mod, block_mask=mask, scale=options.scale, enable_gqa=gqa,
+            return_aux=self._aux,
+        )  # fmt: skip
         return out, aux.lse
 
     def forward(
@@ -271,6 +330,7 @@ FLEX_SPEC = KernelSpec(
         backward=True,
         dropout=False,
         gqa=True,
+        softcap=True,
         deterministic=True,
         batch_limit=BatchLimit(
             problems=GRID_LIMIT,
@@ -280,5 +340,5 @@ FLEX_SPEC = KernelSpec(
     ),
     priority=-10,
     priority_rules=(PriorityRule(20, "cuda"),),
-    description="FlexAttention with the causal offset as a block mask",
+    description="FlexAttention with the causal offset as a block mask, softcap as a score_mod",
 )

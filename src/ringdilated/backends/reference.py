@@ -61,8 +61,11 @@ REFERENCE_SPEC = KernelSpec(
         backward=True,
         dropout=True,
         gqa=True,
+        softcap=True,
         deterministic=True,  # plain torch ops, each deterministic under torch's switch
     ),
     priority=0,
-    description="plain PyTorch math; O(L^2) memory per block; CPU, CUDA, ROCm; any dtype; dropout",
+    description=(
+        "plain PyTorch math; O(L^2) memory per block; CPU, CUDA, ROCm; any dtype; dropout; softcap"
+    ),
 )

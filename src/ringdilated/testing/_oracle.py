@@ -374,7 +374,7 @@ def oracle(
     Same arguments and return convention as :func:`ringdilated.dilated_attention` (no dropout;
     documents, padding and a query suffix included), results in float64; and section 5's key
     ``window`` ``(left, right)``, ``softcap`` and per-head ``sinks`` (see
-    :func:`dense_attention`), which the library's calls do not take yet.
+    :func:`dense_attention`); the library's calls take ``softcap`` and ``sinks`` too.
     """
     out, lse = dense_attention(
         q,

@@ -6,18 +6,21 @@ give every rank exactly what one process computes (the ``local`` path) for its s
     report = check_communicator("mycomm", pools={2: pool}) # reuse a test session's pool
 
 Hypothesis draws whole problems (pattern, mode, causal, heads, grouped-query heads, dtype,
-scale, packed documents or padded rows, equal or uneven shards) and each rank runs its shard
-through ``dilated_attention(..., communicator=name)``.
+scale, packed documents or padded rows, equal or uneven shards, attention sinks, and a logit cap
+where the kernel declares one) and each rank runs its shard through
+``dilated_attention(..., communicator=name)``.
 Check ``matches-local``: each rank's ``out``, ``lse`` and the gradients of a loss through both
 meet the tolerance rule (docs/spec.md, section 4) against the float64 oracle with the
 single-process result's own error as the allowance, i.e. the communicator adds nothing
-measurable to what ``local`` does. A communicator may decline a problem it cannot move exactly
+measurable to what ``local`` does; with sinks, so does their gradient summed over the ranks
+(each rank's is its positions' share). A communicator may decline a problem it cannot move exactly
 (a :class:`ResolutionError` with reasons), but then every rank must decline it alike; declining
 every drawn problem fails.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +40,7 @@ __all__ = [
     "COMMUNICATOR_CHECKS",
     "CommunicatorReport",
     "case_inputs",
+    "case_sinks",
     "check_communicator",
     "communicator_cases",
     "grid_shape",
@@ -58,9 +62,13 @@ class CommunicatorReport:
 
 
 @st.composite
-def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
+def communicator_cases(
+    draw: st.DrawFn, world: int, *, sinks: bool = False, softcap: bool = False
+) -> dict[str, Any]:
     """A whole problem for ``world`` ranks as a picklable dict (see :func:`case_inputs`); its
-    ``shard_lengths`` are equal or not (each rank holds at least one position)."""
+    ``shard_lengths`` are equal or not (each rank holds at least one position). ``sinks``:
+    half the problems have attention sinks (``case['sinks']``, one logit per query head,
+    :func:`case_sinks`); ``softcap``: half have a logit cap (``case['softcap']``)."""
     equal = draw(st.booleans())
     if equal:
         shard_lengths = [draw(st.integers(1, 10))] * world
@@ -103,7 +111,23 @@ def communicator_cases(draw: st.DrawFn, world: int) -> dict[str, Any]:
         "scale": draw(st.none() | st.floats(0.1, 1.0)),
         "cu_seqlens": documents,
         "valid_runs": padding,
+        "sinks": _sinks(draw, heads) if sinks and draw(st.booleans()) else None,
+        "softcap": draw(st.floats(0.5, 10.0)) if softcap and draw(st.booleans()) else None,
     }
+
+
+def _sinks(draw: st.DrawFn, heads: int) -> list[float]:
+    """One logit per head, from well below to well above a typical lse."""
+    return [draw(st.floats(-4.0, 6.0)) for _ in range(heads)]
+
+
+def case_sinks(case: Mapping[str, Any]) -> torch.Tensor | None:
+    """The case's attention sinks as a fresh leaf requiring a gradient (float64 for a float64
+    case, else float32), or ``None``."""
+    if case.get("sinks") is None:
+        return None
+    dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
+    return torch.tensor(case["sinks"], dtype=dtype).requires_grad_()
 
 
 def case_layout(case: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -134,6 +158,7 @@ def _call_keywords(case: Mapping[str, Any]) -> dict[str, Any]:
         "mode": case["mode"],
         "causal": case["causal"],
         "scale": case["scale"],
+        "softcap": case.get("softcap"),
         **case_layout(case),
     }
 
@@ -162,11 +187,17 @@ def _loss(
 def _attend(
     case: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    from ringdilated.core.support.errors import PaddingMaskWarning
     from ringdilated.functional import dilated_attention
 
-    out, lse = dilated_attention(
-        q, k, v, kernel=case.get("kernel", "auto"), return_lse=True, **_call_keywords(case), **kw
-    )
+    with warnings.catch_warnings():
+        # Rows of padding only are drawn on purpose (their outputs are zeros, docs/spec.md):
+        # not the inverted mask this warning is for.
+        warnings.simplefilter("ignore", PaddingMaskWarning)
+        out, lse = dilated_attention(
+            q, k, v, kernel=case.get("kernel", "auto"), return_lse=True, **_call_keywords(case),
+            **kw,
+        )  # fmt: skip
     return out, lse
 
 
@@ -180,6 +211,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
     q, k, v, dout, dlse = case_inputs(case)
     shard = shard_slice(case, rank, world)
     q, k, v = (x[:, shard].clone().requires_grad_() for x in (q, k, v))
+    sinks = case_sinks(case)
     stats = TransferStats()
     try:
         out, lse = _attend(
@@ -190,6 +222,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
             process_group=_layout(case["communicator"], world),
             communicator=case["communicator"],
             transfer_stats=stats,
+            sinks=sinks,
         )
     except ResolutionError as exc:
         return {"declined": str(exc)}
@@ -205,6 +238,7 @@ def sharded_run(case: dict[str, Any]) -> dict[str, Any]:
         "dq": q.grad,
         "dk": k.grad,
         "dv": v.grad,
+        "dsinks": None if sinks is None else sinks.grad,
         "forward_bytes_sent": forward_bytes,
         "forward_bytes_received": forward_received,
         "total_bytes_sent": stats.bytes_sent,
@@ -240,15 +274,24 @@ def _layout(name: object, world: int) -> object:
 
 def _compare(case: dict[str, Any], results: Sequence[dict[str, Any]]) -> None:
     q, k, v, dout, dlse = case_inputs(case)
+    sinks, exact_sinks = case_sinks(case), case_sinks(case)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    local = _attend(case, leaves[0], leaves[1], leaves[2])
-    local_grads = torch.autograd.grad(_loss(local[0], local[1], dout, dlse), leaves)
+    local = _attend(case, leaves[0], leaves[1], leaves[2], sinks=sinks)
+    wrt = leaves if sinks is None else [*leaves, sinks]
+    local_grads = torch.autograd.grad(_loss(local[0], local[1], dout, dlse), wrt)
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    truth = oracle(exact[0], exact[1], exact[2], return_lse=True, **_call_keywords(case))
-    truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), exact)
+    truth = oracle(
+        exact[0], exact[1], exact[2], return_lse=True, sinks=exact_sinks, **_call_keywords(case)
+    )
+    wrt = exact if exact_sinks is None else [*exact, exact_sinks]
+    truth_grads = torch.autograd.grad(_loss(truth[0], truth[1], dout, dlse), wrt)
     references = zip((*truth, *truth_grads), (*local, *local_grads), strict=True)  # exact, local
-    for name, (expected, single) in zip(("out", "lse", "dq", "dk", "dv"), references, strict=True):
-        actual = torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    for name, (expected, single) in zip(names, references, strict=False):
+        if name == "dsinks":  # each rank's positions' share
+            actual = torch.stack([r[name] for r in results]).sum(0)
+        else:
+            actual = torch.cat([r[name] for r in results], 2 if name == "lse" else 1)
         allowed = allowed_error(expected, single, q.dtype)
         error = max_error(actual, expected)
         if not error <= allowed:
@@ -286,6 +329,16 @@ def check_communicator(
     return CommunicatorReport(name, tuple(world_sizes), tuple(counts))
 
 
+def _claims_softcap(kernel: str) -> bool:
+    """Whether the registered kernel ``kernel`` declares a logit cap (``"auto"``: some kernel
+    does)."""
+    from ringdilated.registry import default_resolver
+
+    specs = default_resolver().specs
+    chosen = specs.values() if kernel == "auto" else [specs[kernel]] if kernel in specs else []
+    return any(spec.capabilities.softcap for spec in chosen)
+
+
 def _check_on(pool: Workers, name: str, kernel: str, max_examples: int) -> int:
     ran = [0]
 
@@ -296,7 +349,7 @@ def _check_on(pool: Workers, name: str, kernel: str, max_examples: int) -> int:
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=communicator_cases(pool.world_size))
+    @given(case=communicator_cases(pool.world_size, sinks=True, softcap=_claims_softcap(kernel)))
     def run(case: dict[str, Any]) -> None:
         case = {**case, "communicator": name, "kernel": kernel}
         outcomes = pool.run(_TASK, case)

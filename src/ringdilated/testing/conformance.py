@@ -38,11 +38,18 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
   six standard deviations and 1/256, the step of the 8-bit thresholds fused kernels use); and
   the backward, handed the forward's ``out`` and ``lse`` and the same seed, gives the oracle's
   gradients under that mask (a backward that draws another mask fails).
+- ``softcap`` (where the backend declares ``Capabilities.softcap``): ``out`` and ``lse`` under
+  a logit cap (``BlockOptions.softcap``, docs/spec.md, section 5), with any causal offset the
+  backend declares; one case in three amplifies ``q`` so that most scores lie far past the cap,
+  where ``tanh`` saturates;
+- ``softcap-gradients`` (softcap and backward): the ``gradients`` and ``split-merge`` checks
+  under a cap (the cap's derivative, and a capped block's share of a merged gradient);
+- ``softcap-dropout`` (softcap and dropout): the ``dropout`` check under a cap.
 
 Checks that need a feature the backend does not declare on the device (``causal``,
 ``empty-rows`` without causal masking; ``dropout`` without dropout; ``gradients``,
-``split-merge``, ``non-finite-gradients`` on a forward-only target) are reported as not
-applicable, never as passed.
+``split-merge``, ``non-finite-gradients`` on a forward-only target; the ``softcap`` checks
+without softcap) are reported as not applicable, never as passed.
 
 A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error
 (the first one, where hypothesis found several).
@@ -95,6 +102,9 @@ CHECKS = (
     "non-finite",
     "non-finite-gradients",
     "dropout",
+    "softcap",
+    "softcap-gradients",
+    "softcap-dropout",
 )
 #: The dropout probabilities the ``dropout`` check draws.
 DROPOUT_PROBABILITIES = (0.1, 0.5)
@@ -102,7 +112,11 @@ DROPOUT_PROBABILITIES = (0.1, 0.5)
 #: ones may round to 0 in float16): the ``dropout`` check counts kept entries among them.
 _JUDGED_PROBABILITY = 1e-4
 _NEEDS_CAUSAL = frozenset({"causal", "empty-rows"})
-_NEEDS_BACKWARD = frozenset({"gradients", "split-merge", "non-finite-gradients"})
+_NEEDS_BACKWARD = frozenset(
+    {"gradients", "split-merge", "non-finite-gradients", "softcap-gradients"}
+)
+_NEEDS_SOFTCAP = frozenset({"softcap", "softcap-gradients", "softcap-dropout"})
+_NEEDS_DROPOUT = frozenset({"dropout", "softcap-dropout"})
 
 
 @attrs.frozen
@@ -159,15 +173,21 @@ def _reference_gradients(
     kernel makes). All from the exact forward, never from the kernel's own, so a wrong forward
     cannot widen its own allowance."""
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    exact_out, exact_lse = dense(exact[0], exact[1], exact[2], case.scale, case.causal_offset)
+    cap = case.softcap
+    exact_out, exact_lse = dense(
+        exact[0], exact[1], exact[2], case.scale, case.causal_offset, softcap=cap
+    )
     expected = torch.autograd.grad((exact_out * dout).sum(), exact)
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype)
+    base_out, _ = dense(
+        base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype, softcap=cap
+    )
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
     stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
     args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
-    given = contract_backward(*args)
-    return expected, baseline, given, contract_backward(*args, dtype=accumulation_dtype(q.dtype))
+    given = contract_backward(*args, softcap=cap)
+    formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), softcap=cap)
+    return expected, baseline, given, formula
 
 
 def _check_gradient_layout(
@@ -200,14 +220,15 @@ def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> 
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
     _check_layout(check, q, out, lse)
-    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
+    cap = case.softcap
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset, softcap=cap)
     # The baseline is plain dense attention in the inputs' dtype, for out and lse alike.
-    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
+    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype, softcap=cap)
     _within(check, "out", out, expected_out, base_out, q.dtype, case)
     _within(check, "lse", lse, expected_lse, base_lse, q.dtype, case)
 
 
-def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
+def _check_gradients(kernel: Kernel, case: KernelCase, check: str = "gradients") -> None:
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
     dout = _dout(q, case.seed + 2)
@@ -215,20 +236,22 @@ def _check_gradients(kernel: Kernel, case: KernelCase) -> None:
     grads = kernel.backward(
         lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), case.options()
     )
-    _check_gradient_layout("gradients", grads, (q, k, v))
+    _check_gradient_layout(check, grads, (q, k, v))
     expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
-        _within("gradients", name, actual, exp, (b, f), q.dtype, case, inherent)
+        _within(check, name, actual, exp, (b, f), q.dtype, case, inherent)
 
 
 def _probabilities(
     q: torch.Tensor, k: torch.Tensor, case: KernelCase, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``(N, H, Lq, Lk)``: softmax over each query's visible keys in ``dtype``, 0 elsewhere
-    (and in rows that see no key)."""
+    """``(N, H, Lq, Lk)``: softmax over each query's visible keys in ``dtype`` (scores capped by
+    ``case.softcap``), 0 elsewhere (and in rows that see no key)."""
     scores = scaled_scores(q, k, case.scale, dtype)
+    if case.softcap is not None:
+        scores = torch.tanh(scores / case.softcap) * case.softcap
     visible = _case_visible(case, q.device)
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.where(visible, probs, probs.new_zeros(())).nan_to_num(0.0)
@@ -260,16 +283,19 @@ def _weights(kernel: Kernel, case: KernelCase, options: BlockOptions) -> torch.T
     return torch.cat(columns, -1)
 
 
-def _check_dropout(kernel: Kernel, case: KernelCase, backward: bool) -> None:
+def _check_dropout(
+    kernel: Kernel, case: KernelCase, backward: bool, check: str = "dropout"
+) -> None:
     q, k, v = case.tensors()
+    cap = case.softcap
     p = DROPOUT_PROBABILITIES[case.seed % 2]
     options = attrs.evolve(case.options(), dropout_p=p, dropout_seed=derive_seed(case.seed, 7))
     out, lse = kernel.forward(q, k, v, options)
-    _check_layout("dropout", q, out, lse)
+    _check_layout(check, q, out, lse)
     again = kernel.forward(q, k, v, options)
     if not (torch.equal(out, again[0]) and torch.equal(lse, again[1])):
         raise ConformanceError(
-            "dropout", f"two forwards with one dropout seed differ (the mask must be a function "
+            check, f"two forwards with one dropout seed differ (the mask must be a function "
             f"of the seed and the block's shape), for {case}"
         )  # fmt: skip
     weights = _weights(kernel, case, options)
@@ -277,12 +303,13 @@ def _check_dropout(kernel: Kernel, case: KernelCase, backward: bool) -> None:
     keep = weights * (1.0 - p) > probs / 2
     drop = keep.double() / (1.0 - p)
     base_probs = _probabilities(q, k, case, q.dtype).double()
-    _within("dropout", "the weight of each value (0, or P / (1 - p))", weights, probs * drop,
+    _within(check, "the weight of each value (0, or P / (1 - p))", weights, probs * drop,
             base_probs * drop, q.dtype, case)  # fmt: skip
-    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset, drop=drop)
-    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype, drop=drop)
-    _within("dropout", "out", out, expected_out, base_out, q.dtype, case)
-    _within("dropout", "lse (of the undropped scores)", lse, expected_lse, base_lse, q.dtype, case)
+    offset = case.causal_offset
+    expected_out, expected_lse = dense(q, k, v, case.scale, offset, drop=drop, softcap=cap)
+    base_out, base_lse = dense(q, k, v, case.scale, offset, q.dtype, drop=drop, softcap=cap)
+    _within(check, "out", out, expected_out, base_out, q.dtype, case)
+    _within(check, "lse (of the undropped scores)", lse, expected_lse, base_lse, q.dtype, case)
     judged = probs > _JUDGED_PROBABILITY  # read back exactly in every dtype
     count = int(judged.sum())
     if count >= 64:
@@ -292,16 +319,14 @@ def _check_dropout(kernel: Kernel, case: KernelCase, backward: bool) -> None:
         spread = 6 * (p * (1 - p) / count) ** 0.5 + 1 / 256
         if abs(kept - (1 - p)) > spread:
             raise ConformanceError(
-                "dropout", f"kept {kept:.3f} of {count} probabilities with dropout_p={p} "
+                check, f"kept {kept:.3f} of {count} probabilities with dropout_p={p} "
                 f"(expected {1 - p:.3f} +- {spread:.3f}), for {case}"
             )  # fmt: skip
         other = attrs.evolve(options, dropout_seed=derive_seed(case.seed, 8))
         if torch.equal(_weights(kernel, case, other), weights):
-            raise ConformanceError(
-                "dropout", f"another dropout seed gave the same mask, for {case}"
-            )
+            raise ConformanceError(check, f"another dropout seed gave the same mask, for {case}")
     if backward:
-        _check_dropout_gradients(kernel, case, options, (out, lse), drop)
+        _check_dropout_gradients(kernel, case, options, (out, lse), drop, check)
 
 
 def _check_dropout_gradients(
@@ -310,30 +335,32 @@ def _check_dropout_gradients(
     options: BlockOptions,
     forward: tuple[torch.Tensor, torch.Tensor],
     drop: torch.Tensor,
+    check: str = "dropout",
 ) -> None:
     """The backward with the forward's seed against the oracle under the mask read back."""
     q, k, v = case.tensors()
+    cap, offset = case.softcap, case.causal_offset
     out, lse = forward
     dout = _dout(q, case.seed + 2)
     lay_out = case.lay_out
     grads = kernel.backward(lay_out(dout.to(q.dtype)), q, k, v, lay_out(out), lay_out(lse), options)
-    _check_gradient_layout("dropout", grads, (q, k, v))
+    _check_gradient_layout(check, grads, (q, k, v))
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     exact_out, exact_lse = dense(
-        exact[0], exact[1], exact[2], case.scale, case.causal_offset, drop=drop
+        exact[0], exact[1], exact[2], case.scale, offset, drop=drop, softcap=cap
     )
     expected = torch.autograd.grad((exact_out * dout).sum(), exact)
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype, drop)
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, offset, q.dtype, drop, cap)
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
     stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
-    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
-    given = contract_backward(*args, drop=drop)
-    formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), drop=drop)
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, offset)
+    given = contract_backward(*args, drop=drop, softcap=cap)
+    formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), drop=drop, softcap=cap)
     for name, actual, exp, b, f, inherent in zip(
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
-        _within("dropout", f"{name} under the mask", actual, exp, (b, f), q.dtype, case, inherent)
+        _within(check, f"{name} under the mask", actual, exp, (b, f), q.dtype, case, inherent)
 
 
 def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> None:
@@ -362,7 +389,7 @@ def _check_empty_rows(kernel: Kernel, case: KernelCase) -> None:
         )
 
 
-def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
+def _check_split_merge(kernel: Kernel, case: KernelCase, check: str = "split-merge") -> None:
     q, k, v = case.tensors()
     split = max(1, case.k_len // 2)
     if split >= case.k_len:
@@ -371,7 +398,7 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
 
     def opts(start: int) -> BlockOptions:
         offset = None if case.causal_offset is None else case.causal_offset - start
-        return BlockOptions(case.scale, KeyWindow(None, offset))
+        return BlockOptions(case.scale, KeyWindow(None, offset), softcap=case.softcap)
 
     out, lse = kernel.forward(q, k[:, :, :split], v[:, :, :split], opts(0))
     out, lse = merge_partials(
@@ -386,7 +413,7 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
     ):
         error = max_error(merged, whole)
         if error > tol * max(1.0, float(magnitude.abs().max())):
-            raise ConformanceError("split-merge", f"merged {what} by {error:.3e} for {case}")
+            raise ConformanceError(check, f"merged {what} by {error:.3e} for {case}")
     dout = _dout(q, case.seed + 1)
     expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
     dq, dk, dv = (torch.zeros_like(x, dtype=torch.float64) for x in (q, k, v))
@@ -407,7 +434,7 @@ def _check_split_merge(kernel: Kernel, case: KernelCase) -> None:
         ("dq", "dk", "dv"), (dq, dk, dv), expected, baseline, formula, given, strict=True
     ):
         what = f"{name} from two blocks with the merged out/lse"
-        _within("split-merge", what, actual.to(q.dtype), exp, (b, f), q.dtype, case, inherent)
+        _within(check, what, actual.to(q.dtype), exp, (b, f), q.dtype, case, inherent)
 
 
 def _check_no_mutation(kernel: Kernel, case: KernelCase, backward: bool) -> None:
@@ -586,6 +613,12 @@ def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
             )
 
 
+def _check_softcap_gradients(kernel: Kernel, case: KernelCase) -> None:
+    """``gradients`` and ``split-merge`` under the case's cap."""
+    _check_gradients(kernel, case, "softcap-gradients")
+    _check_split_merge(kernel, case, "softcap-gradients")
+
+
 _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {  # (kernel, case, backward)
     "capabilities": _check_capabilities,
     "forward": lambda kernel, case, _: _check_forward(kernel, case),
@@ -597,6 +630,11 @@ _RUNNERS: dict[str, Callable[[Kernel, KernelCase, bool], None]] = {  # (kernel, 
     "non-finite": lambda kernel, case, _: _check_non_finite(kernel, case),
     "non-finite-gradients": lambda kernel, case, _: _check_non_finite_gradients(kernel, case),
     "dropout": _check_dropout,
+    "softcap": lambda kernel, case, _: _check_forward(kernel, case, "softcap"),
+    "softcap-gradients": lambda kernel, case, _: _check_softcap_gradients(kernel, case),
+    "softcap-dropout": lambda kernel, case, backward: _check_dropout(
+        kernel, case, backward, "softcap-dropout"
+    ),
 }
 _CAUSAL_CASES: dict[str, bool | None] = {"forward": False, "causal": True}
 
@@ -619,7 +657,9 @@ def applicable_checks(
 def _applies(check: str, spec: KernelSpec, device: str, env: Environment | None = None) -> bool:
     if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
         return False
-    if check == "dropout" and not _has_dropout(spec, device, env):
+    if check in _NEEDS_DROPOUT and not _has_dropout(spec, device, env):
+        return False
+    if check in _NEEDS_SOFTCAP and not spec.capabilities.softcap:
         return False
     return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
 
@@ -661,7 +701,8 @@ def _runner(
         causal=_CAUSAL_CASES.get(check),
         backward=backward,
         space=space,
-        dropout=check == "dropout",  # drawn where a target serves it
+        dropout=check in _NEEDS_DROPOUT,  # drawn where a target serves it
+        softcap=check in _NEEDS_SOFTCAP,
     )
 
     @settings(

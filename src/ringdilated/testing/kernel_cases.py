@@ -11,7 +11,10 @@ shape-only tests never look, so :func:`kernel_cases` draws, within what a backen
 - the strided inputs the driver really passes (``layout="strided"``): dilated selections of a
   ``(n, L, H, D)`` buffer, so the sequence stride is ``rate * H * D`` and heads are a slice of a
   larger head dimension; and contiguous ``(n, heads, L, D)`` inputs (``layout="contiguous"``);
-- batches of 1 to 5 problems.
+- batches of 1 to 5 problems;
+- with ``softcap=True``, a logit cap (docs/spec.md, section 5): one case in three has ``q``
+  amplified 30 times against a cap of 0.5 to 4, so that most scores lie far past the cap, where
+  ``tanh`` saturates and its derivative nearly vanishes.
 
 :class:`CaseSpace` bounds all of this; the default is the kit's, and a narrower one shows what a
 dimension catches (a wrong kernel that passes without it and fails with it).
@@ -76,7 +79,8 @@ DEFAULT_SPACE = CaseSpace()
 @attrs.frozen
 class KernelCase:
     """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``,
-    each in ``layout`` (:meth:`lay_out`)."""
+    each in ``layout`` (:meth:`lay_out`); ``q`` drawn ``amplitude`` times larger than ``k`` and
+    ``v`` (scores past a ``softcap``); ``softcap`` the logit cap (``None``: none)."""
 
     n: int
     heads: int
@@ -92,12 +96,15 @@ class KernelCase:
     layout: str = "contiguous"
     rate: int = 1
     offset: int = 0
+    softcap: float | None = None
+    amplitude: float = 1.0
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed)
         kv_shape = (self.n, self.kv_heads, self.k_len, self.head_dim)
         shapes = ((self.n, self.heads, self.q_len, self.head_dim), kv_shape, kv_shape)
         q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+        q = q * self.amplitude
         return tuple(self.lay_out(x.to(self.device, self.dtype)) for x in (q, k, v))  # type: ignore[return-value]
 
     def lay_out(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +127,7 @@ class KernelCase:
         return view.copy_(x)
 
     def options(self) -> BlockOptions:
-        return BlockOptions(self.scale, KeyWindow(None, self.causal_offset))
+        return BlockOptions(self.scale, KeyWindow(None, self.causal_offset), softcap=self.softcap)
 
 
 #: Lengths on either side of the 32-, 64- and 128-row tiles fused kernels use.
@@ -159,12 +166,14 @@ def kernel_cases(
     backward: bool = True,
     space: CaseSpace = DEFAULT_SPACE,
     dropout: bool = False,
+    softcap: bool = False,
 ) -> st.SearchStrategy[KernelCase]:
     """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
 
     ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
     ``backward``: draw only problems whose request needs (and the backend declares) gradients;
-    ``dropout``: the same for dropout.
+    ``dropout``: the same for dropout; ``softcap``: the same for a logit cap (see the module
+    docstring: one case in three saturates it).
     """
     env = env or Environment.from_environ()
     capability = env.capability(torch.device(device))
@@ -192,6 +201,11 @@ def kernel_cases(
         offset = d(offsets)
         layout = d(st.sampled_from(space.layouts))
         strided = layout == "strided"
+        cap, amplitude = None, 1.0
+        if softcap:
+            saturated = d(st.integers(0, 2)) == 0
+            amplitude = 30.0 if saturated else 1.0
+            cap = d(st.floats(0.5, 4.0) if saturated else st.floats(0.5, 50.0))
         case = KernelCase(
             n=d(st.integers(1, max_n)),
             heads=heads,
@@ -207,6 +221,8 @@ def kernel_cases(
             layout=layout,
             rate=d(st.integers(1, 3)) if strided else 1,
             offset=d(st.integers(0, 2)) if strided else 0,
+            softcap=cap,
+            amplitude=amplitude,
         )
         request = Request(
             device_type=device,
@@ -217,6 +233,7 @@ def kernel_cases(
             gqa=heads != kv_heads,
             backward=backward,
             dropout=dropout,
+            softcap=cap,
         )
         d(st.just(None).filter(lambda _: not spec.reasons(request, env)))
         return case
@@ -239,15 +256,16 @@ def dense(
     offset: int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd):
     :func:`ringdilated.testing.masked_attention` with key ``j`` visible to query ``i`` when
     ``offset`` is ``None`` or ``j <= i + offset``, each probability scaled by ``drop`` (a
-    dropout mask ``keep / (1 - p)``, broadcastable to the scores) when given. Exact for
-    non-finite inputs, as the oracle is.
+    dropout mask ``keep / (1 - p)``, broadcastable to the scores) when given, every score capped
+    by ``softcap`` when given. Exact for non-finite inputs, as the oracle is.
     """
     visible = _visible(q.shape[2], k.shape[2], offset, q.device)
-    return masked_attention(q, k, v, visible, scale, dtype, drop=drop)
+    return masked_attention(q, k, v, visible, scale, dtype, drop=drop, softcap=softcap)
 
 
 def contract_backward(
@@ -261,12 +279,14 @@ def contract_backward(
     offset: int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel contract's backward in plain dense ops in ``dtype``, given ``out`` and ``lse``.
 
     ``P = exp(scale * q k^T - lse)``, ``D = rowsum(dout * out)``, ``dS = P * (dout v^T - D)``;
     with a dropout mask ``drop`` (``keep / (1 - p)``), ``dout v^T`` is scaled by it and ``dv``
-    takes ``P * drop``.
+    takes ``P * drop``. With ``softcap`` ``c``, the score is ``c * tanh(s / c)`` of
+    ``s = scale * q k^T`` and ``dS`` is multiplied by its derivative ``1 - tanh(s / c)^2``.
     In float64 this is what an exact kernel returns: its distance from the true gradient is
     what the contract's own rounding of ``out`` (to the input dtype) and ``lse`` (to float32)
     costs any kernel. In the input dtype it is the plain dense computation of the same
@@ -275,6 +295,10 @@ def contract_backward(
     group = q.shape[1] // k.shape[1]
     kd, vd = (x.to(dtype).repeat_interleave(group, 1) for x in (k, v))
     s = scaled_scores(q, k, scale, dtype)
+    slope = None
+    if softcap is not None:
+        tanh = torch.tanh(s / softcap)
+        s, slope = tanh * softcap, 1.0 - tanh * tanh
     visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
     lse_d = lse.to(dtype)
     finite = torch.where(torch.isneginf(lse_d), torch.zeros_like(lse_d), lse_d)
@@ -286,6 +310,8 @@ def contract_backward(
     if drop is not None:
         dp, dropped = dp * drop.to(dtype), p * drop.to(dtype)
     ds = p * (dp - delta) * scale
+    if slope is not None:
+        ds = ds * slope
     n, kv_heads, k_len, dim = k.shape
 
     def fold(x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,8 @@ class CallSignature(_Fields):
     kernel: str | None
     communicator: str | None
     lse_used: bool = True
+    softcap: str = "None"
+    sinks: str = "None"
 
 
 @attrs.frozen

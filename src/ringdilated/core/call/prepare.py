@@ -26,7 +26,14 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.nccl_device import check_current_device
 from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
+from ringdilated.core.call.validation import (
+    as_softcap,
+    check_bool,
+    check_inputs,
+    check_options,
+    check_shards,
+    check_sinks,
+)
 from ringdilated.core.contract.communicator import Communicator, TransferStats, mask_argument
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
@@ -43,9 +50,11 @@ from ringdilated.core.run.local import (
     as_lse_layout,
     draw_seed,
     effective_scale,
+    forward_with_sinks,
     pattern_run,
 )
 from ringdilated.core.run.sharded import ShardedRun
+from ringdilated.core.run.sinks import sinks_gradient
 from ringdilated.core.select.capabilities import Request, deterministic_algorithms
 from ringdilated.core.select.communicator_spec import CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
@@ -66,10 +75,19 @@ __all__ = [
     "plan_for",
     "plan_key",
     "prepare_call",
+    "wants_gradients",
 ]
 
 PatternArgs = tuple[object, object, object]
 """``(segment_lengths, dilation_rates, mode)``, not yet validated."""
+
+
+def wants_gradients(*tensors: object) -> bool:
+    """Whether a call on ``tensors`` (``q``, ``k``, ``v``, the sinks; ``None`` and anything not
+    a tensor count as not requiring one) builds a backward: grad mode is on and one of them
+    requires a gradient."""
+    wants = any(bool(getattr(x, "requires_grad", False)) for x in tensors)
+    return wants and torch.is_grad_enabled()
 
 
 @attrs.frozen
@@ -86,6 +104,8 @@ class CallOptions:
     transfer_stats: object = attrs.field(default=None, eq=False)
     cu_seqlens: object = attrs.field(default=None, eq=False)
     key_padding_mask: object = attrs.field(default=None, eq=False)
+    softcap: object = None
+    sinks: object = attrs.field(default=None, eq=False)
 
 
 RowPlan = tuple[Rows, tuple[ShardPlan, ...], CommunicatorChoice]
@@ -99,6 +119,7 @@ class CallPlan:
     one process) and ``communicator`` moves their pieces (``None`` on one process): the
     resolver's choice, its spec (which says how the run uses it) beside its instance;
     ``lse_used``: whether the caller differentiates through ``lse`` (agreed by every rank).
+    ``softcap``: the call's logit cap (``None``: none), in every block's options.
     ``parts``: what runs each group of batch rows (built by :func:`prepare_call`, reused by
     every call of the plan). The plan is itself an
     :class:`~ringdilated.core.run.local.Executor` over them (:meth:`forward`, :meth:`backward`)."""
@@ -117,6 +138,7 @@ class CallPlan:
     size: PieceSize | None = None
     lse_used: bool = True
     parts: tuple[tuple[slice | None, Executor], ...] = attrs.field(default=(), eq=False)
+    softcap: float | None = attrs.field(default=None, kw_only=True)
 
     def explain_communicator(self, resolver: Resolver, name: str | Communicator) -> str:
         """The communicator choice for this call's shards (the first group of padded rows'),
@@ -160,16 +182,21 @@ class CallPlan:
             )
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        call: CallState,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` of one call under one autograd node (none when no gradient can flow):
-        ``q`` contiguous; ``k``, ``v`` any strides whose last is 1 (see :func:`operands`)."""
-        if not torch.is_grad_enabled() or not (
-            q.requires_grad or k.requires_grad or v.requires_grad
-        ):  # no autograd node to build (it costs microseconds)
+        ``q`` contiguous; ``k``, ``v`` any strides whose last is 1 (see :func:`operands`);
+        ``sinks``: the call's attention sinks (``None``: none), merged into the final results
+        (:func:`~ringdilated.core.run.local.forward_with_sinks`)."""
+        if not wants_gradients(q, k, v, sinks):  # no autograd node to build (microseconds)
             with autocast_off(q.device.type):
-                return self.forward(q, k, v, call)
-        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse())  # type: ignore[no-untyped-call,no-any-return]
+                return forward_with_sinks(self, q, k, v, call, sinks)
+        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse(), sinks)  # type: ignore[no-untyped-call,no-any-return]
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
@@ -255,6 +282,7 @@ class CallPlan:
             kernel_name=self.kernel.kernel_name,
             layout=self.layout,
             deterministic=self.kernel.request.deterministic,
+            softcap=self.softcap,
         )
 
     def _head_parallel(
@@ -368,6 +396,8 @@ def _check(
     layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
+    softcap = as_softcap(options.softcap)
+    check_sinks(options.sinks, q)
     window = as_window(check_bool("causal", options.causal))  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
@@ -377,7 +407,13 @@ def _check(
         )
     # wants_backward() after check_inputs: q, k, v are tensors.
     request = Request.for_tensors(
-        q, k, window=window, dropout=dropout_p > 0, backward=wants_backward(), env=resolver.env
+        q,
+        k,
+        window=window,
+        dropout=dropout_p > 0,
+        backward=wants_backward(),
+        env=resolver.env,
+        softcap=softcap,
     )
     kernel = resolver.resolve(request, options.kernel)  # type: ignore[arg-type]
     warn_if_slow(request)
@@ -386,7 +422,16 @@ def _check(
     rank = 0 if ranks == 1 else grid.rank(group)  # type: ignore[arg-type]
     lse_used = bool(options.return_lse)
     plan = CallPlan(
-        pattern, kernel, window, scale, dropout_p, layout, rank, group=group, lse_used=lse_used
+        pattern,
+        kernel,
+        window,
+        scale,
+        dropout_p,
+        layout,
+        rank,
+        group=group,
+        lse_used=lse_used,
+        softcap=softcap,
     )
     if ranks == 1:
         resolver.check_communicator_name(options.communicator)  # named, though nothing moves
@@ -461,10 +506,7 @@ def prepare_call(
     ranks = group_size(group)
 
     def wants_backward() -> bool:
-        if backward is not None:
-            return backward
-        wants_grad = any(bool(getattr(x, "requires_grad", False)) for x in (q, k, v))
-        return torch.is_grad_enabled() and wants_grad
+        return wants_gradients(q, k, v, options.sinks) if backward is None else backward
 
     def check(lengths: tuple[int, ...] | None = None) -> tuple[CallPlan, SequenceLayout]:
         if failure is not None:
@@ -524,7 +566,8 @@ def plan_key(
     :func:`prepare_call` reads (shapes, dtypes and devices of plain tensors; the options, given
     as :class:`CallOptions`' fields, with their types: ``1`` is no valid ``causal`` though it
     equals ``True``; the resolver; whether a backward will run; whether
-    ``torch.use_deterministic_algorithms`` is on), so that a call with the key of
+    ``torch.use_deterministic_algorithms`` is on; the sinks' shape, dtype, device and layout,
+    not their values, which each call passes), so that a call with the key of
     a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
     say). On a process group the shards' lengths are left out: the layout holds them, and
     :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
@@ -551,11 +594,13 @@ def plan_key(
             for x in pattern_args
         )
     causal, scale, dropout_p = options["causal"], options["scale"], options["dropout_p"]
-    return_lse = options["return_lse"]
+    return_lse, softcap, sinks = options["return_lse"], options["softcap"], options["sinks"]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.is_nested:
+            return None
+        sinks = (sinks.shape, sinks.dtype, sinks.device, sinks.layout)  # values: per call
     if backward is None:
-        backward = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-        )
+        backward = wants_gradients(q, k, v, options["sinks"])
     key = (
         pattern,
         shapes,
@@ -563,6 +608,8 @@ def plan_key(
         backward,
         (type(causal), causal, type(scale), scale, type(dropout_p), dropout_p),
         (type(return_lse), return_lse),
+        (type(softcap), softcap),
+        sinks,
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
         deterministic_algorithms(),  # the request's, read per call
@@ -636,6 +683,7 @@ def execute(
     *,
     lse_needed: bool = True,
     seed: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of one call of ``plan`` (:func:`plan_for`'s, for these tensors): how every
     face runs a planned call. ``q``, ``k``, ``v`` as the caller passed them (:func:`operands` makes
@@ -645,12 +693,13 @@ def execute(
     autograd node (:meth:`CallPlan.apply`). Inside a custom op, ``seed`` is the op's seed tensor
     (read on the host only with dropout): no autograd node (the op's backward runs
     :func:`execute_backward`), autocast off, and ``lse`` always returned, laid out by
-    :func:`~ringdilated.core.run.local.lse_buffer`."""
+    :func:`~ringdilated.core.run.local.lse_buffer`. ``sinks``: the call's attention sinks
+    (``None``: none; checked with the plan), merged into the final ``out`` and ``lse``."""
     q, k, v = operands(q, k, v)
     if seed is None:
-        return plan.apply(q, k, v, call_state(plan, stats, lse_needed))
+        return plan.apply(q, k, v, call_state(plan, stats, lse_needed), sinks)
     with autocast_off(q.device.type):
-        out, lse = plan.forward(q, k, v, call_state(plan, stats, seed=seed))
+        out, lse = forward_with_sinks(plan, q, k, v, call_state(plan, stats, seed=seed), sinks)
     return out, as_lse_layout(lse)
 
 
@@ -665,16 +714,22 @@ def execute_backward(
     lse: torch.Tensor,
     seed: torch.Tensor,
     stats: object = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of the call :func:`execute` ran inside a custom op with ``seed`` (the same
-    plan, so the same dropout masks), from its inputs, ``out``, ``lse`` and their gradients
-    (``dlse=None``: none flows through ``lse``); no autograd, no autocast."""
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dq, dk, dv, dsinks)`` of the call :func:`execute` ran inside a custom op with ``seed``
+    (the same plan, so the same dropout masks), from its inputs, ``out``, ``lse`` (with
+    ``sinks``, the merged ones it returned) and their gradients (``dlse=None``: none flows
+    through ``lse``); ``dsinks`` is ``None`` without sinks; no autograd, no autocast."""
     q, k, v = operands(q, k, v)
     with autocast_off(q.device.type):
         dlse = None if dlse is None else as_lse_layout(dlse.to(lse.dtype))
         lse = as_lse_layout(lse)
         inputs = BackwardInputs(dout.contiguous(), dlse, q, k, v, out.contiguous(), lse)
-        return plan.backward(inputs, call_state(plan, stats, seed=seed))
+        dq, dk, dv = plan.backward(inputs, call_state(plan, stats, seed=seed))
+        if sinks is None:
+            return dq, dk, dv, None
+        dsinks = sinks_gradient(inputs.dout, inputs.dlse, inputs.out, inputs.lse, sinks)
+        return dq, dk, dv, dsinks
 
 
 def plan_for(
@@ -803,4 +858,16 @@ def _signature(
         kernel=None if plan is None else plan.kernel.kernel_name,
         communicator=None if plan is None else _communicator_names(plan),
         lse_used=options.return_lse is True,
+        softcap=safe_repr(options.softcap),
+        sinks=_sinks_text(options.sinks),
     )
+
+
+def _sinks_text(sinks: object) -> str:
+    """The sinks every rank must pass alike: none, or a tensor's shape and dtype (their values
+    are the caller's to keep equal, as a parameter's are; no rank reads them)."""
+    if sinks is None:
+        return "None"
+    if isinstance(sinks, torch.Tensor):
+        return f"tensor {tuple(sinks.shape)} {sinks.dtype}"
+    return f"<{type(sinks).__name__}>"

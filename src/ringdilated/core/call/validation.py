@@ -14,11 +14,13 @@ from ringdilated.core.plan.pattern import DilationPattern
 __all__ = [
     "EMPTY_SHARD_RULE",
     "FLOAT_DTYPES",
+    "as_softcap",
     "check_bool",
     "check_inputs",
     "check_options",
     "check_shard_lengths",
     "check_shards",
+    "check_sinks",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -105,6 +107,55 @@ def check_options(scale: object, dropout_p: object) -> None:
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     check_dropout(_real("dropout_p", dropout_p, "a float"), dropout_p)
+
+
+def as_softcap(value: object) -> float | None:
+    """``value`` as a float, or ``None`` for no cap (docs/spec.md, section 5): a real number
+    (not a bool) that is finite and positive, the kernels' rule
+    (:func:`~ringdilated.core.contract.kernel.check_softcap`); ``TypeError`` for anything not a
+    real number, ``ValueError`` otherwise, naming the value."""
+    if value is None:
+        return None
+    cap = _real("softcap", value, "a positive float or None")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be None or a positive finite number, got {value!r}")
+    return cap
+
+
+def check_sinks(sinks: object, q: torch.Tensor) -> None:
+    """Raise unless ``sinks`` is ``None`` or the call's attention sinks (docs/spec.md, section
+    5): a dense floating tensor of shape ``(H,)``, one logit per query head of ``q``
+    ``(B, Lq, H, D)`` (never broadcast: ``(1,)`` or ``(H, 1)`` raise), on ``q``'s device, that
+    converts exactly to the dtype the call merges it in (float32; float64 for float64 inputs):
+    float32, and float16 or bfloat16 (a module converted with ``.half()`` or ``.bfloat16()``
+    holds its sinks so; widened without loss), or float64 only with float64 inputs (rounding it
+    to float32 would lose precision silently). It may require a gradient. ``TypeError`` for
+    what is no such tensor or dtype, ``ValueError`` for a wrong shape or device, each naming the
+    value. Metadata only: no value is read."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(
+            f"sinks must be a torch.Tensor of shape (H,) or None, got {safe_repr(sinks)}"
+        )
+    if sinks.is_nested or sinks.layout != torch.strided:
+        kind = "a nested tensor" if sinks.is_nested else f"layout {sinks.layout}"
+        raise TypeError(f"sinks must be a dense (strided) tensor, got {kind}")
+    heads = q.shape[2]
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"sinks must have shape ({heads},), one logit per query head of q {tuple(q.shape)} "
+            f"(never broadcast), got shape {tuple(sinks.shape)}"
+        )
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be a float32 tensor (one logit per head), got {sinks.dtype}")
+    if sinks.dtype == torch.float64 and q.dtype != torch.float64:
+        raise TypeError(
+            f"sinks is float64, but a {q.dtype} call merges sinks in float32, and rounding them "
+            "would lose precision: pass sinks.float() (or float64 q, k, v)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
 
 
 def check_shard_lengths(lengths: tuple[int, ...]) -> None:

@@ -6,7 +6,7 @@ head-parallel runs and the call's plan), :class:`BackwardInputs`, :class:`CallSt
 Call flow::
 
     run = pattern_run(kernel, pattern, q, k, layout=..., window=..., scale=..., ...)
-    out, lse = DilatedAttentionFunction.apply(q, k, v, executor, CallState(seed, stats, ...))
+    out, lse = DilatedAttentionFunction.apply(q, k, v, executor, CallState(seed, ...), sinks)
         forward:  for each kernel call: its steps' strided views of q, k, v (several small
                   steps of one shape gathered into one call) -> kernel.forward -> (out_c, lse_c)
                   head_groups: each (position, head) has one block, so out is copied in place;
@@ -59,6 +59,7 @@ from ringdilated.core.plan.heads import consecutive_runs
 from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
 from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.run.limited import BatchLimitedKernel, row_chunks
+from ringdilated.core.run.sinks import merge_sinks, sinks_gradient
 from ringdilated.core.select.capabilities import DEFAULT_QUERY_ELEMENTS, UNLIMITED, BatchLimit
 from ringdilated.core.select.dtypes import autocast_off
 
@@ -75,6 +76,7 @@ __all__ = [
     "as_lse_layout",
     "draw_seed",
     "effective_scale",
+    "forward_with_sinks",
     "lse_buffer",
     "lse_gradient",
     "pattern_run",
@@ -418,7 +420,8 @@ class LocalRun:
     ``batch_limit``: how many problems and query elements one kernel call may hold (the
     kernel's declared limits, :class:`~ringdilated.core.select.capabilities.BatchLimit`);
     ``chunk_elements`` replaces its ``query_elements`` when not ``None``. ``deterministic``: the
-    plan's ``Request.deterministic``, handed to every kernel call (``BlockOptions.deterministic``).
+    plan's ``Request.deterministic``, handed to every kernel call (``BlockOptions.deterministic``);
+    ``softcap``: the call's logit cap (``None``: none), likewise (``BlockOptions.softcap``).
 
     ``rows``: the blocks of each run of batch rows (documents and padding differ by row).
     ``query_start``: the position of ``q``'s first row (a query suffix; keys start at 0).
@@ -440,6 +443,7 @@ class LocalRun:
     covers_queries: bool = True
     covers_keys: bool = True
     deterministic: bool = False
+    softcap: float | None = None
     _calls: dict[tuple[object, ...], tuple[_KernelCall, ...]] = attrs.field(
         factory=dict, eq=False, repr=False, init=False
     )
@@ -495,7 +499,11 @@ class LocalRun:
                 # In selected keys; a query suffix ends where the block's keys end.
                 window = self.window.dilated(sel.rate).shifted(sel.count - queries.count)
                 options = BlockOptions(
-                    self.scale, window, self.dropout_p, deterministic=self.deterministic
+                    self.scale,
+                    window,
+                    self.dropout_p,
+                    deterministic=self.deterministic,
+                    softcap=self.softcap,
                 )
                 # lse_buffer's layout merges exactly when q's does.
                 tiles = mergeable(queries, q_strides) and all(
@@ -711,14 +719,14 @@ class _FirstOrderOnly(torch.autograd.Function):
 
 
 def first_order_only(
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
     """``grads`` as they are, unless a backward is building a graph (``create_graph=True``):
-    then tied to every one of ``inputs`` (``q``, ``k``, ``v``) through :class:`_FirstOrderOnly`,
-    so differentiating any of them again raises a clear error."""
+    then tied to every one of ``inputs`` (``q``, ``k``, ``v``, and the sinks where they have a
+    gradient) through :class:`_FirstOrderOnly`, so differentiating any of them again raises a
+    clear error."""
     if not torch.is_grad_enabled():
-        return grads
+        return tuple(grads)
     return _FirstOrderOnly.apply(*inputs, *grads)  # type: ignore[no-untyped-call,no-any-return]
 
 
@@ -729,14 +737,34 @@ def as_lse_layout(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[2], x.shape[1])).transpose(1, 2).copy_(x)
 
 
+def forward_with_sinks(
+    executor: Executor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: CallState,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``executor.forward`` with the call's attention ``sinks`` (``(H,)``; ``None``: none) merged
+    into its final ``out`` and ``lse`` (:func:`~ringdilated.core.run.sinks.merge_sinks`), once
+    per query, after every block, pattern and piece."""
+    if sinks is None:
+        return executor.forward(q, k, v, call)
+    out, lse = executor.forward(q, k, v, call.with_lse())
+    out, lse = merge_sinks(out, lse, sinks)
+    return out, as_lse_layout(lse)  # as the executors' backward reads it
+
+
 class DilatedAttentionFunction(torch.autograd.Function):
-    """``(q, k, v, executor, call) -> (out, lse)`` with exact gradients for ``q``, ``k``, ``v``.
+    """``(q, k, v, executor, call[, sinks]) -> (out, lse)`` with exact gradients for ``q``,
+    ``k``, ``v`` and ``sinks`` (``(H,)``; ``None`` or left out: none; :func:`forward_with_sinks`).
 
     ``q`` is contiguous ``(B, Lq, H, D)`` (a shard of it for a sharded executor); ``k``, ``v``
     ``(B, L, Hkv, D)`` of any strides whose last is 1. ``lse`` is ``(B, H, Lq)`` in the
     accumulation dtype (laid out by :func:`lse_buffer`); gradients flow through it too unless
     ``call.lse_used`` is ``False``. No autograd runs through in-place state: backward recomputes
-    from the saved inputs and the final ``out`` and ``lse``.
+    from the saved inputs and the final ``out`` and ``lse`` (with sinks, the merged ones: the
+    executor's backward takes them as they are, :mod:`ringdilated.core.run.sinks`).
     """
 
     @staticmethod
@@ -747,10 +775,11 @@ class DilatedAttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         executor: Executor,
         call: CallState,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast_off(q.device.type):
-            out, lse = executor.forward(q, k, v, call)
-        ctx.save_for_backward(q, k, v, out, lse)
+            out, lse = forward_with_sinks(executor, q, k, v, call, sinks)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)  # type: ignore[arg-type]  # None: no sinks
         ctx.executor = executor  # type: ignore[attr-defined]
         ctx.call = call  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
@@ -764,16 +793,25 @@ class DilatedAttentionFunction(torch.autograd.Function):
         dout: torch.Tensor | None,
         dlse: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        q, k, v, sinks, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         if dlse is not None:
             dlse = as_lse_layout(dlse.to(lse.dtype))
         with torch.no_grad(), autocast_off(q.device.type):
+            # Always the whole backward: on a process group every rank must run its exchanges,
+            # whichever of its own inputs want gradients.
             grads = ctx.executor.backward(  # type: ignore[attr-defined]
                 BackwardInputs(dout, dlse, q, k, v, out, lse),
                 ctx.call,  # type: ignore[attr-defined]
             )
-        return (*first_order_only(grads, (q, k, v)), None, None)
+            learns = sinks is not None and ctx.needs_input_grad[5]  # type: ignore[attr-defined]
+            dsinks = sinks_gradient(dout, dlse, out, lse, sinks) if learns else None
+        # Outside no_grad: a backward building a graph ties the gradients to the inputs. (A
+        # trailing None for sinks that were left out is dropped by autograd.)
+        if dsinks is None:
+            return (*first_order_only(grads, (q, k, v)), None, None, None)
+        *tied, dsinks = first_order_only((*grads, dsinks), (q, k, v, sinks))
+        return (*tied, None, None, dsinks)
 
 
 def effective_scale(scale: float | None, head_dim: int) -> float:
@@ -796,12 +834,13 @@ def pattern_run(
     kernel_name: str | None = None,
     layout: DocumentLayout | None = None,
     deterministic: bool = False,
+    softcap: float | None = None,
 ) -> LocalRun:
     """The :class:`LocalRun` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
-    problems than ``batch_limit`` allows, every call's options ``deterministic`` as given (the
-    plan's request), and every call's results and inputs checked
+    problems than ``batch_limit`` allows, every call's options ``deterministic`` and ``softcap``
+    as given (the plan's), and every call's results and inputs checked
     (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
@@ -830,4 +869,5 @@ def pattern_run(
         complete=complete,
         batch_limit=batch_limit,
         deterministic=deterministic,
+        softcap=softcap,
     )

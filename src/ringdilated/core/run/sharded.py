@@ -185,7 +185,12 @@ class ShardedRun:
         window = self.inner.window if own else FULL
         inner = self.inner
         return BlockOptions(
-            inner.scale, window, inner.dropout_p, seed, deterministic=inner.deterministic
+            inner.scale,
+            window,
+            inner.dropout_p,
+            seed,
+            deterministic=inner.deterministic,
+            softcap=inner.softcap,
         )
 
     def _exchange(
