@@ -374,8 +374,9 @@ def dilated_attention(
     - ``sinks``: attention sinks (docs/spec.md, section 5; gpt-oss's): a tensor ``(H,)``, one
       logit per query head, that joins every query's softmax denominator with a zero value,
       ``lse = log(sum exp(score) + exp(sinks[h]))`` (in ``longnet`` mode once per query, over
-      the union of the patterns), ``out`` scaled down to match; a query that sees no key (and a
-      padded position) then gets ``out = 0`` and ``lse = sinks[h]``. Gradients flow to
+      the union of the patterns), ``out`` scaled down to match; a query that sees no key then
+      gets ``out = 0`` and ``lse = sinks[h]`` (a padded position, no query, keeps ``lse =
+      -inf``). Gradients flow to
       ``sinks`` as to ``q``, ``k``, ``v``. float32 (float16 and bfloat16 are widened exactly,
       so a module in half precision may keep them so; float64 only with float64 inputs, as a
       float32 merge would round it), exactly ``(H,)`` (never broadcast), on ``q``'s device;

@@ -139,6 +139,9 @@ class CallPlan:
     lse_used: bool = True
     parts: tuple[tuple[slice | None, Executor], ...] = attrs.field(default=(), eq=False)
     softcap: float | None = attrs.field(default=None, kw_only=True)
+    padding_rows: dict[torch.device, torch.Tensor | None] = attrs.field(
+        factory=dict, init=False, eq=False, repr=False
+    )  # query_padding's memo
 
     def explain_communicator(self, resolver: Resolver, name: str | Communicator) -> str:
         """The communicator choice for this call's shards (the first group of padded rows'),
@@ -193,10 +196,36 @@ class CallPlan:
         ``q`` contiguous; ``k``, ``v`` any strides whose last is 1 (see :func:`operands`);
         ``sinks``: the call's attention sinks (``None``: none), merged into the final results
         (:func:`~ringdilated.core.run.local.forward_with_sinks`)."""
+        padding = None if sinks is None else self.query_padding(q.device)
         if not wants_gradients(q, k, v, sinks):  # no autograd node to build (microseconds)
             with autocast_off(q.device.type):
-                return forward_with_sinks(self, q, k, v, call, sinks)
-        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse(), sinks)  # type: ignore[no-untyped-call,no-any-return]
+                return forward_with_sinks(self, q, k, v, call, sinks, padding)
+        return DilatedAttentionFunction.apply(q, k, v, self, call.with_lse(), sinks, padding)  # type: ignore[no-untyped-call,no-any-return]
+
+    def query_padding(self, device: torch.device) -> torch.Tensor | None:
+        """``(B or 1, Lq)`` bool on ``device``, ``True`` at this rank's query positions that are
+        padding (no query: no attention sink there), or ``None`` when none is. Built from the
+        layout on the host once per plan and device, then reused (no copy per call)."""
+        if device in self.padding_rows:
+            return self.padding_rows[device]
+        layout = self.layout
+        shards = self.shards or (self.row_plans[0][1] if self.row_plans else ())
+        if shards:
+            starts = shards[self.rank].starts
+            lo, hi = starts[self.rank], starts[self.rank + 1]
+        else:
+            lo, hi = layout.query_start, layout.length
+        mask = torch.ones(layout.rows[-1].stop if len(layout.rows) > 1 else 1, hi - lo)
+        mask = mask.to(torch.bool)
+        for rows in layout.rows:
+            batches = rows.batches if len(layout.rows) > 1 else slice(0, 1)
+            for start, stop in rows.documents:
+                a, b = max(start, lo), min(stop, hi)
+                if a < b:
+                    mask[batches, a - lo : b - lo] = False
+        found = mask.to(device) if bool(mask.any()) else None
+        self.padding_rows[device] = found
+        return found
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: CallState, cast: bool = True
@@ -698,8 +727,10 @@ def execute(
     q, k, v = operands(q, k, v)
     if seed is None:
         return plan.apply(q, k, v, call_state(plan, stats, lse_needed), sinks)
+    padding = None if sinks is None else plan.query_padding(q.device)
     with autocast_off(q.device.type):
-        out, lse = forward_with_sinks(plan, q, k, v, call_state(plan, stats, seed=seed), sinks)
+        state = call_state(plan, stats, seed=seed)
+        out, lse = forward_with_sinks(plan, q, k, v, state, sinks, padding)
     return out, as_lse_layout(lse)
 
 

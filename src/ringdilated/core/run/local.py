@@ -744,20 +744,23 @@ def forward_with_sinks(
     v: torch.Tensor,
     call: CallState,
     sinks: torch.Tensor | None,
+    padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``executor.forward`` with the call's attention ``sinks`` (``(H,)``; ``None``: none) merged
     into its final ``out`` and ``lse`` (:func:`~ringdilated.core.run.sinks.merge_sinks`), once
-    per query, after every block, pattern and piece."""
+    per query, after every block, pattern and piece; ``padding`` (``(B or 1, Lq)`` bool, or
+    ``None``): the query rows that are padding, which get no sink."""
     if sinks is None:
         return executor.forward(q, k, v, call)
     out, lse = executor.forward(q, k, v, call.with_lse())
-    out, lse = merge_sinks(out, lse, sinks)
+    out, lse = merge_sinks(out, lse, sinks, padding)
     return out, as_lse_layout(lse)  # as the executors' backward reads it
 
 
 class DilatedAttentionFunction(torch.autograd.Function):
-    """``(q, k, v, executor, call[, sinks]) -> (out, lse)`` with exact gradients for ``q``,
-    ``k``, ``v`` and ``sinks`` (``(H,)``; ``None`` or left out: none; :func:`forward_with_sinks`).
+    """``(q, k, v, executor, call[, sinks[, padding]]) -> (out, lse)`` with exact gradients for
+    ``q``, ``k``, ``v`` and ``sinks`` (``(H,)``; ``None`` or left out: none; ``padding``, the
+    query rows that get no sink: :func:`forward_with_sinks`).
 
     ``q`` is contiguous ``(B, Lq, H, D)`` (a shard of it for a sharded executor); ``k``, ``v``
     ``(B, L, Hkv, D)`` of any strides whose last is 1. ``lse`` is ``(B, H, Lq)`` in the
@@ -776,9 +779,10 @@ class DilatedAttentionFunction(torch.autograd.Function):
         executor: Executor,
         call: CallState,
         sinks: torch.Tensor | None = None,
+        padding: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast_off(q.device.type):
-            out, lse = forward_with_sinks(executor, q, k, v, call, sinks)
+            out, lse = forward_with_sinks(executor, q, k, v, call, sinks, padding)
         ctx.save_for_backward(q, k, v, sinks, out, lse)  # type: ignore[arg-type]  # None: no sinks
         ctx.executor = executor  # type: ignore[attr-defined]
         ctx.call = call  # type: ignore[attr-defined]
@@ -809,9 +813,9 @@ class DilatedAttentionFunction(torch.autograd.Function):
         # Outside no_grad: a backward building a graph ties the gradients to the inputs. (A
         # trailing None for sinks that were left out is dropped by autograd.)
         if dsinks is None:
-            return (*first_order_only(grads, (q, k, v)), None, None, None)
+            return (*first_order_only(grads, (q, k, v)), None, None, None, None)
         *tied, dsinks = first_order_only((*grads, dsinks), (q, k, v, sinks))
-        return (*tied, None, None, dsinks)
+        return (*tied, None, None, dsinks, None)
 
 
 def effective_scale(scale: float | None, head_dim: int) -> float:

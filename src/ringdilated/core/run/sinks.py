@@ -7,8 +7,9 @@ piece merged; in ``longnet`` mode the union of the patterns, so the sink joins i
 
     lse' = logaddexp(lse, s_h)        out' = out * exp(lse - lse')
 
-A query that sees no key (``lse = -inf``) gets ``out' = 0`` and ``lse' = s_h``; padded positions
-too (the float64 oracle's rule, ``ringdilated.testing.masked_attention``).
+A query that sees no key (``lse = -inf``) gets ``out' = 0`` and ``lse' = s_h``; a padded
+position is no query and keeps ``out' = 0``, ``lse' = -inf`` (``padding``); a NaN sink makes its
+head's rows NaN, never a silent 0 (the float64 oracle's rules, ``ringdilated.testing.oracle``).
 
 Backward. The kernel contract's backward takes the *final, merged* ``out`` and ``lse`` of each
 query (:mod:`ringdilated.core.contract.kernel`), and with the sink those are ``out'`` and
@@ -37,16 +38,25 @@ def _logits(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def merge_sinks(
-    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor,
+    padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out', lse')``: ``out`` ``(B, L, H, Dv)`` and its final ``lse`` ``(B, H, L)`` with the
     sink of each head merged in (module docstring). ``out'`` is in ``out``'s dtype (scaled in
     ``lse``'s, then rounded once), ``lse'`` in ``lse``'s dtype (and memory layout, as torch's
-    elementwise ops keep it). Neither input is modified; plain differentiable torch ops (the
+    elementwise ops keep it). ``padding``: ``(B or 1, L)`` bool, ``True`` at the positions that
+    are no query (padding), which keep ``lse' = -inf``. Neither input is modified; plain
+    differentiable torch ops (the
     decoding cache differentiates through them; a call's autograd node uses
     :func:`sinks_gradient`)."""
     merged = torch.logaddexp(lse, _logits(sinks, lse))  # lse's strides (TensorIterator's)
-    share = torch.exp(lse - merged).masked_fill(torch.isneginf(lse), 0.0)  # no key: 0, not NaN
+    if padding is not None:
+        merged = merged.masked_fill(padding.unsqueeze(1), float("-inf"))
+    # No key: 0 (not NaN), unless the sink is NaN: then NaN, never a silent 0.
+    empty = torch.isneginf(lse) & ~torch.isnan(merged)
+    share = torch.where(empty, 0.0, torch.exp(lse - merged))
     scaled = out * share.transpose(1, 2).unsqueeze(-1)
     return scaled.to(out.dtype), merged
 
