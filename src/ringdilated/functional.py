@@ -73,6 +73,7 @@ def attend(
     layout: object = None,
     full_precision_lse: bool = False,
     lse_needed: bool = True,
+    window: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
     the call's :class:`~ringdilated.core.call.prepare.CallPlan` (``full_precision_lse``: the lse in
@@ -94,6 +95,7 @@ def attend(
     # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
     options = dict(
         causal=causal,
+        window=window,
         scale=scale,
         dropout_p=dropout_p,
         return_lse=return_lse,
@@ -129,6 +131,19 @@ def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list
     if any(type(x) is not int or not -(2**63) <= x < 2**63 for x in (*segments, *rates)):  # int64
         return None
     return list(segments), list(rates), mode
+
+
+def _op_window(window: object) -> tuple[int | None, int | None] | None:
+    """The window as the ops take it (``window_left``, ``window_right``: ``int?`` each;
+    ``(None, None)`` for no window), or ``None`` where it does not fit their schema (the eager
+    path then checks it and names what is wrong)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        return None
+    if any(x is not None and (type(x) is not int or not -(2**63) <= x < 2**63) for x in window):
+        return None
+    return window[0], window[1]
 
 
 def _seed(dropout_p: float) -> torch.Tensor:
@@ -183,6 +198,9 @@ def _attend_op(
     fields = _op_pattern(pattern)
     if fields is None or not (compiling or all(_plain(x) for x in (q, k, v))):
         return None
+    window = _op_window(options["window"])
+    if window is None:
+        return None
     stats = options["transfer_stats"]
     if stats is not None and not isinstance(stats, TransferStats):
         return None
@@ -202,6 +220,7 @@ def _attend_op(
             key_padding_mask,
             *fields,
             causal,
+            *window,
             effective_scale(scale_value, q.shape[-1]),
             dropout,
             kernel,
@@ -230,6 +249,7 @@ def _attend_op(
         *group_names(group),
         *fields,
         causal,
+        *window,
         scale_value,
         dropout,
         kernel,
@@ -274,6 +294,7 @@ def dilated_attention(
     *,
     mode: Mode = ...,
     causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
     return_lse: Literal[False] = ...,
@@ -297,6 +318,7 @@ def dilated_attention(
     *,
     mode: Mode = ...,
     causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
     return_lse: Literal[True],
@@ -319,6 +341,7 @@ def dilated_attention(
     *,
     mode: Mode = "head_groups",
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
@@ -340,6 +363,17 @@ def dilated_attention(
       using pattern ``i`` at offset ``i % r_i``; unselected positions give ``0`` (no ``1/G``
       factor). ``mode="longnet"``: every head uses every pattern, mixed by softmax denominators.
     - ``causal``: keys after the query are hidden. ``scale`` defaults to ``1/sqrt(D)``.
+    - ``window``: a key window ``(left, right)`` on top of the pattern (docs/spec.md, section
+      5; flash-attn's ``window_size``, with ``None`` where flash-attn has ``-1``): a query at
+      position ``p`` sees a key of its own selection at ``k`` only when ``p - left <= k <= p +
+      right``, counted in positions of its document (with a dilation rate ``r``, ``left``
+      positions reach ``left // r`` selected keys). Each bound an int ``>= 0`` or ``None``
+      (unbounded). ``causal=True`` is ``right = 0``; with a window whose right bound is neither
+      ``None`` nor ``0`` it raises ``ValueError``. One segment covering the sequence at rate 1
+      with ``window=(w, 0)`` is a causal sliding-window layer, computed in about ``L x w``
+      scores (the reference and ``sdpa`` kernels get bands of rows with only the keys they
+      see; ``flex`` skips hidden blocks). Kernels declare it (``sliding_window``): ``auto``
+      picks one that has it.
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
     - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
@@ -399,6 +433,7 @@ def dilated_attention(
         k,
         v,
         causal=causal,
+        window=window,
         scale=scale,
         dropout_p=dropout_p,
         kernel=kernel,

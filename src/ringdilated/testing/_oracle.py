@@ -93,10 +93,13 @@ def pattern_weights(
     ``window``: ``(left, right)`` (docs/spec.md, section 5; ``None`` unbounded on that side):
     key ``j`` only when ``p - left <= j <= p + right``, in positions (not selected keys);
     ``causal=True`` is ``right = 0``; with a window it asks for a window whose ``right`` is 0
-    (anything else raises ``ValueError``: one of the two would be ignored)."""
-    if window is not None and causal and window[1] != 0:
+    or ``None`` (anything else raises ``ValueError``: one of the two would be ignored; the rule
+    of the library's calls)."""
+    if window is not None and causal and window[1] not in (None, 0):
         raise ValueError(f"causal=True asks for right = 0, but window={window!r}: pass one")
-    left, right = window if window is not None else (None, 0 if causal else None)
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
     rel = p - start  # (B', L): position within its document

@@ -26,13 +26,19 @@ from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.nccl_device import check_current_device
 from ringdilated.core.call.sequence_layout import SequenceLayout
-from ringdilated.core.call.validation import check_bool, check_inputs, check_options, check_shards
+from ringdilated.core.call.validation import (
+    check_bool,
+    check_inputs,
+    check_options,
+    check_shards,
+    check_window,
+)
 from ringdilated.core.contract.communicator import Communicator, TransferStats, mask_argument
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
 from ringdilated.core.plan.shards import ShardPlan, shard_plan
-from ringdilated.core.plan.window import KeyWindow, as_window
+from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.run.head_parallel import HeadParallelRun
 from ringdilated.core.run.local import (
     BackwardInputs,
@@ -78,6 +84,7 @@ class CallOptions:
     :func:`prepare_call`, inside the ranks' agreement, never on construction."""
 
     causal: object = False
+    window: object = None
     scale: object = None
     dropout_p: object = 0.0
     return_lse: object = False
@@ -368,7 +375,7 @@ def _check(
     layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
     check_options(options.scale, options.dropout_p)
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
-    window = as_window(check_bool("causal", options.causal))  # the call's one mask value
+    window = check_window(options.window, options.causal)  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
         raise TypeError(
@@ -551,7 +558,11 @@ def plan_key(
             for x in pattern_args
         )
     causal, scale, dropout_p = options["causal"], options["scale"], options["dropout_p"]
-    return_lse = options["return_lse"]
+    return_lse, window = options["return_lse"], options.get("window")
+    if isinstance(window, list):  # a list is as good as a tuple (and unhashable)
+        window = tuple(window)
+    if isinstance(window, tuple):  # bounds and their types: (4, 0) is valid, (4.0, 0) is not
+        window = (window, tuple(map(type, window)))
     if backward is None:
         backward = torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
@@ -562,6 +573,7 @@ def plan_key(
         (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device),
         backward,
         (type(causal), causal, type(scale), scale, type(dropout_p), dropout_p),
+        (type(window), window),
         (type(return_lse), return_lse),
         options["kernel"],
         os.environ.get(KERNEL_ENV_VAR),  # what "auto" resolves to, read per call
@@ -792,6 +804,7 @@ def _signature(
     return CallSignature(
         pattern=safe_repr(fields),
         causal=safe_repr(options.causal),
+        window=safe_repr(options.window if plan is None else plan.window),
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
