@@ -45,7 +45,7 @@ def _expected_bytes(
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
-        **case_layout(case),
+        window=case.get("window"), **case_layout(case),
     )  # fmt: skip
     rows = case["batch"] if weights.shape[0] == 1 else 1  # rows that each weight row stands for
     shards = [shard_slice(case, r, world) for r in range(world)]
@@ -127,7 +127,7 @@ def _hybrid_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int
                     received[dst] += moved
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
-        **case_layout(case),
+        window=case.get("window"), **case_layout(case),
     )  # fmt: skip
     rows = case["batch"] if weights.shape[0] == 1 else 1
     chunk = [
@@ -152,7 +152,7 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
-    kw.update(case_layout(case))
+    kw.update(window=case.get("window"), **case_layout(case))
     out = torch.cat([r["out"] for r in results], 1)
     assert [r["out"].shape[1] for r in results] == [
         shard_slice(case, r, world).stop - shard_slice(case, r, world).start for r in range(world)

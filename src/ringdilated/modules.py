@@ -17,8 +17,8 @@ from ringdilated.core.call import (
     agree,
     agreed,
     as_process_group,
-    check_bool,
     check_options,
+    check_window,
     group_size,
     warn_if_launched_alone,
 )
@@ -34,7 +34,10 @@ class DilatedAttention(nn.Module):
     ``forward(q, k, v)`` returns ``out`` (``return_lse=True`` also returns ``lse``), with the
     semantics of :func:`ringdilated.dilated_attention`, including its ``cu_seqlens``,
     ``key_padding_mask``, ``layout`` (whose process group must be the module's) and query
-    suffix. ``dropout`` applies in training mode only.
+    suffix. ``dropout`` applies in training mode only. ``window``: the key window ``(left,
+    right)`` of every call (docs/spec.md, section 5), checked here (each bound an int ``>= 0``
+    or ``None``; with ``causal=True`` the right bound ``None`` or ``0``) and kept as
+    ``(left, right)`` with ``causal`` applied (``None``: no window).
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
@@ -65,6 +68,7 @@ class DilatedAttention(nn.Module):
         *,
         mode: Mode = "head_groups",
         causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
         scale: float | None = None,
         dropout: float = 0.0,
         kernel: str | Kernel = "auto",
@@ -74,7 +78,9 @@ class DilatedAttention(nn.Module):
         super().__init__()
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
-        self.causal = check_bool("causal", causal)
+        self.key_window = check_window(window, causal)
+        self.causal: bool = causal
+        self.window = None if window is None else (self.key_window.left, self.key_window.right)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
@@ -107,6 +113,7 @@ class DilatedAttention(nn.Module):
             k,
             v,
             causal=self.causal,
+            window=self.window,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
@@ -159,7 +166,7 @@ class DilatedAttention(nn.Module):
         else:
             grid_shape = self.process_group.shape if isinstance(self.process_group, Grid) else None
             communicator = default_resolver().explain_communicator(
-                ranks, self.causal, self.communicator, grid=grid_shape
+                ranks, self.key_window, self.communicator, grid=grid_shape
             )
         return f"{kernel}\n{communicator}"
 
@@ -167,5 +174,7 @@ class DilatedAttention(nn.Module):
         p = self.pattern
         return (
             f"segment_lengths={p.segment_lengths}, dilation_rates={p.dilation_rates}, "
-            f"mode={p.mode!r}, causal={self.causal}, dropout={self.dropout}, kernel={self.kernel!r}"
+            f"mode={p.mode!r}, causal={self.causal}, "
+            + (f"window={self.window}, " if self.window is not None else "")
+            + f"dropout={self.dropout}, kernel={self.kernel!r}"
         )

@@ -1,8 +1,15 @@
 """The problems the kernel conformance kit draws, and the float64 references it judges them by.
 
 A :class:`KernelCase` is one kernel-level problem: ``q (n, heads, q_len, D)`` against
-``k, v (n, kv_heads, k_len, D)`` with a scale and a causal offset. Real kernels break where
-shape-only tests never look, so :func:`kernel_cases` draws, within what a backend declares:
+``k, v (n, kv_heads, k_len, D)`` with a scale and a key window (the block's
+:class:`~ringdilated.core.plan.window.KeyWindow`). Real kernels break where shape-only tests
+never look, so :func:`kernel_cases` draws, within what a backend declares:
+
+- key windows as the driver hands them to blocks: right bounds on, above and below the
+  diagonal (causal blocks, their row chunks, other ranks' pieces), and, for a kernel declaring
+  ``sliding_window``, left bounds too: bands of any width about any diagonal (a sliding window's
+  blocks, shifted into row chunks and into another rank's piece), so that rows at the start
+  (``right < 0``), at the end (``left`` below their reach) or all of them see no key;
 
 - lengths around and past the usual tile sizes: most draws are 1 to 24 long, others 25 to 128,
   on a tile boundary (31-33, 63-65, 127-129, 191-193, 255-257), or 129 to 300; about one length
@@ -19,12 +26,14 @@ dimension catches (a wrong kernel that passes without it and fails with it).
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import torch
 from hypothesis import strategies as st
 
 from ringdilated.core.contract.kernel import BlockOptions
-from ringdilated.core.plan.window import KeyWindow
+from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.testing._oracle import masked_attention, scaled_scores
 
@@ -73,10 +82,17 @@ class CaseSpace:
 DEFAULT_SPACE = CaseSpace()
 
 
-@attrs.frozen
+_UNSET = object()
+
+
+@attrs.frozen(init=False)
 class KernelCase:
     """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``,
-    each in ``layout`` (:meth:`lay_out`)."""
+    each in ``layout`` (:meth:`lay_out`), key ``j`` visible to query ``i`` under ``window``.
+
+    ``causal_offset`` (0.1: ``window.right``, an int or ``None``, in ``window``'s place or by
+    name, also in ``attrs.evolve``, where it replaces the window by ``KeyWindow(None,
+    causal_offset)``) is accepted and read for one release with a ``DeprecationWarning``."""
 
     n: int
     heads: int
@@ -86,12 +102,46 @@ class KernelCase:
     head_dim: int
     dtype: torch.dtype
     scale: float
-    causal_offset: int | None
+    window: KeyWindow
     seed: int
     device: str = "cpu"
     layout: str = "contiguous"
     rate: int = 1
     offset: int = 0
+
+    def __init__(
+        self,
+        n: int,
+        heads: int,
+        kv_heads: int,
+        q_len: int,
+        k_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+        window: KeyWindow | int | None = FULL,
+        seed: int = 0,
+        device: str = "cpu",
+        layout: str = "contiguous",
+        rate: int = 1,
+        offset: int = 0,
+        *,
+        causal_offset: object = _UNSET,
+    ) -> None:
+        if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
+            _deprecated_offset()
+            right = window if causal_offset is _UNSET else causal_offset
+            window = KeyWindow(None, right)
+        self.__attrs_init__(
+            n, heads, kv_heads, q_len, k_len, head_dim, dtype, scale, window, seed, device,
+            layout, rate, offset,
+        )  # fmt: skip
+
+    @property
+    def causal_offset(self) -> int | None:
+        """Deprecated: ``window.right``."""
+        _deprecated_offset()
+        return self.window.right
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed)
@@ -120,7 +170,16 @@ class KernelCase:
         return view.copy_(x)
 
     def options(self) -> BlockOptions:
-        return BlockOptions(self.scale, KeyWindow(None, self.causal_offset))
+        return BlockOptions(self.scale, self.window)
+
+
+def _deprecated_offset() -> None:
+    warnings.warn(
+        "KernelCase.causal_offset is deprecated: use window=KeyWindow(None, offset) and "
+        "window.right (ringdilated.core.KeyWindow)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 #: Lengths on either side of the 32-, 64- and 128-row tiles fused kernels use.
@@ -162,9 +221,10 @@ def kernel_cases(
 ) -> st.SearchStrategy[KernelCase]:
     """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
 
-    ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
-    ``backward``: draw only problems whose request needs (and the backend declares) gradients;
-    ``dropout``: the same for dropout.
+    ``causal``: ``True`` draws only windows with a bound (a right bound always; with
+    ``sliding_window`` declared, a left bound too, half the time), ``False`` none, ``None``
+    either (as declared). ``backward``: draw only problems whose request needs (and the backend
+    declares) gradients; ``dropout``: the same for dropout.
     """
     env = env or Environment.from_environ()
     capability = env.capability(torch.device(device))
@@ -184,12 +244,7 @@ def kernel_cases(
         groups = min(3, room // kv_heads) if spec.capabilities.gqa else 1
         heads = kv_heads * d(st.integers(1, max(1, groups)))
         max_n = max(1, min(space.max_batch, room // heads))
-        offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
-        if causal is None:
-            offsets = st.none() | offsets if spec.capabilities.causal else st.none()
-        elif not causal:
-            offsets = st.none()
-        offset = d(offsets)
+        window = d(_windows(spec, causal, q_len, k_len))
         layout = d(st.sampled_from(space.layouts))
         strided = layout == "strided"
         case = KernelCase(
@@ -201,7 +256,7 @@ def kernel_cases(
             head_dim=head_dim,
             dtype=dtype,
             scale=d(st.floats(0.05, 1.0)),
-            causal_offset=offset,
+            window=window,
             seed=d(st.integers(0, 2**31 - 1)),
             device=device,
             layout=layout,
@@ -213,7 +268,7 @@ def kernel_cases(
             dtype=dtype,
             head_dim=head_dim,
             compute_capability=capability,
-            window=offset is not None,
+            window=window,
             gqa=heads != kv_heads,
             backward=backward,
             dropout=dropout,
@@ -224,11 +279,55 @@ def kernel_cases(
     return draw()
 
 
-def _visible(q_len: int, k_len: int, offset: int | None, device: torch.device) -> torch.Tensor:
-    if offset is None:
-        return torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+def _windows(
+    spec: KernelSpec, causal: bool | None, q_len: int, k_len: int
+) -> st.SearchStrategy[KeyWindow]:
+    """The block windows drawn for ``spec`` (see :func:`kernel_cases`' ``causal``): a right
+    bound from just above every key to just below every query (rows at the start see no key);
+    where ``sliding_window`` is declared, a left bound half the time, drawn as the band's width
+    ``left + right`` (from ``-1``, no key seen by any row, past every key), so bands lie about
+    every diagonal and rows at the end may see no key; with no right bound, a left bound alone
+    from just past the keys' end to just past every row."""
+    caps = spec.capabilities
+    if causal is False or not (caps.causal or caps.sliding_window):
+        return st.just(FULL)
+    rights: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
+    if not caps.causal:
+        rights = st.none()
+
+    @st.composite
+    def draw(d: st.DrawFn) -> KeyWindow:
+        right = d(rights)
+        left = None
+        if caps.sliding_window and d(st.booleans()):
+            if right is None:
+                left = d(st.integers(-k_len - 1, q_len + 1))
+            else:
+                left = d(st.integers(-1, q_len + k_len)) - right
+        if causal and left is None and right is None:  # a bound, always
+            right = 0 if caps.causal else None
+            left = None if caps.causal else 0
+        return KeyWindow(left, right)
+
+    windows = draw()
+    return windows if causal else st.just(FULL) | windows
+
+
+def _visible(
+    q_len: int, k_len: int, window: KeyWindow | int | None, device: torch.device
+) -> torch.Tensor:
+    """``(q_len, k_len)`` bool: key ``j`` visible to query ``i`` under ``window`` (an int or
+    ``None``: 0.1's right bound)."""
+    if not isinstance(window, KeyWindow):
+        window = KeyWindow(None, window)
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
-    return cols <= torch.arange(q_len, device=device).unsqueeze(1) + offset
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if window.left is not None:
+        visible &= cols >= rows - window.left
+    if window.right is not None:
+        visible &= cols <= rows + window.right
+    return visible
 
 
 def dense(
@@ -236,17 +335,18 @@ def dense(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    offset: int | None,
+    window: KeyWindow | int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd):
+    """Kernel-layout dense attention in ``dtype`` under the contract's key window (autograd):
     :func:`ringdilated.testing.masked_attention` with key ``j`` visible to query ``i`` when
-    ``offset`` is ``None`` or ``j <= i + offset``, each probability scaled by ``drop`` (a
-    dropout mask ``keep / (1 - p)``, broadcastable to the scores) when given. Exact for
-    non-finite inputs, as the oracle is.
+    ``i - left <= j <= i + right`` (``window``; an int or ``None``: 0.1's causal offset, the
+    right bound alone), each probability scaled by ``drop`` (a dropout mask ``keep / (1 -
+    p)``, broadcastable to the scores) when given. Exact for non-finite inputs, as the oracle
+    is.
     """
-    visible = _visible(q.shape[2], k.shape[2], offset, q.device)
+    visible = _visible(q.shape[2], k.shape[2], window, q.device)
     return masked_attention(q, k, v, visible, scale, dtype, drop=drop)
 
 
@@ -258,7 +358,7 @@ def contract_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-    offset: int | None,
+    window: KeyWindow | int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,7 +375,7 @@ def contract_backward(
     group = q.shape[1] // k.shape[1]
     kd, vd = (x.to(dtype).repeat_interleave(group, 1) for x in (k, v))
     s = scaled_scores(q, k, scale, dtype)
-    visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
+    visible = _visible(s.shape[-2], s.shape[-1], window, q.device)
     lse_d = lse.to(dtype)
     finite = torch.where(torch.isneginf(lse_d), torch.zeros_like(lse_d), lse_d)
     p = torch.exp(s - finite.unsqueeze(-1)).masked_fill(~visible, 0.0)
