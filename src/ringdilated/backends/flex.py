@@ -313,6 +313,7 @@ FLEX_SPEC = KernelSpec(
             problems=GRID_LIMIT,
             problems_x_kv_heads=GRID_LIMIT,
             query_elements=FUSED_QUERY_ELEMENTS,
+            skips_hidden_keys=True,  # the block mask skips the blocks a window hides
         ),
     ),
     priority=-10,

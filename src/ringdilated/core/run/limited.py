@@ -95,6 +95,7 @@ def row_chunks(
     budget: int | None,
     options: BlockOptions,
     k_len: int | None = None,
+    bands: bool = True,
 ) -> Iterator[RowChunk]:
     """A call's ``rows`` query rows, first to last, in chunks of at most ``budget`` query
     elements (``row_elements`` a row: problems x query heads x head dim), at least one row a
@@ -103,12 +104,13 @@ def row_chunks(
 
     With ``k_len`` (the call's keys), each chunk holds only the keys its rows see
     (:meth:`~ringdilated.core.plan.window.KeyWindow.visible_keys`, ``(0, 0)`` when none: the
-    caller skips it), and a window bounded on both sides is chunked further
+    caller skips it), and with ``bands`` (a kernel that computes every score it is handed:
+    ``not BatchLimit.skips_hidden_keys``) a window bounded on both sides is chunked further
     (:func:`window_chunk_rows`): a sliding window over a long block costs about ``rows x
-    (window + chunk)`` scores. Without it, every chunk keeps every key (0.1's chunks)."""
+    (window + chunk)`` scores. Without ``k_len``, every chunk keeps every key (0.1's chunks)."""
     window = options.window
     per_chunk = rows if budget is None else max(1, budget // max(1, row_elements))
-    banded = None if k_len is None else window_chunk_rows(window, rows, k_len)
+    banded = None if k_len is None or not bands else window_chunk_rows(window, rows, k_len)
     if banded is not None:
         per_chunk = min(per_chunk, banded)
     if per_chunk >= rows:
@@ -284,13 +286,14 @@ class BatchLimitedKernel:
         step = max(1, min(limits))
         window = options.window
         whole = window.visible_keys(0, rows, k_len) == (0, k_len)
-        banded = window_chunk_rows(window, rows, k_len) is not None
+        bands = not self.limit.skips_hidden_keys
+        banded = bands and window_chunk_rows(window, rows, k_len) is not None
         if step >= n and (budget is None or q.numel() <= budget) and whole and not banded:
             return None
         pieces: list[_Piece] = []
         for first in range(0, n, step):
             count = min(step, n - first)
-            chunks = row_chunks(rows, count * heads * dim, budget, options, k_len)
+            chunks = row_chunks(rows, count * heads * dim, budget, options, k_len, bands)
             pieces.extend(_Piece(first, count, chunk) for chunk in chunks)
         return pieces
 

@@ -521,7 +521,8 @@ class LocalRun:
                     # chunks (each a step), each with the keys its rows see; a chunk whose rows
                     # see none is no step (its rows keep out = 0, lse = -inf).
                     k_len = k_view.size[2]
-                    parts = tuple(row_chunks(q_rows, n * heads * D, budget, options, k_len))
+                    bands = not self.batch_limit.skips_hidden_keys
+                    parts = tuple(row_chunks(q_rows, n * heads * D, budget, options, k_len, bands))
                     for part in parts:
                         if not part.sees_keys:
                             continue
