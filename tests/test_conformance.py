@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 import attrs
@@ -341,7 +342,7 @@ class RawCpuFlash(ReferenceKernel):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=options.scale
         )
-        options.mark_empty_rows(out, lse)
+        options.mark_empty_rows(out, lse, k.shape[-2])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, options):  # type: ignore[no-untyped-def]
@@ -496,7 +497,13 @@ class PoisonsItsProblems(ReferenceKernel):
         (NanToNumbers, "non-finite", "turned into finite numbers"),
         (NanToNumbersInBackward, "non-finite-gradients", "turned into finite numbers"),
         (SpreadsAcrossProblems, "non-finite", "reached outputs it must not"),
-        (SpreadsAcrossHeads, "non-finite-gradients", "reached outputs it must not"),
+        # Either way the check finds it first: a NaN input reaching another problem's
+        # gradients, or a merged non-finite lse changing them.
+        (
+            SpreadsAcrossHeads,
+            "non-finite-gradients",
+            "reached outputs it must not|of another problem",
+        ),
     ],
 )
 def test_kernels_that_hide_or_spread_nan_are_rejected(
@@ -505,7 +512,7 @@ def test_kernels_that_hide_or_spread_nan_are_rejected(
     with pytest.raises(ConformanceError) as info:
         check_kernel(_spec(kernel), max_examples=30, checks=(check,))
     assert info.value.check == check
-    assert message in str(info.value)
+    assert re.search(message, str(info.value)), str(info.value)
 
 
 def test_nan_within_its_own_problem_is_allowed() -> None:

@@ -244,7 +244,7 @@ def kernel_cases(
         groups = min(3, room // kv_heads) if spec.capabilities.gqa else 1
         heads = kv_heads * d(st.integers(1, max(1, groups)))
         max_n = max(1, min(space.max_batch, room // heads))
-        window = d(_windows(spec, causal, q_len, k_len))
+        window = _window(d, spec, causal, q_len, k_len)
         layout = d(st.sampled_from(space.layouts))
         strided = layout == "strided"
         case = KernelCase(
@@ -279,38 +279,32 @@ def kernel_cases(
     return draw()
 
 
-def _windows(
-    spec: KernelSpec, causal: bool | None, q_len: int, k_len: int
-) -> st.SearchStrategy[KeyWindow]:
-    """The block windows drawn for ``spec`` (see :func:`kernel_cases`' ``causal``): a right
-    bound from just above every key to just below every query (rows at the start see no key);
-    where ``sliding_window`` is declared, a left bound half the time, drawn as the band's width
-    ``left + right`` (from ``-1``, no key seen by any row, past every key), so bands lie about
-    every diagonal and rows at the end may see no key; with no right bound, a left bound alone
-    from just past the keys' end to just past every row."""
+def _window(
+    d: st.DrawFn, spec: KernelSpec, causal: bool | None, q_len: int, k_len: int
+) -> KeyWindow:
+    """The block window drawn for ``spec`` (see :func:`kernel_cases`' ``causal``): a right
+    bound from just above every key to just below every query (rows at the start see no key),
+    drawn as 0.1 drew its causal offset (so a kernel without sliding windows gets 0.1's cases);
+    where ``sliding_window`` is declared, then a left bound half the time, drawn as the band's
+    width ``left + right`` (from ``-1``, no key seen by any row, past every key), so bands lie
+    about every diagonal and rows at the end may see no key; with no right bound, a left bound
+    alone from just past the keys' end to just past every row."""
     caps = spec.capabilities
-    if causal is False or not (caps.causal or caps.sliding_window):
-        return st.just(FULL)
-    rights: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
-    if not caps.causal:
-        rights = st.none()
-
-    @st.composite
-    def draw(d: st.DrawFn) -> KeyWindow:
-        right = d(rights)
-        left = None
-        if caps.sliding_window and d(st.booleans()):
-            if right is None:
-                left = d(st.integers(-k_len - 1, q_len + 1))
-            else:
-                left = d(st.integers(-1, q_len + k_len)) - right
-        if causal and left is None and right is None:  # a bound, always
-            right = 0 if caps.causal else None
-            left = None if caps.causal else 0
-        return KeyWindow(left, right)
-
-    windows = draw()
-    return windows if causal else st.just(FULL) | windows
+    offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
+    if causal is None:
+        offsets = st.none() | offsets if caps.causal else st.none()
+    elif not causal or not caps.causal:
+        offsets = st.none()
+    right = d(offsets)
+    if causal is False or not caps.sliding_window:
+        return KeyWindow(None, right)
+    left = None
+    if d(st.booleans()) or (causal and right is None):  # a bound, always, for ``causal``
+        if right is None:
+            left = d(st.integers(-k_len - 1, q_len + 1))
+        else:
+            left = d(st.integers(-1, q_len + k_len)) - right
+    return KeyWindow(left, right)
 
 
 def _visible(

@@ -219,18 +219,18 @@ class BlockOptions:
         """Give the rows that see no key the contract's ``lse = -inf`` (and ``out = 0`` when
         ``out`` is given), in place: for kernels whose op reports something else for them
         (``lse = 0``, or NaN). ``k_len``: the block's key count, which a window with a left
-        bound needs (rows at the end may see no key; ``ValueError`` without it); without a
-        left bound the empty rows are those before :meth:`visible_rows_start`."""
+        bound needs (rows at the end may see no key; ``ValueError`` without it); without it
+        (0.1's call) the empty rows are those before :meth:`visible_rows_start`."""
         q_len = lse.shape[-1]
-        if self.window.left is None:
+        if k_len is not None:
+            start, stop = self.window.visible_rows(q_len, k_len)
+        elif self.window.left is None:
             start, stop = min(self.visible_rows_start(), q_len), q_len
-        elif k_len is None:
+        else:
             raise ValueError(
                 f"mark_empty_rows needs k_len for {self.window!r}: with a left bound, rows at "
                 "the end may see no key"
             )
-        else:
-            start, stop = self.window.visible_rows(q_len, k_len)
         for first, count in ((0, start), (stop, q_len - stop)):
             if count > 0:
                 lse.narrow(-1, first, count).fill_(float("-inf"))
