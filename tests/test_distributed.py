@@ -268,6 +268,34 @@ def test_segment_and_shard_alignments(workers2: Workers, segments, rates, causal
         assert sent[-1] == 0, "under causal the last rank sends nothing"
 
 
+@pytest.mark.parametrize(
+    ("segments", "rates", "window", "causal", "extra"),
+    [
+        ([40], [1], (3, None), True, {}),  # a sliding-window layer: the next rank's 3 keys
+        ([40], [1], (4, 6), False, {"shard_lengths": [7, 13, 9, 11]}),  # both ways, uneven
+        ([20, 40], [2, 4], (9, None), False, {"cu_seqlens": [0, 17, 40]}),  # dilated, documents
+        ([40, 10], [1, 2], (0, 0), False, {"valid_runs": [[2, 37], [0, 30]]}),  # itself only
+    ],
+)
+def test_sliding_windows_send_the_minimum_through_every_communicator(
+    workers4: Workers, segments, rates, window, causal, extra
+) -> None:
+    """Fixed windows on 4 ranks of 40 positions (a causal sliding-window layer, a two-sided
+    band on uneven shards, dilated patterns over documents, a window of the query alone over
+    padded rows): every communicator exact against the oracle, forward and gradients, and each
+    rank's bytes those of :func:`_expected_bytes` (the pairs some query of another rank sees,
+    from the oracle's mask): a window that reaches less sends less."""
+    case = {
+        "seed": 9, "batch": 2, "seq_len": 40, "heads": 4, "kv_heads": 2, "head_dim": 4,
+        "dtype": "float64", "segments": segments, "rates": rates, "mode": "head_groups",
+        "causal": causal, "window": window, "scale": None, "kernel": "sdpa", **extra,
+    }  # fmt: skip
+    _run_each_communicator(workers4, case, 4)
+    if window == (0, 0):  # every query sees itself only: nothing crosses
+        results = workers4.results("sharded_case", {**case, "communicator": "ringpass"})
+        assert [r["forward_bytes_sent"] for r in results] == [0, 0, 0, 0]
+
+
 def test_bad_input_on_one_rank_raises_on_every_rank(workers4: Workers) -> None:
     start = time.monotonic()
     messages = workers4.results("bad_input_on_one_rank", {"bad_rank": 2})

@@ -86,6 +86,11 @@ def test_a_0_1_function_taking_causal_gets_the_bool_with_a_warning() -> None:
 def test_the_send_rule_between_ranks() -> None:
     assert CAUSAL.sends(0, 1) and not CAUSAL.sends(1, 0)
     assert FULL.sends(0, 1) and FULL.sends(1, 0)
+    # By rank order alone: a left bound of 0 hides every earlier key, a right bound of 0 every
+    # later one; how far a positive bound reaches is the pieces' question (Crossing.sent).
+    assert not KeyWindow(0, None).sends(0, 1) and KeyWindow(0, None).sends(1, 0)
+    assert KeyWindow(3, 0).sends(0, 1) and not KeyWindow(3, 0).sends(1, 0)
+    assert KeyWindow(3, 2).sends(0, 1) and KeyWindow(3, 2).sends(1, 0)
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
