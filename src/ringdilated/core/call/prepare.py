@@ -804,7 +804,9 @@ def _signature(
     return CallSignature(
         pattern=safe_repr(fields),
         causal=safe_repr(options.causal),
-        window=safe_repr(options.window if plan is None else plan.window),
+        # The window as agreed (so (4, None) and (4, 0) under causal=True agree); no window
+        # as "None" (a causal flag that differs is named once, as causal).
+        window=safe_repr(options.window if plan is None or options.window is None else plan.window),
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),
