@@ -65,6 +65,21 @@ def mismatched_features(payload: dict[str, Any]) -> str:
     return "no error"
 
 
+def mismatched_window(payload: dict[str, Any]) -> str:
+    """Ranks disagree on ``window``; every rank must raise naming the field."""
+    import ringdilated
+
+    q = torch.randn(1, 8, 2, 8)
+    window = (3 + dist.get_rank(), 0)
+    try:
+        ringdilated.dilated_attention(
+            q, q, q, [16], [1], window=window, process_group=dist.group.WORLD
+        )
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def rank_dies(payload: dict[str, Any]) -> str:
     """Rank 1 exits before the call; the others must raise (in the agreement), not hang."""
     import time

@@ -51,6 +51,7 @@ def counted_layer_calls(payload: dict[str, Any]) -> dict[str, Any]:
     kw = {
         "mode": payload["mode"],
         "causal": payload["causal"],
+        "window": payload.get("window"),
         "communicator": payload["communicator"],
         "layout": layout,
         "return_lse": payload["return_lse"],

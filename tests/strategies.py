@@ -23,6 +23,7 @@ class Case:
     scale: float | None
     dtype: torch.dtype
     seed: int
+    window: tuple[int | None, int | None] | None = None
 
     def tensors(self, requires_grad: bool = False) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(self.seed)
@@ -35,7 +36,10 @@ class Case:
         return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
 
     def kwargs(self) -> dict[str, object]:
-        return {"mode": self.mode, "causal": self.causal, "scale": self.scale}
+        kw: dict[str, object] = {"mode": self.mode, "causal": self.causal, "scale": self.scale}
+        if self.window is not None:
+            kw["window"] = self.window
+        return kw
 
 
 @st.composite
@@ -47,25 +51,54 @@ def patterns(draw: st.DrawFn, max_segment: int = 16) -> tuple[tuple[int, ...], t
 
 
 @st.composite
-def cases(draw: st.DrawFn, dtypes: tuple[torch.dtype, ...] = DTYPES, max_len: int = 40) -> Case:
+def key_windows(
+    draw: st.DrawFn, seq_len: int, causal: bool
+) -> tuple[int | None, int | None] | None:
+    """A call's key window ``(left, right)`` (docs/spec.md, section 5), or ``None`` one time in
+    four: each bound ``None`` or an int from 0 (the query's own position) past the sequence,
+    mostly short (a few positions: with dilation rates above 1 a bound reaches ``bound // rate``
+    selected keys, often 0); with ``causal``, the right bound ``None`` or ``0``."""
+    if draw(st.integers(0, 3)) == 0:
+        return None
+    bound = st.none() | st.integers(0, 4) | st.integers(0, seq_len + 1)
+    right = draw(st.sampled_from([None, 0]) if causal else bound)
+    return draw(bound), right
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+    dtypes: tuple[torch.dtype, ...] = DTYPES,
+    max_len: int = 40,
+    windows: bool = False,
+) -> Case:
+    """A whole problem; ``windows``: with a key window (:func:`key_windows`) most of the time."""
     segments, rates = draw(patterns())
     mode = draw(st.sampled_from(["head_groups", "longnet"]))
     min_heads = len(segments) if mode == "head_groups" else 1
     num_heads = draw(st.integers(min_heads, 6))
     num_kv_heads = draw(st.sampled_from([d for d in range(1, num_heads + 1) if num_heads % d == 0]))
+    # Drawn in the order they always were (a window last), so the examples drawn without
+    # windows stay the same.
+    batch, seq_len = draw(st.integers(1, 2)), draw(st.integers(1, max_len))
+    head_dim = draw(st.sampled_from([1, 4, 8, 16]))
+    causal = draw(st.booleans())
+    scale = draw(st.none() | st.floats(0.05, 2.0))
+    dtype, seed = draw(st.sampled_from(dtypes)), draw(st.integers(0, 2**31 - 1))
     return Case(
-        batch=draw(st.integers(1, 2)),
-        seq_len=draw(st.integers(1, max_len)),
+        batch=batch,
+        seq_len=seq_len,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=draw(st.sampled_from([1, 4, 8, 16])),
+        head_dim=head_dim,
         segment_lengths=segments,
         dilation_rates=rates,
         mode=mode,
-        causal=draw(st.booleans()),
-        scale=draw(st.none() | st.floats(0.05, 2.0)),
-        dtype=draw(st.sampled_from(dtypes)),
-        seed=draw(st.integers(0, 2**31 - 1)),
+        causal=causal,
+        scale=scale,
+        dtype=dtype,
+        seed=seed,
+        window=draw(key_windows(seq_len, causal)) if windows else None,
     )
 
 

@@ -35,6 +35,27 @@ def test_compiled_attention_matches_the_oracle(mode: str, kernel: str) -> None:
     assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-6
 
 
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_a_compiled_sliding_window_matches_the_oracle(mode: str) -> None:
+    """``window=`` reaches the custom ops (``window_left``, ``window_right``) under
+    ``fullgraph=True`` (a graph break raises): without documents (the layout op) and with them
+    (the one-process op), with the oracle's results and gradients."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 24, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    bounds = torch.tensor([0, 9, 24])
+    for window, causal, extra in (((5, 2), False, {}), ((3, None), True, {"cu_seqlens": bounds})):
+        attn = DilatedAttention([8, 24], [1, 3], mode=mode, causal=causal, window=window)
+        compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+        out = compiled(q, k, v, **extra)
+        expected = oracle(q, k, v, [8, 24], [1, 3], mode=mode, causal=causal, window=window,
+                          **extra)  # fmt: skip
+        assert max_error(out, expected) < 1e-12
+        grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+        expected_grads = torch.autograd.grad((expected * expected).sum(), (q, k, v))
+        assert max(max_error(a, b) for a, b in zip(grads, expected_grads, strict=True)) < 1e-10
+
+
 def test_compiled_block_matches_eager() -> None:
     torch.manual_seed(0)
     block = DilatedTransformerBlock(

@@ -33,7 +33,7 @@ from tests.test_gpu_kernel_wrappers import SHORT, on_cpu
 def _case(q_len: int, k_len: int, heads: int, kv_heads: int, right: int, **kw: Any) -> KernelCase:
     fields = {"n": 2, "head_dim": 16, "dtype": torch.float16, "scale": 0.3, "seed": right}
     return KernelCase(
-        heads=heads, kv_heads=kv_heads, q_len=q_len, k_len=k_len, causal_offset=right,
+        heads=heads, kv_heads=kv_heads, q_len=q_len, k_len=k_len, window=KeyWindow(None, right),
         **{**fields, **kw},
     )  # fmt: skip
 
@@ -53,7 +53,7 @@ INSIDE = [
 
 
 def _signature(case: KernelCase) -> tuple[int, ...]:
-    return case.q_len, case.k_len, case.heads, case.kv_heads, case.causal_offset or 0
+    return case.q_len, case.k_len, case.heads, case.kv_heads, case.window.right or 0
 
 
 class SeenKernel(CudnnKernel):
@@ -76,7 +76,7 @@ def fixed_cases(monkeypatch: pytest.MonkeyPatch) -> list[KernelCase]:
     unmasked)."""
 
     def cases(*args: object, causal: bool | None = None, **kw: object) -> Any:
-        unmasked = [attrs.evolve(c, causal_offset=None) for c in INSIDE]
+        unmasked = [attrs.evolve(c, window=KeyWindow()) for c in INSIDE]
         return st.sampled_from(unmasked if causal is False else INSIDE)
 
     monkeypatch.setattr(conformance, "kernel_cases", cases)
@@ -117,7 +117,7 @@ def _oracle_gradients(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, case: KernelCase
 ) -> tuple[torch.Tensor, ...]:
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out, _ = dense(*exact, case.scale, case.causal_offset)
+    out, _ = dense(*exact, case.scale, case.window)
     return torch.autograd.grad((out * dout.double()).sum(), exact)
 
 

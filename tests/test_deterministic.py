@@ -255,12 +255,13 @@ def test_every_kernel_call_of_a_plan_gets_its_reading(on: bool) -> None:
 
 
 def test_a_sharded_runs_crossing_calls_get_it_too() -> None:
-    """The options a shard builds for its crossing pieces, with and without dropout."""
+    """The options a shard builds for its crossing pieces (one segment over both shards: its
+    crossing 0, this rank's own piece and rank 0's), with and without dropout."""
     from ringdilated.core.plan.shards import shard_plan
     from ringdilated.core.run.local import pattern_run
     from ringdilated.core.run.sharded import ShardedRun
 
-    pattern = ringdilated.DilationPattern([8], [1])
+    pattern = ringdilated.DilationPattern([16], [1])
     plans = tuple(shard_plan(pattern, 16, 2, 2, rank, 2) for rank in range(2))
     q = torch.randn(1, 8, 2, 8)
     for on in (False, True):

@@ -46,7 +46,7 @@ def _expected_bytes(
     L, H, Hkv = case["seq_len"], case["heads"], case["kv_heads"]
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
-        **case_layout(case),
+        window=case.get("window"), **case_layout(case),
     )  # fmt: skip
     rows = case["batch"] if weights.shape[0] == 1 else 1  # rows that each weight row stands for
     shards = [shard_slice(case, r, world) for r in range(world)]
@@ -128,7 +128,7 @@ def _hybrid_bytes(case: dict[str, Any], world: int) -> tuple[list[int], list[int
                     received[dst] += moved
     weights = pattern_weights(
         L, H, case["segments"], case["rates"], mode=case["mode"], causal=case["causal"],
-        **case_layout(case),
+        window=case.get("window"), **case_layout(case),
     )  # fmt: skip
     rows = case["batch"] if weights.shape[0] == 1 else 1
     chunk = [
@@ -153,7 +153,7 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]], world: int) -> N
     q, k, v, dout, dlse = (x.requires_grad_(i < 3) for i, x in enumerate(full_inputs(case)))
     pattern = (case["segments"], case["rates"])
     kw = {"mode": case["mode"], "causal": case["causal"], "scale": case["scale"]}
-    kw.update(case_layout(case))
+    kw.update(window=case.get("window"), **case_layout(case))
     sinks = case_sinks(case)
     kw.update(softcap=case.get("softcap"), sinks=sinks)
     leaves = (q, k, v) if sinks is None else (q, k, v, sinks)
@@ -298,6 +298,34 @@ def test_segment_and_shard_alignments(workers2: Workers, segments, rates, causal
     assert (sum(sent) == 0) == local
     if causal:
         assert sent[-1] == 0, "under causal the last rank sends nothing"
+
+
+@pytest.mark.parametrize(
+    ("segments", "rates", "window", "causal", "extra"),
+    [
+        ([40], [1], (3, None), True, {}),  # a sliding-window layer: the next rank's 3 keys
+        ([40], [1], (4, 6), False, {"shard_lengths": [7, 13, 9, 11]}),  # both ways, uneven
+        ([20, 40], [2, 4], (9, None), False, {"cu_seqlens": [0, 17, 40]}),  # dilated, documents
+        ([40, 10], [1, 2], (0, 0), False, {"valid_runs": [[2, 37], [0, 30]]}),  # itself only
+    ],
+)
+def test_sliding_windows_send_the_minimum_through_every_communicator(
+    workers4: Workers, segments, rates, window, causal, extra
+) -> None:
+    """Fixed windows on 4 ranks of 40 positions (a causal sliding-window layer, a two-sided
+    band on uneven shards, dilated patterns over documents, a window of the query alone over
+    padded rows): every communicator exact against the oracle, forward and gradients, and each
+    rank's bytes those of :func:`_expected_bytes` (the pairs some query of another rank sees,
+    from the oracle's mask): a window that reaches less sends less."""
+    case = {
+        "seed": 9, "batch": 2, "seq_len": 40, "heads": 4, "kv_heads": 2, "head_dim": 4,
+        "dtype": "float64", "segments": segments, "rates": rates, "mode": "head_groups",
+        "causal": causal, "window": window, "scale": None, "kernel": "sdpa", **extra,
+    }  # fmt: skip
+    _run_each_communicator(workers4, case, 4)
+    if window == (0, 0):  # every query sees itself only: nothing crosses
+        results = workers4.results("sharded_case", {**case, "communicator": "ringpass"})
+        assert [r["forward_bytes_sent"] for r in results] == [0, 0, 0, 0]
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(workers4: Workers) -> None:

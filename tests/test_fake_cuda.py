@@ -198,6 +198,27 @@ def test_causal_offsets_other_than_0_hand_the_ops_an_aligned_padded_bias(
     assert contract.seen == {"forward": 1, "backward": 1, "bias": 2}
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "window", [KeyWindow(3, 0), KeyWindow(5, -2), KeyWindow(-30, None)], ids=str
+)
+def test_a_sliding_window_hands_the_ops_an_aligned_padded_bias(
+    dtype: torch.dtype, window: KeyWindow
+) -> None:
+    """A window with a left bound (a sliding window's band, another rank's shifted piece, rows
+    at the end that see no key) is never the ops' own causal flag: always the aligned, padded
+    bias, forward and backward, on the driver's strided views, with no host read."""
+    kernel, contract = SdpaKernel(), EfficientAttentionContract()
+    options = BlockOptions(scale=0.25, window=window)
+    with FakeTensorMode(), contract:
+        base = torch.empty(2, 45, 6, 16, dtype=dtype, device="cuda")
+        q = base.as_strided((2, 2, 20, 16), (45 * 96, 16, 192, 1), 32)  # rate 2, heads 2-3
+        k = base.as_strided((2, 2, 45, 16), (45 * 96, 16, 96, 1), 64)
+        out, lse = kernel.forward(q, k, k, options)
+        kernel.backward(out, q, k, k, out, lse, options)
+    assert contract.seen == {"forward": 1, "backward": 1, "bias": 2}
+
+
 def test_driver_keeps_every_call_within_the_grid_at_a_quarter_million_tokens_of_segment_4() -> None:
     """Segment length 4 over 2**18 positions makes 65536 problems per block; the driver splits
     them for the sdpa CUDA path's declared limit."""

@@ -94,6 +94,32 @@ def test_the_analytic_block_mask_equals_create_block_mask(block_size: tuple[int,
             assert built.mask_mod is dense
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES[1:])
+def test_a_sliding_windows_block_mask_equals_create_block_mask(
+    block_size: tuple[int, int],
+) -> None:
+    """A window with a left bound (issue 24): every table equals ``create_block_mask``'s for
+    bands about every diagonal, narrower and wider than a block, with and without a right
+    bound, rows at the start or the end seeing nothing and none seeing anything; through the
+    kernel's cached path, its ``mask_mod`` the window's (left bound first)."""
+    bq, bk = block_size
+    for q_len, k_len in itertools.product((1, bq + 1, 3 * bq + 5), (bk, 3 * bk + 5)):
+        lefts = {-k_len - 3, -bk, -1, 0, 1, bq - 1, bq + 3, q_len - 1, q_len + 5}
+        rights = {None, -q_len - 2, -bq, -1, 0, 1, bk + 1, k_len}
+        for left, right in itertools.product(sorted(lefts), rights):
+            case = (q_len, k_len, left, right, block_size)
+
+            def reference(b, h, q, kv, left=left, right=right):  # type: ignore[no-untyped-def]
+                seen = kv >= q - left  # the rule, not the code under test
+                return seen if right is None else seen & (kv <= q + right)
+
+            expected = create_block_mask(reference, None, None, q_len, k_len, "cpu", block_size)
+            got = _block_mask(q_len, k_len, KeyWindow(left, right), "cpu", block_size)
+            _assert_same(got, expected, case)
+            rows, cols = torch.arange(q_len).view(-1, 1), torch.arange(k_len).view(1, -1)
+            assert torch.equal(got.mask_mod(None, None, rows, cols), reference(0, 0, rows, cols))
+
+
 def _standin_spec(block_size: tuple[int, int]) -> Any:
     return attrs.evolve(
         on_cpu(FLEX_SPEC, frozenset({torch.float32, torch.float64})),
@@ -261,6 +287,19 @@ def test_the_driver_blocks_masks_on_fake_cuda_allocate_nothing_dense(
         _block_mask_cache_clear()
     if length == query_length == 131072:
         assert shapes == {(131072, 131072, 0)}
+
+
+def test_a_sliding_windows_block_mask_on_fake_cuda_allocates_nothing_dense() -> None:
+    """A sliding window's block mask at 128k (``window=(4096, 0)``) is built on FakeTensor
+    ``cuda`` tensors in ``(q_len / 128) x (k_len / 128)`` int32 tables at most, like the causal
+    one: 4 MiB, where a dense mask is 16 GiB."""
+    building = Allocations("cuda")
+    try:
+        with FakeTensorMode(), building:
+            _block_mask(131072, 131072, KeyWindow(4096, 0), "cuda:0")
+    finally:
+        _block_mask_cache_clear()
+    assert building.largest == 1024 * 1024
 
 
 def _block_mask_cache_clear() -> None:

@@ -329,8 +329,9 @@ def test_one_segment_larger_than_the_bound_is_split_by_query_rows() -> None:
     """The case the grid and whole segments cannot bound: one segment of 2^20 positions with
     H = 32, D = 128 is one problem of 2^32 query elements, 16 times the fused bound. Worked by
     hand: 2^28 / (32 x 128) = 2^16 rows a call, so 16 calls forward and 16 backward, each of
-    exactly 2^28 query elements against all 2^20 keys (8 grouped key/value heads), the causal
-    window shifted to the call's first row: ``right = 2^16 x i`` for call ``i``."""
+    exactly 2^28 query elements against the keys its rows see (8 grouped key/value heads; call
+    ``i`` the first ``2^16 x (i + 1)``), the causal window shifted to the call's first row:
+    ``right = 2^16 x i`` for call ``i``."""
     heads, kv_heads, dim = 32, 8, 128
     q = torch.empty(1, L, heads, dim, device="meta")
     k, v = (torch.empty(1, L, kv_heads, dim, device="meta") for _ in "kv")
@@ -344,7 +345,8 @@ def test_one_segment_larger_than_the_bound_is_split_by_query_rows() -> None:
     chunk = 1 << 16
     assert kernel.forwards == [(1, FUSED_QUERY_ELEMENTS)] * 16
     assert kernel.backwards == [(1, FUSED_QUERY_ELEMENTS)] * 16
-    assert kernel.rows == [(chunk, L, KeyWindow(None, chunk * i)) for i in range(16)]
+    # Each call holds only the keys its rows see: up to its last row (a causal band's prefix).
+    assert kernel.rows == [(chunk, chunk * (i + 1), KeyWindow(None, chunk * i)) for i in range(16)]
 
 
 def test_the_crossing_path_splits_a_large_problem_by_rows_too() -> None:

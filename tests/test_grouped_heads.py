@@ -18,6 +18,7 @@ import torch
 from ringdilated.backends import _heads, sdpa
 from ringdilated.backends.sdpa import EfficientAttention
 from ringdilated.backends.xformers import XformersKernel
+from ringdilated.core import KeyWindow
 from ringdilated.core.contract.causal import bottom_right_pieces
 from ringdilated.testing import conformance
 from ringdilated.testing.kernel_cases import KernelCase
@@ -46,7 +47,7 @@ def test_the_chosen_offsets_take_the_pieces_named() -> None:
 def _case(kv_heads: int, offset: int | None, dtype: torch.dtype, seed: int) -> KernelCase:
     return KernelCase(
         n=2, heads=4, kv_heads=kv_heads, q_len=Q_LEN, k_len=K_LEN, head_dim=16, dtype=dtype,
-        scale=0.3, causal_offset=offset, seed=seed, layout="strided", rate=2, offset=1,
+        scale=0.3, window=KeyWindow(None, offset), seed=seed, layout="strided", rate=2, offset=1,
     )  # fmt: skip
 
 
@@ -211,7 +212,7 @@ def _odd_case(seed: int) -> KernelCase:
     4``), so group 1's offset is 108, not 105."""
     return KernelCase(
         n=1, heads=6, kv_heads=2, q_len=5, k_len=7, head_dim=16, dtype=torch.float16,
-        scale=0.3, causal_offset=None, seed=seed, layout="contiguous",
+        scale=0.3, window=KeyWindow(), seed=seed, layout="contiguous",
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import torch
 
 from ringdilated.backends import _heads
 from ringdilated.backends.sdpa import EfficientAttention
+from ringdilated.core import KeyWindow
 from ringdilated.testing import conformance
 from ringdilated.testing.kernel_cases import KernelCase
 from tests.standins import efficient_attention, efficient_attention_backward
@@ -51,7 +52,7 @@ def test_the_repeated_call_passes_the_kits_checks(offset: int | None) -> None:
     kernel = EfficientAttention(efficient_attention, efficient_attention_backward)
     case = KernelCase(
         n=2, heads=4, kv_heads=2, q_len=12, k_len=16, head_dim=16, dtype=torch.float16,
-        scale=0.3, causal_offset=offset, seed=5, layout="strided", rate=2, offset=1,
+        scale=0.3, window=KeyWindow(None, offset), seed=5, layout="strided", rate=2, offset=1,
     )  # fmt: skip
     assert _heads.kv_groups(*_shapes(2, 4, 2, 12))[0].kv_heads == 2  # the repeated path
     for check in ("causal", "gradients", "non-finite", "non-finite-gradients", "dropout"):

@@ -106,6 +106,24 @@ def padding_mask() -> torch.Tensor:
     return torch.tensor([[False] * 27 + [True] * 5, [True] * 3 + [False] * 29])
 
 
+@pytest.mark.parametrize("mode", ["head_groups", "longnet"])
+def test_a_sliding_window_in_steady_state_makes_no_host_traffic(mode: str) -> None:
+    """One process, a window with both bounds (its blocks cut into bands of rows): no host
+    read, no copy from Python data, forward and backward; the results are the oracle's."""
+    q, k, v = _inputs(length=1200)
+    kw: dict[str, Any] = {"mode": mode, "window": (20, 3)}
+    segments, rates = [1200, 400], [1, 2]
+    ringdilated.dilated_attention(q, k, v, segments, rates, **kw)  # plans
+    with HotPathCounter() as counts:
+        out = ringdilated.dilated_attention(q, k, v, segments, rates, **kw)
+        grads = _grads(out, (q, k, v), 2)
+    _zero(counts)
+    expected = oracle(q, k, v, segments, rates, **kw)
+    assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+    for a, e in zip(grads, _grads(expected, (q, k, v), 2), strict=True):
+        assert torch.allclose(a, e, atol=1e-12, rtol=0)
+
+
 def test_without_a_layout_documents_are_read_every_call() -> None:
     """The per-call form keeps working as before: it reads its documents every call."""
     q, k, v = _inputs()
@@ -155,7 +173,7 @@ def _check(case: dict[str, Any], results: list[dict[str, Any]]) -> None:
         leaves = (q, k, v, sinks)
     out, lse = oracle(
         q, k, v, SEGMENTS, RATES, mode=case["mode"], causal=case["causal"], return_lse=True,
-        sinks=sinks, **extra,
+        sinks=sinks, window=case.get("window"), **extra,
     )  # fmt: skip
     loss = (out * dout).sum()
     if case["return_lse"]:
@@ -200,6 +218,18 @@ def test_four_ranks_make_no_host_traffic_in_steady_state(
     workers4: Workers, communicator: str, layout: str
 ) -> None:
     case = _case(4, layout, communicator, return_lse=communicator == "ulysses")
+    _check(case, workers4.results(f"{TASKS}:counted_layer_calls", case))
+
+
+@pytest.mark.parametrize("communicator", ["ringpass", "allgather", "ulysses", "hybrid"])
+@pytest.mark.parametrize("layout", ["uneven", "documents"])
+def test_a_sliding_window_makes_no_host_traffic_in_steady_state(
+    workers4: Workers, communicator: str, layout: str
+) -> None:
+    """A causal sliding window of 6 positions over shards of 5 to 11: pieces still cross
+    (the window and the long segments reach past a shard), and the steady state reads nothing
+    and makes no collective but the exchange, as without a window."""
+    case = _case(4, layout, communicator, window=(6, 0), return_lse=communicator == "ringpass")
     _check(case, workers4.results(f"{TASKS}:counted_layer_calls", case))
 
 

@@ -35,6 +35,14 @@ NaN the outputs of the runs that selected it for the rest of its segment and in 
 segment until its slot is overwritten; never another row, and never the next sequence
 (:meth:`DilatedKVCache.reset` zeroes the buffers).
 
+A key window ``(left, right)`` (docs/spec.md, section 5; ``window=``) hides from the one-token
+step every slot more than ``left`` positions before the query (one more comparison in the same
+mask; its right bound hides nothing a cache holds: no key lies after the newest query), and a
+step of several tokens passes it on, in a run's compacted sequence dilated by the run's rate.
+The buffers keep their size: a slot the window hides still holds its key until overwritten (a
+cache bounded by the window instead of the pattern, for a long segment under a short window,
+is not built yet).
+
 A step of several tokens (a prompt, chunked prefill) is planned on the host: the first call
 attends the prompt with :func:`ringdilated.dilated_attention`'s machinery, with the real pattern
 (and ``key_padding_mask``, read once); a later one reads the rows' positions and attends, per
@@ -66,7 +74,7 @@ import attrs
 import torch
 
 from ringdilated.core import DilationPattern, HeadRun, Kernel, Mode, accumulation_dtype
-from ringdilated.core.call import as_softcap, check_bool, check_options, check_sinks
+from ringdilated.core.call import as_softcap, check_options, check_sinks, check_window
 from ringdilated.core.plan import check_readable, read_padding, split_by_kv
 from ringdilated.core.run import effective_scale, merge_sinks
 from ringdilated.functional import attend
@@ -212,6 +220,8 @@ class DilatedKVCache:
 
     ``softcap``: the logit cap of :func:`ringdilated.dilated_attention` (``None``: none), applied
     to every score of every step (the one-token step caps its scores on the device).
+    ``window``: the key window ``(left, right)`` of the module it serves (checked as
+    :func:`ringdilated.dilated_attention` checks it, and kept with ``causal`` applied).
 
     ``kernel`` (``"auto"``, a known kernel's name or a Kernel) is checked on construction; it
     serves the steps of several tokens, whose results do not depend on it (up to the tolerance
@@ -250,6 +260,7 @@ class DilatedKVCache:
         num_kv_heads: int | None = None,
         mode: Mode = "head_groups",
         causal: bool = True,
+        window: tuple[int | None, int | None] | None = None,
         scale: float | None = None,
         kernel: str | Kernel = "auto",
         softcap: float | None = None,
@@ -262,7 +273,9 @@ class DilatedKVCache:
         self.pattern.check_heads(num_heads, kv_heads)
         check_options(scale, 0.0)
         default_resolver().check_kernel_name(kernel)
-        self.causal = check_bool("causal", causal)
+        self._key_window = check_window(window, causal)
+        self.causal: bool = causal
+        self.window = None if window is None else (self._key_window.left, self._key_window.right)
         self.scale = scale
         self.softcap = as_softcap(softcap)
         self.kernel = kernel
@@ -371,6 +384,7 @@ class DilatedKVCache:
         pattern: DilationPattern,
         causal: bool,
         scale: float | None,
+        window: tuple[int | None, int | None] | None = None,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -382,11 +396,12 @@ class DilatedKVCache:
         does not fit ``module`` (both values) and the module that owns it.
 
         It fits when its pattern (``segment_lengths``, ``dilation_rates``, ``mode``),
-        ``causal``, ``softcap``, effective scale
+        ``causal``, key ``window`` (as :func:`~ringdilated.core.call.validation.check_window`
+        reads it with ``causal``), ``softcap``, effective scale
         (:func:`~ringdilated.core.run.local.effective_scale`) and head counts are the module's;
-        when, holding a sequence, that sequence's head dim, device and (unless ``dtype`` is
-        ``None``: not known before the projections, as under autocast) dtype are the module's;
-        and when it belongs to no module or to ``module``. A cache
+        when, holding a sequence, that sequence's head dim, device and
+        (unless ``dtype`` is ``None``: not known before the projections, as under autocast)
+        dtype are the module's; and when it belongs to no module or to ``module``. A cache
         belongs to the first module bound to it for its whole life (``make_cache()`` binds
         the cache it makes; :meth:`reset` keeps the owner): a cache of identical configuration
         used by another module holds that module's keys and values (per-layer caches swapped),
@@ -399,6 +414,7 @@ class DilatedKVCache:
             ("mode", p.mode, given.mode),
             ("causal", self.causal, causal),
             ("softcap", self.softcap, softcap),
+            ("window", self.window, window if window is None else tuple(window)),
             ("scale", effective_scale(self.scale, head_dim), effective_scale(scale, head_dim)),
             ("num_heads", self.num_heads, num_heads),
             ("num_kv_heads", self.num_kv_heads, num_kv_heads),
@@ -411,7 +427,8 @@ class DilatedKVCache:
                 holds.append(("dtype", held.dtype, dtype))
         problems = []
         for fields, rule in (
-            (made, "a cache serves only a module of its pattern, mode, causality, softcap, scale "
+            (made, "a cache serves only a module of its pattern, mode, causality, window, softcap, "
+                   "scale "
                    "and head counts: make it with the module's make_cache()"),
             (holds, "the sequence it holds must be in the module's head dim, device and dtype: "
                     "reset() it to start another"),
@@ -544,9 +561,12 @@ class DilatedKVCache:
             slot.unsqueeze(3).expand(batch, kv_heads, width, dim),
             torch.where(selects.unsqueeze(3), v.reshape(batch, kv_heads, 1, dim), 0.0),
         )
-        hidden = (t.first > seen_to.view(batch, kv_heads, 1, width, 1)).view(
-            batch, kv_heads, group, width * self._span
-        )
+        reach = seen_to.view(batch, kv_heads, 1, width, 1)
+        hidden = t.first > reach
+        left = self._key_window.left
+        if left is not None:  # a sliding window: slots more than ``left`` positions back too
+            hidden |= t.first < reach - left
+        hidden = hidden.view(batch, kv_heads, group, width * self._span)
         work = self._work
         query = q.reshape(batch, kv_heads, group, dim).to(work) * self._scale
         scores = torch.matmul(query, keys.to(work))
@@ -591,6 +611,7 @@ class DilatedKVCache:
             k,
             v,
             causal=self.causal,
+            window=self.window,
             scale=self.scale,
             dropout_p=0.0,
             kernel=self.kernel,
@@ -668,6 +689,7 @@ class DilatedKVCache:
                 keys,
                 values,
                 causal=self.causal,
+                window=self._compacted_window(run.r),
                 scale=effective_scale(self.scale, dim),
                 dropout_p=0.0,
                 kernel=self.kernel,
@@ -684,6 +706,14 @@ class DilatedKVCache:
             out[:, columns, h.q_start : h.q_stop] = run_out
             lse[:, h.q_start : h.q_stop, columns] = run_lse.to(acc)
         return out, lse
+
+    def _compacted_window(self, rate: int) -> tuple[int | None, int | None] | None:
+        """The key window in a run's compacted sequence of selected positions (stride ``rate``,
+        queries and keys on one grid): :meth:`~ringdilated.core.plan.window.KeyWindow.dilated`."""
+        if self.window is None:
+            return None
+        keys = self._key_window.dilated(rate)
+        return keys.left, keys.right
 
     @staticmethod
     def _merge(

@@ -97,6 +97,7 @@ def _planned(
     groups: Sequence[str],
     pattern: tuple[Sequence[int], Sequence[int], str],
     causal: bool,
+    window: tuple[int | None, int | None],
     scale: float | None,
     dropout_p: float,
     softcap: float | None,
@@ -110,7 +111,9 @@ def _planned(
     """The plan of an op's call (:func:`~ringdilated.core.call.prepare.plan_for`) on ``layout``,
     made (and agreed) anew every call for a one-process call given ``documents`` (``layout=None``)
     or a sharded one on the process-wide layout of whole sequences. Process groups named with
-    another layout must be its own (``ValueError`` otherwise, at once, on this rank)."""
+    another layout must be its own (``ValueError`` otherwise, at once, on this rank).
+    ``window``: the ops' ``(window_left, window_right)``; ``(None, None)`` is no window (the
+    same mask: unbounded on both sides, ``causal`` then bounding the right)."""
     from ringdilated.registry import default_resolver
 
     if layout is not None and layout is not WHOLE_SEQUENCES and any(groups):
@@ -122,6 +125,7 @@ def _planned(
             )
     arguments: dict[str, object] = {
         "causal": causal,
+        "window": None if window == (None, None) else tuple(window),
         "scale": scale,
         "dropout_p": dropout_p,
         "return_lse": return_lse,
@@ -233,6 +237,8 @@ def _attention(
     dilation_rates: list[int],
     mode: str,
     causal: bool,
+    window_left: int | None,
+    window_right: int | None,
     scale: float | None,
     dropout_p: float,
     softcap: float | None,
@@ -245,7 +251,8 @@ def _attention(
     docstring); everything is checked as an eager call checks it, on every rank."""
     _last.plan = plan = _planned(
         q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
-        causal, scale, dropout_p, softcap, kernel, communicator, return_lse, backward, sinks,
+        causal, (window_left, window_right), scale, dropout_p, softcap, kernel, communicator,
+        return_lse, backward, sinks,
     )  # fmt: skip
     return execute(plan, q, k, v, _counted(stats), seed=seed, sinks=sinks)
 
@@ -268,6 +275,8 @@ def _attention_backward(
     dilation_rates: list[int],
     mode: str,
     causal: bool,
+    window_left: int | None,
+    window_right: int | None,
     scale: float | None,
     dropout_p: float,
     softcap: float | None,
@@ -278,7 +287,8 @@ def _attention_backward(
     """``(dq, dk, dv, dsinks)`` of :func:`_attention` (the same plan, the same masks)."""
     plan = _planned(
         q, k, v, layout, stats, (group, inner_group), (segment_lengths, dilation_rates, mode),
-        causal, scale, dropout_p, softcap, kernel, communicator, return_lse, True, sinks,
+        causal, (window_left, window_right), scale, dropout_p, softcap, kernel, communicator,
+        return_lse, True, sinks,
     )  # fmt: skip
     dlse = dlse if return_lse else None
     *grads, dsinks = execute_backward(
@@ -338,6 +348,8 @@ def _dilated_attention(
     dilation_rates: list[int],
     mode: str,
     causal: bool,
+    window_left: int | None,
+    window_right: int | None,
     scale: float,
     dropout_p: float,
     softcap: float | None,
@@ -349,7 +361,8 @@ def _dilated_attention(
     as in an eager call without a layout."""
     plan = _planned(
         q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
-        scale, dropout_p, softcap, kernel, "auto", False, backward, sinks,
+        (window_left, window_right), scale, dropout_p, softcap, kernel, "auto", False, backward,
+        sinks,
         (cu_seqlens, key_padding_mask),
     )  # fmt: skip
     return execute(plan, q, k, v, seed=seed, sinks=sinks)
@@ -371,6 +384,8 @@ def _dilated_attention_backward(
     dilation_rates: list[int],
     mode: str,
     causal: bool,
+    window_left: int | None,
+    window_right: int | None,
     scale: float,
     dropout_p: float,
     softcap: float | None,
@@ -385,7 +400,8 @@ def _dilated_attention_backward(
     nonzero entry (read on the host: this op reads it anyway)."""
     plan = _planned(
         q, k, v, None, NO_STATS, ("", ""), (segment_lengths, dilation_rates, mode), causal,
-        scale, dropout_p, softcap, kernel, "auto", False, True, sinks,
+        (window_left, window_right), scale, dropout_p, softcap, kernel, "auto", False, True,
+        sinks,
         (cu_seqlens, key_padding_mask),
     )  # fmt: skip
     dlse = dlse if dlse is not None and bool(dlse.any()) else None

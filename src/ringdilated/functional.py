@@ -76,6 +76,7 @@ def attend(
     lse_needed: bool = True,
     softcap: object = None,
     sinks: object = None,
+    window: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, CallPlan | None]:
     """Validate (on every rank), resolve and run; returns ``(out, lse float32, plan)``, ``plan``
     the call's :class:`~ringdilated.core.call.prepare.CallPlan` (``full_precision_lse``: the lse in
@@ -97,6 +98,7 @@ def attend(
     # A dict, not yet a CallOptions: dynamo cannot construct a frozen attrs class in traced code.
     options = dict(
         causal=causal,
+        window=window,
         scale=scale,
         dropout_p=dropout_p,
         return_lse=return_lse,
@@ -134,6 +136,19 @@ def _op_pattern(pattern: DilationPattern | PatternArgs) -> tuple[list[int], list
     if any(type(x) is not int or not -(2**63) <= x < 2**63 for x in (*segments, *rates)):  # int64
         return None
     return list(segments), list(rates), mode
+
+
+def _op_window(window: object) -> tuple[int | None, int | None] | None:
+    """The window as the ops take it (``window_left``, ``window_right``: ``int?`` each;
+    ``(None, None)`` for no window), or ``None`` where it does not fit their schema (the eager
+    path then checks it and names what is wrong)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        return None
+    if any(x is not None and (type(x) is not int or not -(2**63) <= x < 2**63) for x in window):
+        return None
+    return window[0], window[1]
 
 
 def _seed(dropout_p: float) -> torch.Tensor:
@@ -193,6 +208,9 @@ def _attend_op(
     fields = _op_pattern(pattern)
     if fields is None or not (compiling or all(_plain(x) for x in (q, k, v))):
         return None
+    window = _op_window(options["window"])
+    if window is None:
+        return None
     stats = options["transfer_stats"]
     if stats is not None and not isinstance(stats, TransferStats):
         return None
@@ -214,6 +232,7 @@ def _attend_op(
             key_padding_mask,
             *fields,
             causal,
+            *window,
             effective_scale(scale_value, q.shape[-1]),
             dropout,
             cap,
@@ -244,6 +263,7 @@ def _attend_op(
         *group_names(group),
         *fields,
         causal,
+        *window,
         scale_value,
         dropout,
         cap,
@@ -292,6 +312,7 @@ def dilated_attention(
     *,
     mode: Mode = ...,
     causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
     return_lse: Literal[False] = ...,
@@ -317,6 +338,7 @@ def dilated_attention(
     *,
     mode: Mode = ...,
     causal: bool = ...,
+    window: tuple[int | None, int | None] | None = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
     return_lse: Literal[True],
@@ -341,6 +363,7 @@ def dilated_attention(
     *,
     mode: Mode = "head_groups",
     causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
@@ -385,6 +408,17 @@ def dilated_attention(
       collective. On a process group every rank passes the same sinks (shape and dtype are
       agreed, values are not read: keep them equal, as any parameter); each rank's gradient
       is its positions' share, summed across ranks like every parameter's.
+    - ``window``: a key window ``(left, right)`` on top of the pattern (docs/spec.md, section
+      5; flash-attn's ``window_size``, with ``None`` where flash-attn has ``-1``): a query at
+      position ``p`` sees a key of its own selection at ``k`` only when ``p - left <= k <= p +
+      right``, counted in positions of its document (with a dilation rate ``r``, ``left``
+      positions reach ``left // r`` selected keys). Each bound an int ``>= 0`` or ``None``
+      (unbounded). ``causal=True`` is ``right = 0``; with a window whose right bound is neither
+      ``None`` nor ``0`` it raises ``ValueError``. One segment covering the sequence at rate 1
+      with ``window=(w, 0)`` is a causal sliding-window layer, computed in about ``L x w``
+      scores (the reference and ``sdpa`` kernels get bands of rows with only the keys they
+      see; ``flex`` skips hidden blocks). Kernels declare it (``sliding_window``): ``auto``
+      picks one that has it.
     - ``dropout_p``: attention-probability dropout, applied whenever ``> 0`` (pass ``0.0`` in
       evaluation, as with ``torch.nn.functional.scaled_dot_product_attention``).
     - ``return_lse``: also return ``lse`` ``(B, H, Lq)`` float32, ``-inf`` where a query sees no
@@ -444,6 +478,7 @@ def dilated_attention(
         k,
         v,
         causal=causal,
+        window=window,
         scale=scale,
         dropout_p=dropout_p,
         kernel=kernel,

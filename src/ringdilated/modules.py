@@ -18,8 +18,8 @@ from ringdilated.core.call import (
     agreed,
     as_process_group,
     as_softcap,
-    check_bool,
     check_options,
+    check_window,
     group_size,
     warn_if_launched_alone,
 )
@@ -39,7 +39,11 @@ class DilatedAttention(nn.Module):
     (:func:`ringdilated.dilated_attention`'s; ``None``: none), checked at construction.
     ``forward(..., sinks=)``: attention sinks ``(H,)`` for that call (the functional
     ``sinks``); this module owns no parameters, so a module that learns them holds them
-    (:class:`~ringdilated.MultiheadDilatedAttention` ``(sinks=True)`` does).
+    (:class:`~ringdilated.MultiheadDilatedAttention` ``(sinks=True)`` does). ``window``: the
+    key window ``(left,
+    right)`` of every call (docs/spec.md, section 5), checked here (each bound an int ``>= 0``
+    or ``None``; with ``causal=True`` the right bound ``None`` or ``0``) and kept as
+    ``(left, right)`` with ``causal`` applied (``None``: no window).
 
     ``plan`` says which kernel served the last call and why the others were rejected
     (``print(attn.plan.explain())``); it is ``None`` before the first call. ``call`` is the last
@@ -70,6 +74,7 @@ class DilatedAttention(nn.Module):
         *,
         mode: Mode = "head_groups",
         causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
         scale: float | None = None,
         dropout: float = 0.0,
         kernel: str | Kernel = "auto",
@@ -81,7 +86,9 @@ class DilatedAttention(nn.Module):
         self.pattern = DilationPattern(segment_lengths, dilation_rates, mode)
         check_options(scale, dropout)
         self.softcap = as_softcap(softcap)
-        self.causal = check_bool("causal", causal)
+        self.key_window = check_window(window, causal)
+        self.causal: bool = causal
+        self.window = None if window is None else (self.key_window.left, self.key_window.right)
         resolver = default_resolver()
         resolver.check_kernel_name(kernel)
         resolver.check_communicator_name(communicator)
@@ -115,6 +122,7 @@ class DilatedAttention(nn.Module):
             k,
             v,
             causal=self.causal,
+            window=self.window,
             scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
             kernel=self.kernel,
@@ -169,7 +177,7 @@ class DilatedAttention(nn.Module):
         else:
             grid_shape = self.process_group.shape if isinstance(self.process_group, Grid) else None
             communicator = default_resolver().explain_communicator(
-                ranks, self.causal, self.communicator, grid=grid_shape
+                ranks, self.key_window, self.communicator, grid=grid_shape
             )
         return f"{kernel}\n{communicator}"
 
@@ -177,6 +185,8 @@ class DilatedAttention(nn.Module):
         p = self.pattern
         return (
             f"segment_lengths={p.segment_lengths}, dilation_rates={p.dilation_rates}, "
-            f"mode={p.mode!r}, causal={self.causal}, dropout={self.dropout}, kernel={self.kernel!r}"
+            f"mode={p.mode!r}, causal={self.causal}, "
+            + (f"window={self.window}, " if self.window is not None else "")
+            + f"dropout={self.dropout}, kernel={self.kernel!r}"
             + ("" if self.softcap is None else f", softcap={self.softcap}")
         )

@@ -96,6 +96,10 @@ class MultiheadDilatedAttention(AutoDtype):
     arguments are keyword-only, so ``segment_lengths`` and ``dilation_rates`` cannot be swapped
     by position.
 
+    ``window``: the attention's key window ``(left, right)`` (docs/spec.md, section 5; see
+    :func:`ringdilated.dilated_attention`), on top of the pattern; a cache it makes
+    (:meth:`make_cache`) applies it too.
+
     ``rotary`` (e.g. :func:`ringdilated.rotary.rotary_embedding`): rotary position embeddings,
     applied to ``q`` and ``k`` after the projections, with positions counted from each document's
     start (padding and packed documents restart at 0; on a process group, global positions; with
@@ -125,6 +129,7 @@ class MultiheadDilatedAttention(AutoDtype):
         num_kv_heads: int | None = None,
         mode: Mode = "head_groups",
         causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
         dropout: float = 0.0,
         bias: bool = True,
         layer_norm: bool = True,
@@ -172,6 +177,7 @@ class MultiheadDilatedAttention(AutoDtype):
             dilation_rates,
             mode=mode,
             causal=causal,
+            window=window,
             dropout=dropout,
             kernel=kernel,
             process_group=process_group,
@@ -350,9 +356,9 @@ class MultiheadDilatedAttention(AutoDtype):
 
     def make_cache(self) -> DilatedKVCache:
         """An empty :class:`~ringdilated.DilatedKVCache` for this module's pattern, heads,
-        causality, scale and kernel, to pass to ``forward(..., cache=)`` while decoding. It
-        belongs to this module (:meth:`~ringdilated.DilatedKVCache.bind`): another module
-        refuses it, so make one per layer."""
+        causality, key window, scale and kernel, to pass to ``forward(..., cache=)`` while
+        decoding. It belongs to this module (:meth:`~ringdilated.DilatedKVCache.bind`): another
+        module refuses it, so make one per layer."""
         a = self.attention
         cache = DilatedKVCache(
             a.pattern.segment_lengths,
@@ -361,6 +367,7 @@ class MultiheadDilatedAttention(AutoDtype):
             num_kv_heads=self.num_kv_heads,
             mode=a.pattern.mode,
             causal=a.causal,
+            window=a.window,
             scale=a.scale,
             kernel=a.kernel,
             softcap=a.softcap,
@@ -370,16 +377,17 @@ class MultiheadDilatedAttention(AutoDtype):
 
     def _bind_cache(self, cache: DilatedKVCache) -> None:
         """:meth:`DilatedKVCache.bind <ringdilated.DilatedKVCache.bind>` with this module's
-        pattern, causality, scale, heads, head dim, parameter device, and the dtype its
-        projections give where that is known before them (no autocast on the parameters'
-        device, no rotary callable, which may return another dtype); otherwise the cache's
-        own check compares the dtype, after the projections and before the cache changes."""
+        pattern, causality, key window, scale, heads, head dim, parameter device, and the dtype
+        its projections give where that is known before them (no autocast on the parameters'
+        device, no rotary callable, which may return another dtype); otherwise the cache's own
+        check compares the dtype, after the projections and before the cache changes."""
         a, weight = self.attention, self.q_proj.weight
         known = self.rotary is None and not autocast_enabled(weight.device.type)
         cache.bind(
             self,
             pattern=a.pattern,
             causal=a.causal,
+            window=a.window,
             scale=a.scale,
             softcap=a.softcap,
             num_heads=self.num_heads,

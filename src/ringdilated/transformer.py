@@ -36,6 +36,9 @@ class DilatedTransformerBlock(AutoDtype):
 
     ``ffn_dim`` defaults to ``4 * embed_dim``; ``gamma_init`` scales the initialisation of the
     value/output projections and both feed-forward layers (MAGNETO; 1.0 is plain Xavier).
+    ``window``: the attention's key window ``(left, right)`` (see
+    :class:`~ringdilated.MultiheadDilatedAttention`; ``(w, 0)`` with one segment covering the
+    sequence at rate 1 is a sliding-window layer).
     ``rotary``: rotary position embeddings for the attention's ``q`` and ``k`` (see
     :class:`~ringdilated.MultiheadDilatedAttention` and :mod:`ringdilated.rotary`).
     ``dtype="auto"`` is the block's, decided once for all its parameters, the attention's
@@ -55,6 +58,7 @@ class DilatedTransformerBlock(AutoDtype):
         num_kv_heads: int | None = None,
         mode: Mode = "head_groups",
         causal: bool = False,
+        window: tuple[int | None, int | None] | None = None,
         dropout: float = 0.0,
         layer_norm_eps: float = 1e-5,
         gamma_init: float = 1.0,
@@ -82,6 +86,7 @@ class DilatedTransformerBlock(AutoDtype):
             num_kv_heads=num_kv_heads,
             mode=mode,
             causal=causal,
+            window=window,
             dropout=dropout,
             layer_norm_eps=layer_norm_eps,
             gamma_init=gamma_init,

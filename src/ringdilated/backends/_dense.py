@@ -32,9 +32,11 @@ import torch
 
 from ringdilated.backends._heads import repeat_kv, sum_kv
 from ringdilated.core import (
+    FULL,
     BlockOptions,
     BottomRightKernel,
     BottomRightPiece,
+    KeyWindow,
     accumulation_dtype,
     mark_non_finite_problems,
     mark_non_finite_rows,
@@ -55,13 +57,22 @@ TILE_ELEMENTS = 1 << 24
 
 
 def visible_keys(
-    q_len: int, k_len: int, offset: int | None, device: torch.device
+    q_len: int, k_len: int, window: KeyWindow | int | None, device: torch.device
 ) -> torch.Tensor | None:
-    """``(q_len, k_len)`` bool: key ``j`` visible to query ``i`` (``None``: every key)."""
-    if offset is None:
+    """``(q_len, k_len)`` bool: key ``j`` visible to query ``i`` under ``window`` (``i - left <=
+    j <= i + right``; an int or ``None``: 0.1's right bound alone), ``None`` when every key is.
+    The left bound is checked first: a window is never read by its right bound alone."""
+    if not isinstance(window, KeyWindow):
+        window = KeyWindow(None, window)
+    if window == FULL:
         return None
     rows = torch.arange(q_len, device=device).unsqueeze(1)
-    return torch.arange(k_len, device=device) <= rows + offset
+    keys = torch.arange(k_len, device=device)
+    if window.left is not None:
+        seen = keys >= rows - window.left
+        return seen if window.right is None else seen & (keys <= rows + window.right)
+    assert window.right is not None
+    return keys <= rows + window.right
 
 
 def _tiles(q: torch.Tensor, k_len: int) -> list[slice]:
@@ -119,7 +130,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the block; ``drop`` scales the probabilities (dropout, already divided
     by the keep probability), shaped like the scores."""
-    visible = visible_keys(q.shape[-2], k.shape[-2], options.window.right, q.device)
+    visible = visible_keys(q.shape[-2], k.shape[-2], options.window, q.device)
     dtype = accumulation_dtype(q.dtype)
     values = repeat_kv(v, q.shape[1]).to(dtype)
     out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=dtype, device=q.device)
@@ -132,7 +143,7 @@ def forward(
         if drop is not None:
             p = p * drop[..., rows, :]
         out[..., rows, :] = torch.matmul(p, values)
-    options.mark_empty_rows(out, lse)  # 0, not 0 * inf, where a row sees no key
+    options.mark_empty_rows(out, lse, k.shape[-2])  # 0, not 0 * inf, where a row sees no key
     return out.to(q.dtype), lse
 
 
@@ -147,7 +158,7 @@ def backward(
     drop: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the final ``out`` and ``lse`` (the kernel contract's rule)."""
-    visible = visible_keys(q.shape[-2], k.shape[-2], options.window.right, q.device)
+    visible = visible_keys(q.shape[-2], k.shape[-2], options.window, q.device)
     dtype = accumulation_dtype(q.dtype)
     heads = q.shape[1]
     keys, values = (repeat_kv(x, heads).to(dtype) for x in (k, v))
@@ -260,6 +271,8 @@ class DeterministicBottomRightKernel(GuardedBottomRightKernel):
         piece: BottomRightPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if piece.left is not None:  # the native backward takes the causal flag only
+            raise NotImplementedError(f"{type(self).__name__} serves no left bound: {piece!r}")
         return self.native_backward(
             dout, q, k, v, out, lse, piece.causal, options.scale,
             deterministic=options.deterministic,

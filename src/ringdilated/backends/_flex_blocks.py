@@ -1,4 +1,4 @@
-"""A causal offset's block-sparse structure as a FlexAttention ``BlockMask``, with no dense mask.
+"""A key window's block-sparse structure as a FlexAttention ``BlockMask``, with no dense mask.
 
 ``create_block_mask`` evaluates the ``mask_mod`` over a dense ``q_len x k_len`` bool tensor, then
 sums it per block (torch 2.13, ``torch/nn/attention/flex_attention.py``: ``create_mask``,
@@ -33,6 +33,18 @@ tensors refuse on a CPU-only torch. So it is computed here too, and all eight ta
 - full: ``full_from(n) .. Lq // bq - 1``; partial: ``first(n) .. full_from(n) - 1``, and a cut
   last query block if it sees ``n`` (not contiguous: a cut block is never full).
 
+A left bound (a sliding window: key ``j`` visible iff ``i - left <= j <= i + right``,
+:func:`window_block_mask`; ``left`` clamped to ``[-Lk, Lq]``, ``right`` as above, ``Lk`` for
+none). No query sees a key when ``left + right < 0``. Otherwise query block ``m`` (rows
+``first(m) = m * bq .. last(m)``) sees the contiguous keys ``first(m) - left .. last(m) +
+right`` (clamped to the keys; none when that is empty), so the key blocks from
+``floor((first(m) - left) / bk)`` to ``floor((last(m) + right) / bk)``, and key block ``n`` is
+full for a whole ``m`` and a whole ``n`` iff ``n * bk >= last(m) - left`` and ``(n + 1) * bk - 1
+<= first(m) + right``: a range of blocks with partial ones on either side. Per key block ``n``
+(keys ``n * bk .. last_key(n)``) the query rows ``n * bk - right .. last_key(n) + left`` see it,
+the same way round; the cut last query block is listed after the whole ones when it sees
+``n``. Without a left bound these reduce to the formulas above (``left = Lq``).
+
 Index order. Each row lists its blocks ascending, then every other block ascending: what
 torch's stable descending ``argsort`` in ``_dense_to_ordered`` gives, so every tensor equals
 ``create_block_mask``'s (tests/test_flex_block_mask.py). The kernels read a row's first
@@ -57,7 +69,14 @@ import torch
 if TYPE_CHECKING:  # imported where used: FlexAttention is optional in older torch
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "BlockSize", "offset_block_mask", "saturated_offset"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "BlockSize",
+    "offset_block_mask",
+    "saturated_offset",
+    "saturated_window",
+    "window_block_mask",
+]
 
 #: A block mask's (query rows, key columns) per block.
 BlockSize = tuple[int, int]
@@ -73,6 +92,18 @@ def saturated_offset(q_len: int, k_len: int, offset: int) -> int:
     (below ``-q_len`` no query sees a key, at ``k_len - 1`` or above every query sees every key),
     with every block number it enters small."""
     return min(max(offset, -q_len), k_len)
+
+
+def saturated_window(
+    q_len: int, k_len: int, left: int | None, right: int | None
+) -> tuple[int, int]:
+    """``(left, right)`` as ints giving the same mask on a ``q_len x k_len`` block, each small:
+    ``right`` by :func:`saturated_offset` (``None``: ``k_len``), ``left`` clamped to
+    ``[-k_len, q_len]`` (``None``: ``q_len``; at ``q_len - 1`` or above no key is hidden on the
+    left, at ``-k_len`` or below no query sees a key)."""
+    right = k_len if right is None else saturated_offset(q_len, k_len, right)
+    left = q_len if left is None else min(max(left, -k_len), q_len)
+    return left, right
 
 
 def _floor_div(x: torch.Tensor, d: int) -> torch.Tensor:
@@ -118,32 +149,64 @@ def offset_block_mask(
     blocks and ``block_size = (query rows, key columns)`` per block: equal, tensor by tensor, to
     ``create_block_mask(mask_mod, None, None, q_len, k_len, device, block_size)``, made in
     ``O(nq * nk)`` int32 memory. The arithmetic is in the module docstring."""
+    return window_block_mask(q_len, k_len, None, offset, mask_mod, device, block_size)
+
+
+def window_block_mask(
+    q_len: int,
+    k_len: int,
+    left: int | None,
+    right: int | None,
+    mask_mod: Callable[..., Any],
+    device: torch.device | str,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """The ``BlockMask`` of the key window ``(left, right)``: key ``j`` visible to query ``i``
+    iff ``i - left <= j <= i + right`` (``None``: unbounded on that side), with ``mask_mod``
+    (which must compute that mask) for its partial blocks: equal, tensor by tensor, to
+    ``create_block_mask``'s, in ``O(nq * nk)`` int32 memory. The arithmetic is in the module
+    docstring (the sliding window's: its section "A left bound")."""
     from torch.nn.attention.flex_attention import BlockMask
 
     device = torch.device(device)
     bq, bk = block_size
-    c = saturated_offset(q_len, k_len, offset)
+    lo_bound, c = saturated_window(q_len, k_len, left, right)
     nq, nk = -(-q_len // bq), -(-k_len // bk)
     whole_q, whole_k = q_len // bq, k_len // bk
+    seen = lo_bound + c >= 0  # else no query sees any key
 
     m = torch.arange(nq, device=device)
-    last = torch.clamp((m + 1) * bq, max=q_len) - 1
-    visible = torch.clamp(_floor_div(last + c, bk) + 1, 0, nk)
-    full = torch.where(m < whole_q, torch.clamp(_floor_div(m * bq + c + 1, bk), 0, whole_k), 0)
+    first_row, last = m * bq, torch.clamp((m + 1) * bq, max=q_len) - 1
+    any_key = (first_row - lo_bound <= k_len - 1) & (last + c >= 0) & seen
+    start = torch.clamp(_floor_div(first_row - lo_bound, bk), 0, nk)
+    visible = torch.where(any_key, torch.clamp(_floor_div(last + c, bk) + 1, 0, nk), start)
+    visible = torch.maximum(visible, start)
+    full_lo = torch.clamp(-_floor_div(lo_bound + 1 - (m + 1) * bq, bk), start, visible)
+    full_hi = torch.clamp(_floor_div(first_row + c + 1, bk), 0, whole_k)
+    full_hi = torch.where(m < whole_q, torch.clamp(full_hi, full_lo, visible), full_lo)
 
     n = torch.arange(nk, device=device)
-    first = torch.where(n * bk <= q_len - 1 + c, torch.clamp(_floor_div(n * bk - c, bq), min=0), nq)
-    full_from = torch.where(
-        n < whole_k, torch.clamp(-_floor_div(c + 1 - (n + 1) * bk, bq), 0, whole_q), whole_q
+    first_key, last_key = n * bk, torch.clamp((n + 1) * bk, max=k_len) - 1
+    any_query = (first_key - c <= q_len - 1) & (last_key + lo_bound >= 0) & seen
+    q_start = torch.clamp(_floor_div(first_key - c, bq), 0, nq)
+    q_stop = torch.where(
+        any_query, torch.clamp(_floor_div(last_key + lo_bound, bq) + 1, 0, nq), q_start
     )
+    q_stop = torch.maximum(q_stop, q_start)
+    whole_start, whole_stop = torch.clamp(q_start, max=whole_q), torch.clamp(q_stop, max=whole_q)
+    from_q = torch.clamp(-_floor_div(c + 1 - (n + 1) * bk, bq), whole_start, whole_stop)
+    to_q = torch.clamp(_floor_div(first_key + lo_bound + 1, bq), from_q, whole_stop)
+    from_q = torch.where(n < whole_k, from_q, whole_stop)
+    to_q = torch.where(n < whole_k, to_q, whole_stop)
+    cut_start = torch.clamp(q_start, min=whole_q)  # the cut last query block, if it sees n
+    cut_row = (cut_start, torch.maximum(q_stop, cut_start))
 
-    kv_num, kv_indices = _listing([(full, visible)], nq, nk, device)
-    full_kv_num, full_kv_indices = _listing([(0, full)], nq, nk, device)
-    cut_row = (torch.clamp(first, min=whole_q), nq)  # the cut last query block, if it sees n
+    kv_num, kv_indices = _listing([(start, full_lo), (full_hi, visible)], nq, nk, device)
+    full_kv_num, full_kv_indices = _listing([(full_lo, full_hi)], nq, nk, device)
     q_num, q_indices = _listing(
-        [(torch.minimum(first, full_from), full_from), cut_row], nk, nq, device
+        [(whole_start, from_q), (to_q, whole_stop), cut_row], nk, nq, device
     )
-    full_q_num, full_q_indices = _listing([(full_from, whole_q)], nk, nq, device)
+    full_q_num, full_q_indices = _listing([(from_q, to_q)], nk, nq, device)
     return BlockMask(
         seq_lengths=(q_len, k_len),
         kv_num_blocks=kv_num,

@@ -1,8 +1,9 @@
 """FlexAttention (``torch.nn.attention.flex_attention``) behind the kernel contract.
 
-The causal offset is a ``mask_mod`` with a block mask, so blocks wholly above the diagonal are
-skipped by the kernel, and blocks wholly below it run without the ``mask_mod``. The block mask is
-built from the offset by arithmetic on block numbers (:mod:`ringdilated.backends._flex_blocks`),
+The key window (a causal offset, or a sliding window's two bounds) is a ``mask_mod`` with a block
+mask, so blocks the window hides wholly are skipped by the kernel, and blocks it shows wholly run
+without the ``mask_mod`` (a sliding window's band costs about ``rows x window``). The block mask
+is built from the window by arithmetic on block numbers (:mod:`ringdilated.backends._flex_blocks`),
 never from a dense mask: ``create_block_mask`` would evaluate the ``mask_mod`` over a dense
 ``q_len x k_len`` bool tensor per new block shape (16 GiB at 128k); this one holds
 ``O((L / 128)^2)`` int32 entries (4 MiB per index table at 128k) and equals
@@ -23,10 +24,11 @@ silently runs the unfused eager path, which materialises every score. So:
   every new block length would be a recompile. Dynamic shapes also keep flex off its decoding
   kernel (it wants a static batch) for blocks under 128 queries: a trade of that kernel's speed
   on short blocks for one graph, not yet measured on a GPU;
-- every block mask's ``mask_mod`` is the same code closing over a *tensor* offset, so dynamo's
-  guards (on the code, and on an int's value until it marks the int dynamic) never see the
-  offset; block masks are cached per (lengths, offset, device, block size), 256 at most, the
-  offset first clamped to ``[-q_len, k_len]`` (the same mask);
+- every block mask's ``mask_mod`` is the same code closing over a *tensor* offset (one code for
+  a right bound alone, :func:`offset_mask`, one for a window bounded on the left,
+  :func:`window_mask`), so dynamo's guards (on the code, and on an int's value until it marks
+  the int dynamic) never see the bounds; block masks are cached per (lengths, bounds, device,
+  block size), 256 at most, the bounds first saturated to the block (the same mask);
 - if the limit is hit anyway, the call runs uncompiled and :class:`FlexFallbackWarning` says so,
   once per kernel; ``uncompiled_calls`` counts them.
 
@@ -73,6 +75,8 @@ from ringdilated.backends._flex_blocks import (
     BlockSize,
     offset_block_mask,
     saturated_offset,
+    saturated_window,
+    window_block_mask,
 )
 from ringdilated.core import (
     FUSED_QUERY_ELEMENTS,
@@ -81,6 +85,7 @@ from ringdilated.core import (
     BlockOptions,
     Capabilities,
     KernelSpec,
+    KeyWindow,
     PriorityRule,
     RingDilatedWarning,
     Target,
@@ -97,6 +102,7 @@ __all__ = [
     "compile_flex",
     "offset_mask",
     "softcap_score",
+    "window_mask",
 ]
 
 Attention = Callable[..., tuple[torch.Tensor, Any]]
@@ -149,21 +155,46 @@ def _softcap_score(cap: float, device: str, dtype: torch.dtype) -> Callable[...,
     return softcap_score(torch.full((), cap, dtype=dtype, device=device))  # a fill: no host copy
 
 
+def window_mask(left: torch.Tensor, right: torch.Tensor) -> Callable[..., Any]:
+    """The ``mask_mod`` for a key window bounded on both sides (a sliding window): key ``j``
+    visible to query ``i`` iff ``i - left <= j <= i + right``, left bound first. Like
+    :func:`offset_mask`, one code closing over tensors, so one compiled graph serves every
+    window (an unbounded right side is passed saturated, :func:`saturated_window`)."""
+
+    def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+
+    return visible
+
+
 def _block_mask(
-    q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize = DEFAULT_BLOCK_SIZE
+    q_len: int,
+    k_len: int,
+    window: KeyWindow | int,
+    device: str,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
 ) -> Any:
-    """The cached ``BlockMask`` of a ``q_len x k_len`` block with causal ``offset``."""
-    return _cached_block_mask(
-        q_len, k_len, saturated_offset(q_len, k_len, offset), device, block_size
-    )
+    """The cached ``BlockMask`` of a ``q_len x k_len`` block with key ``window`` (an int: 0.1's
+    causal offset, ``window.right``)."""
+    if not isinstance(window, KeyWindow):
+        window = KeyWindow(None, window)
+    if window.left is None:
+        assert window.right is not None
+        right = saturated_offset(q_len, k_len, window.right)
+        return _cached_block_mask(q_len, k_len, None, right, device, block_size)
+    left, right = saturated_window(q_len, k_len, window.left, window.right)
+    return _cached_block_mask(q_len, k_len, left, right, device, block_size)
 
 
 @functools.lru_cache(maxsize=256)
 def _cached_block_mask(
-    q_len: int, k_len: int, offset: int, device: str, block_size: BlockSize
+    q_len: int, k_len: int, left: int | None, right: int, device: str, block_size: BlockSize
 ) -> Any:
-    mask_mod = offset_mask(torch.full((), offset, device=device))  # a fill: no host copy
-    return offset_block_mask(q_len, k_len, offset, mask_mod, device, block_size)
+    high = torch.full((), right, device=device)  # a fill: no host copy
+    if left is None:
+        return offset_block_mask(q_len, k_len, right, offset_mask(high), device, block_size)
+    mask_mod = window_mask(torch.full((), left, device=device), high)
+    return window_block_mask(q_len, k_len, left, right, mask_mod, device, block_size)
 
 
 def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
@@ -253,8 +284,7 @@ class FlexKernel:
         q_len, k_len = q.shape[-2], k.shape[-2]
         mask = None
         if options.needs_mask(q_len, k_len):
-            assert options.window.right is not None
-            mask = _block_mask(q_len, k_len, options.window.right, str(q.device), self._block_size)
+            mask = _block_mask(q_len, k_len, options.window, str(q.device), self._block_size)
         score_mod = None
         if options.softcap is not None:
             dtype = accumulation_dtype(q.dtype)
@@ -327,6 +357,7 @@ FLEX_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
         backward=True,
         dropout=False,
         gqa=True,
@@ -336,9 +367,13 @@ FLEX_SPEC = KernelSpec(
             problems=GRID_LIMIT,
             problems_x_kv_heads=GRID_LIMIT,
             query_elements=FUSED_QUERY_ELEMENTS,
+            skips_hidden_keys=True,  # the block mask skips the blocks a window hides
         ),
     ),
     priority=-10,
     priority_rules=(PriorityRule(20, "cuda"),),
-    description="FlexAttention with the causal offset as a block mask, softcap as a score_mod",
+    description=(
+        "FlexAttention with the key window (causal offset, sliding window) as a block mask, "
+        "softcap as a score_mod"
+    ),
 )

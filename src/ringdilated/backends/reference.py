@@ -58,6 +58,7 @@ REFERENCE_SPEC = KernelSpec(
     capabilities=Capabilities(
         targets=(Target("cpu", _FLOATS), Target("cuda", _FLOATS), Target("rocm", _FLOATS)),
         causal=True,
+        sliding_window=True,
         backward=True,
         dropout=True,
         gqa=True,

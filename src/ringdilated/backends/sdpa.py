@@ -12,7 +12,10 @@
   this project: it is checked on FakeTensor ``cuda`` tensors and against a stand-in that reads
   memory the way the kernel does.
 
-Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise.
+Causal blocks use the op's own diagonal mask when the offset is 0 and an additive mask otherwise;
+a sliding window (a left bound) is always an additive mask, which the ops apply to every score
+they compute: the driver hands a window's blocks over in row chunks holding only the keys their
+rows see (:mod:`ringdilated.core.run.limited`), so the masked work stays about ``rows x window``.
 
 Grouped-query heads: the CPU op takes ``k``, ``v`` with fewer heads (its backward runs one
 thread per key/value head). The memory-efficient op checks equal head counts
@@ -111,13 +114,16 @@ _NAN = float("nan")
 def _mask_args(
     q: torch.Tensor, k: torch.Tensor, options: BlockOptions
 ) -> tuple[bool, torch.Tensor | None]:
-    """``(is_causal, additive (q_len, k_len) mask)`` for the block."""
+    """``(is_causal, additive (q_len, k_len) mask)`` for the block: the ops' own causal mask
+    (top-left aligned in both, ``j <= i``, as the block's window is) for ``right = 0`` without a
+    left bound, else an additive mask of the window, left bound first (a sliding window's band;
+    its rows that see no key come back marked by :meth:`BlockOptions.mark_empty_rows`)."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     if not options.needs_mask(q_len, k_len):
         return False, None
-    if options.window.right == 0:
+    if options.window.left is None and options.window.right == 0:
         return True, None
-    visible = _dense.visible_keys(q_len, k_len, options.window.right, q.device)
+    visible = _dense.visible_keys(q_len, k_len, options.window, q.device)
     assert visible is not None
     mask = torch.zeros(q_len, k_len, dtype=q.dtype, device=q.device)
     hidden = visible.logical_not()  # (~ has no fake-CUDA kernel)
@@ -144,7 +150,7 @@ def _mark_rows_seeing_non_finite(
             poison = grouped.add_(problems.unsqueeze(2)).flatten(1, 2)
         out.add_(poison)
         lse.add_(poison.squeeze(-1))
-    options.mark_empty_rows(out, lse)
+    options.mark_empty_rows(out, lse, k_len)
 
 
 def _cpu_lse(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -367,6 +373,7 @@ SDPA_SPEC = KernelSpec(
             ),
         ),
         causal=True,
+        sliding_window=True,
         backward=True,
         dropout=True,
         gqa=True,

@@ -96,7 +96,8 @@ def pattern_weights(
     ``window``: ``(left, right)`` (docs/spec.md, section 5; ``None`` unbounded on that side):
     key ``j`` only when ``p - left <= j <= p + right``, in positions (not selected keys);
     ``causal=True`` is ``right = 0``; with a window it asks for a window whose ``right`` is 0
-    (anything else raises ``ValueError``: one of the two would be ignored)."""
+    or ``None`` (anything else raises ``ValueError``: one of the two would be ignored; the rule
+    of the library's calls)."""
     left, right = _window_bounds(window, causal)
     p = torch.arange(seq_len, device=device)
     document, start = documents_of(seq_len, cu_seqlens, key_padding_mask, device)
@@ -121,7 +122,8 @@ def pattern_weights(
 def _window_bounds(window: object, causal: bool) -> tuple[int | None, int | None]:
     """``(left, right)`` of ``window`` (a pair, or anything with ``left`` and ``right``, like
     :class:`~ringdilated.core.KeyWindow`), each ``None`` or an int (not a bool, not a float);
-    ``None``: ``(None, 0)`` when ``causal`` else unbounded. ``None`` is the only unbounded
+    ``None``: unbounded; ``causal`` makes ``right`` 0 (a right bound other than ``None`` or 0
+    then raises). ``None`` is the only unbounded
     side: flash-attn's ``-1`` is a bound here (hiding the query's own position, and more)."""
     if window is None:
         return None, 0 if causal else None
@@ -132,9 +134,9 @@ def _window_bounds(window: object, causal: bool) -> tuple[int | None, int | None
     else:
         raise TypeError(f"window must be (left, right) or a KeyWindow, got {window!r}")
     bounds = KeyWindow(*pair)  # ints or None, bools refused, naming the value
-    if causal and bounds.right != 0:
+    if causal and bounds.right not in (None, 0):
         raise ValueError(f"causal=True asks for right = 0, but window={window!r}: pass one")
-    return bounds.left, bounds.right
+    return bounds.left, 0 if causal else bounds.right
 
 
 def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:

@@ -5,10 +5,10 @@ give every rank exactly what one process computes (the ``local`` path) for its s
     report = check_communicator("mycomm")                  # spawns 2- and 4-rank pools
     report = check_communicator("mycomm", pools={2: pool}) # reuse a test session's pool
 
-Hypothesis draws whole problems (pattern, mode, causal, heads, grouped-query heads, dtype,
-scale, packed documents or padded rows, equal or uneven shards, attention sinks, and a logit cap
-where the kernel declares one) and each rank runs its shard through
-``dilated_attention(..., communicator=name)``.
+Hypothesis draws whole problems (pattern, mode, causal, a key window or none, heads,
+grouped-query heads, dtype, scale, packed documents or padded rows, equal or uneven shards,
+attention sinks, and a logit cap where the kernel declares one) and each rank runs its shard
+through ``dilated_attention(..., communicator=name)``.
 Check ``matches-local``: each rank's ``out``, ``lse`` and the gradients of a loss through both
 meet the tolerance rule (docs/spec.md, section 4) against the float64 oracle with the
 single-process result's own error as the allowance, i.e. the communicator adds nothing
@@ -46,6 +46,7 @@ __all__ = [
     "grid_shape",
     "shard_slice",
     "sharded_run",
+    "windows",
 ]
 
 COMMUNICATOR_CHECKS = ("matches-local",)
@@ -95,6 +96,7 @@ def communicator_cases(
             valid = draw(st.integers(0, seq_len))
             start = draw(st.integers(0, seq_len - valid))  # left, right or both sides padded
             padding.append([start, start + valid])
+    causal = draw(st.booleans())
     return {
         "seed": draw(st.integers(0, 2**31 - 1)),
         "batch": batch,
@@ -107,7 +109,8 @@ def communicator_cases(
         "segments": segments,
         "rates": rates,
         "mode": mode,
-        "causal": draw(st.booleans()),
+        "causal": causal,
+        "window": draw(windows(seq_len, causal)),
         "scale": draw(st.none() | st.floats(0.1, 1.0)),
         "cu_seqlens": documents,
         "valid_runs": padding,
@@ -128,6 +131,15 @@ def case_sinks(case: Mapping[str, Any]) -> torch.Tensor | None:
         return None
     dtype = torch.float64 if case["dtype"] == "float64" else torch.float32
     return torch.tensor(case["sinks"], dtype=dtype).requires_grad_()
+
+
+def windows(seq_len: int, causal: bool) -> st.SearchStrategy[tuple[int | None, int | None] | None]:
+    """A call's key window for a sequence of ``seq_len``, or ``None`` (half the time): bounds
+    from ``0`` (a query's own position) past the sequence, or ``None``; with ``causal`` the right
+    bound is ``None`` or ``0``."""
+    bound = st.none() | st.integers(0, seq_len + 1)
+    right = st.sampled_from([None, 0]) if causal else bound
+    return st.none() | st.tuples(bound, right)
 
 
 def case_layout(case: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -157,6 +169,7 @@ def _call_keywords(case: Mapping[str, Any]) -> dict[str, Any]:
         "dilation_rates": case["rates"],
         "mode": case["mode"],
         "causal": case["causal"],
+        "window": case.get("window"),
         "scale": case["scale"],
         "softcap": case.get("softcap"),
         **case_layout(case),

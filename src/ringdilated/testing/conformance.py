@@ -15,8 +15,13 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
   where declared) without raising and returns the contract's shapes and dtypes; requests on a
   device it does not declare are rejected with reasons;
 - ``forward``: ``out`` and ``lse`` of one unmasked block;
-- ``causal``: ``out`` and ``lse`` under any causal offset (where causal masking is declared);
-- ``empty-rows``: a query that sees no key gives ``out = 0`` and ``lse = -inf``, never NaN;
+- ``causal``: ``out`` and ``lse`` under any key window the backend declares: any right bound
+  (causal offsets above, on and below the diagonal), and where ``sliding_window`` is declared,
+  left bounds too (bands of any width about any diagonal, as a sliding window's row chunks and
+  other ranks' pieces get them). Every other check draws these windows too (and none);
+- ``empty-rows``: a query that sees no key gives ``out = 0`` and ``lse = -inf``, never NaN: the
+  first rows (a right bound below them) and, where sliding windows are declared, the last rows
+  (a left bound above them) and both at once; the rows that see keys match the oracle;
 - ``gradients``: backward of one block with its own ``out``/``lse`` against float64 autograd;
 - ``split-merge``: keys split into two blocks, merged by the accumulator, equal the whole block,
   and the two backwards with the merged ``out``/``lse`` sum to the whole gradient (the property
@@ -47,9 +52,9 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
 - ``softcap-dropout`` (softcap and dropout): the ``dropout`` check under a cap.
 
 Checks that need a feature the backend does not declare on the device (``causal``,
-``empty-rows`` without causal masking; ``dropout`` without dropout; ``gradients``,
-``split-merge``, ``non-finite-gradients`` on a forward-only target; the ``softcap`` checks
-without softcap) are reported as not applicable, never as passed.
+``empty-rows`` without causal masking or sliding windows; ``dropout`` without dropout;
+``gradients``, ``split-merge``, ``non-finite-gradients`` on a forward-only target; the
+``softcap`` checks without softcap) are reported as not applicable, never as passed.
 
 A failing check raises :class:`ConformanceError` naming the check, the drawn case and the error
 (the first one, where hypothesis found several).
@@ -74,6 +79,7 @@ from ringdilated.testing.kernel_cases import (
     DEFAULT_SPACE,
     CaseSpace,
     KernelCase,
+    _visible,
     contract_backward,
     dense,
     kernel_cases,
@@ -174,17 +180,13 @@ def _reference_gradients(
     cannot widen its own allowance."""
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     cap = case.softcap
-    exact_out, exact_lse = dense(
-        exact[0], exact[1], exact[2], case.scale, case.causal_offset, softcap=cap
-    )
+    exact_out, exact_lse = dense(exact[0], exact[1], exact[2], case.scale, case.window, softcap=cap)
     expected = torch.autograd.grad((exact_out * dout).sum(), exact)
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(
-        base[0], base[1], base[2], case.scale, case.causal_offset, q.dtype, softcap=cap
-    )
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, case.window, q.dtype, softcap=cap)
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
     stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
-    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.causal_offset)
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, case.window)
     given = contract_backward(*args, softcap=cap)
     formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), softcap=cap)
     return expected, baseline, given, formula
@@ -221,9 +223,9 @@ def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> 
     out, lse = kernel.forward(q, k, v, case.options())
     _check_layout(check, q, out, lse)
     cap = case.softcap
-    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset, softcap=cap)
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.window, softcap=cap)
     # The baseline is plain dense attention in the inputs' dtype, for out and lse alike.
-    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype, softcap=cap)
+    base_out, base_lse = dense(q, k, v, case.scale, case.window, q.dtype, softcap=cap)
     _within(check, "out", out, expected_out, base_out, q.dtype, case)
     _within(check, "lse", lse, expected_lse, base_lse, q.dtype, case)
 
@@ -259,10 +261,7 @@ def _probabilities(
 
 def _case_visible(case: KernelCase, device: torch.device) -> torch.Tensor:
     """``(Lq, Lk)`` bool: key ``j`` visible to query ``i`` in ``case``."""
-    if case.causal_offset is None:
-        return torch.ones(case.q_len, case.k_len, dtype=torch.bool, device=device)
-    rows = torch.arange(case.q_len, device=device).unsqueeze(1)
-    return torch.arange(case.k_len, device=device) <= rows + case.causal_offset
+    return _visible(case.q_len, case.k_len, case.window, device)
 
 
 def _weights(kernel: Kernel, case: KernelCase, options: BlockOptions) -> torch.Tensor:
@@ -305,9 +304,9 @@ def _check_dropout(
     base_probs = _probabilities(q, k, case, q.dtype).double()
     _within(check, "the weight of each value (0, or P / (1 - p))", weights, probs * drop,
             base_probs * drop, q.dtype, case)  # fmt: skip
-    offset = case.causal_offset
-    expected_out, expected_lse = dense(q, k, v, case.scale, offset, drop=drop, softcap=cap)
-    base_out, base_lse = dense(q, k, v, case.scale, offset, q.dtype, drop=drop, softcap=cap)
+    window = case.window
+    expected_out, expected_lse = dense(q, k, v, case.scale, window, drop=drop, softcap=cap)
+    base_out, base_lse = dense(q, k, v, case.scale, window, q.dtype, drop=drop, softcap=cap)
     _within(check, "out", out, expected_out, base_out, q.dtype, case)
     _within(check, "lse (of the undropped scores)", lse, expected_lse, base_lse, q.dtype, case)
     judged = probs > _JUDGED_PROBABILITY  # read back exactly in every dtype
@@ -339,7 +338,7 @@ def _check_dropout_gradients(
 ) -> None:
     """The backward with the forward's seed against the oracle under the mask read back."""
     q, k, v = case.tensors()
-    cap, offset = case.softcap, case.causal_offset
+    cap, window = case.softcap, case.window
     out, lse = forward
     dout = _dout(q, case.seed + 2)
     lay_out = case.lay_out
@@ -347,14 +346,14 @@ def _check_dropout_gradients(
     _check_gradient_layout(check, grads, (q, k, v))
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     exact_out, exact_lse = dense(
-        exact[0], exact[1], exact[2], case.scale, offset, drop=drop, softcap=cap
+        exact[0], exact[1], exact[2], case.scale, window, drop=drop, softcap=cap
     )
     expected = torch.autograd.grad((exact_out * dout).sum(), exact)
     base = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    base_out, _ = dense(base[0], base[1], base[2], case.scale, offset, q.dtype, drop, cap)
+    base_out, _ = dense(base[0], base[1], base[2], case.scale, window, q.dtype, drop, cap)
     baseline = torch.autograd.grad((base_out * dout.to(q.dtype)).sum(), base)
     stored = exact_out.detach().to(q.dtype), exact_lse.detach().to(accumulation_dtype(q.dtype))
-    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, offset)
+    args = (dout.to(q.dtype), q, k, v, *stored, case.scale, window)
     given = contract_backward(*args, drop=drop, softcap=cap)
     formula = contract_backward(*args, dtype=accumulation_dtype(q.dtype), drop=drop, softcap=cap)
     for name, actual, exp, b, f, inherent in zip(
@@ -372,21 +371,49 @@ def _check_capabilities(kernel: Kernel, case: KernelCase, backward: bool) -> Non
         kernel.backward(torch.ones_like(out), q, k, v, out, lse, case.options())
 
 
-def _check_empty_rows(kernel: Kernel, case: KernelCase) -> None:
+def _empty_row_windows(case: KernelCase, causal: bool, sliding: bool) -> list[KeyWindow]:
+    """Windows under which some rows of ``case`` see no key: the first rows (a right bound
+    below them, where causal masking is declared); with sliding windows declared, the last rows
+    (a left bound above them) and both at once (a band, which for short blocks hides every
+    key from every row)."""
+    rows = min(case.q_len, 3)
+    end = case.q_len - rows - case.k_len  # rows from q_len - rows on see no key
+    windows = [KeyWindow(None, -rows)] if causal else []
+    if sliding:
+        windows.append(KeyWindow(end, None))
+        if causal:
+            windows.append(KeyWindow(end, -rows))
+    return windows
+
+
+def _check_empty_rows(
+    kernel: Kernel, case: KernelCase, causal: bool = True, sliding: bool = False
+) -> None:
+    """Rows that see no key give ``out = 0`` and ``lse = -inf`` (never NaN), under each of
+    :func:`_empty_row_windows`; the rows that see keys match the oracle."""
     q, k, v = case.tensors()
-    rows = min(case.q_len, 3)  # the first rows see no key
-    out, lse = kernel.forward(q, k, v, attrs.evolve(case, causal_offset=-rows).options())
-    if not bool(torch.isneginf(lse[..., :rows]).all()):
-        raise ConformanceError(
-            "empty-rows",
-            f"lse of rows with no key is {lse[..., :rows].flatten()[:4].tolist()}, "
-            f"expected -inf, for {case}",
-        )
-    if not bool((out[..., :rows, :] == 0).all()):
-        raise ConformanceError(
-            "empty-rows",
-            f"out of rows with no key is not 0 (NaN: {bool(out.isnan().any())}) for {case}",
-        )
+    for window in _empty_row_windows(case, causal, sliding):
+        windowed = attrs.evolve(case, window=window)
+        out, lse = kernel.forward(q, k, v, windowed.options())
+        empty = _case_visible(windowed, q.device).any(-1).logical_not()  # (Lq,)
+        if not bool(torch.isneginf(lse[..., empty]).all()):
+            raise ConformanceError(
+                "empty-rows",
+                f"lse of rows with no key is {lse[..., empty].flatten()[:4].tolist()}, "
+                f"expected -inf, for {windowed}",
+            )
+        if not bool((out[..., empty, :] == 0).all()):
+            raise ConformanceError(
+                "empty-rows",
+                f"out of rows with no key is not 0 (NaN: {bool(out.isnan().any())}) for {windowed}",
+            )
+        expected_out, expected_lse = dense(q, k, v, case.scale, window)
+        base_out, base_lse = dense(q, k, v, case.scale, window, q.dtype)
+        seen = empty.logical_not()
+        _within("empty-rows", "out of the rows that see keys", out[..., seen, :],
+                expected_out[..., seen, :], base_out[..., seen, :], q.dtype, windowed)  # fmt: skip
+        _within("empty-rows", "lse of the rows that see keys", lse[..., seen],
+                expected_lse[..., seen], base_lse[..., seen], q.dtype, windowed)  # fmt: skip
 
 
 def _check_split_merge(kernel: Kernel, case: KernelCase, check: str = "split-merge") -> None:
@@ -396,9 +423,8 @@ def _check_split_merge(kernel: Kernel, case: KernelCase, check: str = "split-mer
         return
     parts = [(0, split), (split, case.k_len)]
 
-    def opts(start: int) -> BlockOptions:
-        offset = None if case.causal_offset is None else case.causal_offset - start
-        return BlockOptions(case.scale, KeyWindow(None, offset), softcap=case.softcap)
+    def opts(start: int) -> BlockOptions:  # keys from ``start``: the window shifted to them
+        return BlockOptions(case.scale, case.window.shifted(-start), softcap=case.softcap)
 
     out, lse = kernel.forward(q, k[:, :, :split], v[:, :, :split], opts(0))
     out, lse = merge_partials(
@@ -527,8 +553,8 @@ def _check_non_finite(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = _corrupt(case, list(case.tensors()))
     out, lse = kernel.forward(q, k, v, case.options())
     _check_layout("non-finite", q, out, lse)
-    expected_out, expected_lse = dense(q, k, v, case.scale, case.causal_offset)
-    base_out, base_lse = dense(q, k, v, case.scale, case.causal_offset, q.dtype)
+    expected_out, expected_lse = dense(q, k, v, case.scale, case.window)
+    base_out, base_lse = dense(q, k, v, case.scale, case.window, q.dtype)
     allowed = _forward_nan_allowed(q, k, v)
     for what, actual, expected, base, may in (
         ("out", out, expected_out, base_out, allowed.unsqueeze(-1)),
@@ -565,15 +591,14 @@ def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
     q, k, v = case.tensors()
     n, heads, q_len = q.shape[:3]
     kv_heads, k_len = k.shape[1], k.shape[2]
-    offset = case.causal_offset
-    first = 0 if offset is None else max(0, -offset)  # rows before it see no key
-    if first >= q_len or n == 0:
+    first, stop = case.window.visible_rows(q_len, k_len)  # the rows that see a key
+    if first >= stop or n == 0:
         return
     g = torch.Generator().manual_seed(case.seed + 5)
     dout = torch.randn(q.shape, generator=g, dtype=torch.float64).to(q.dtype)
     out, lse = kernel.forward(q, k, v, case.options())
     pick = [int(torch.randint(0, x, (), generator=g)) for x in (n, heads)]
-    row = int(torch.randint(first, q_len, (), generator=g))
+    row = int(torch.randint(first, stop, (), generator=g))
     value = float("nan") if case.seed % 2 else float("inf")
     bad_lse, bad_out = lse.clone(), out.clone()
     bad_lse[pick[0], pick[1], row] = value
@@ -584,11 +609,11 @@ def _check_merged_non_finite(kernel: Kernel, case: KernelCase) -> None:
         lay_out(dout), q, k, v, lay_out(bad_out), lay_out(bad_lse), case.options()
     )
     kv = pick[1] // (heads // kv_heads)
-    seen = k_len if offset is None else min(k_len, row + offset + 1)
+    seen = slice(*case.window.visible_keys(row, row + 1, k_len))  # the keys the row sees
     required = [
         ("dq", grads[0][pick[0], pick[1], row]),
-        ("dk", grads[1][pick[0], kv, :seen]),
-        ("dv", grads[2][pick[0], kv, :seen]),
+        ("dk", grads[1][pick[0], kv, seen]),
+        ("dv", grads[2][pick[0], kv, seen]),
     ]
     for name, part in required:
         if bool(torch.isfinite(part).any()):
@@ -655,7 +680,8 @@ def applicable_checks(
 
 
 def _applies(check: str, spec: KernelSpec, device: str, env: Environment | None = None) -> bool:
-    if check in _NEEDS_CAUSAL and not spec.capabilities.causal:
+    caps = spec.capabilities
+    if check in _NEEDS_CAUSAL and not (caps.causal or caps.sliding_window):
         return False
     if check in _NEEDS_DROPOUT and not _has_dropout(spec, device, env):
         return False
@@ -704,6 +730,15 @@ def _runner(
         dropout=check in _NEEDS_DROPOUT,  # drawn where a target serves it
         softcap=check in _NEEDS_SOFTCAP,
     )
+    caps = spec.capabilities
+
+    def empty_rows(kernel: Kernel, case: KernelCase, _: bool) -> None:
+        _check_empty_rows(kernel, case, caps.causal, caps.sliding_window)
+
+    # The checks as this kernel declares them. Named as the module's table on purpose: the
+    # source of ``run`` seeds hypothesis's derandomized draws (``function_digest``), so it stays
+    # as it was and every kernel keeps the cases it was checked on.
+    _RUNNERS = {**globals()["_RUNNERS"], "empty-rows": empty_rows}
 
     @settings(
         max_examples=max_examples,

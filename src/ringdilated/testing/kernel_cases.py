@@ -1,8 +1,15 @@
 """The problems the kernel conformance kit draws, and the float64 references it judges them by.
 
 A :class:`KernelCase` is one kernel-level problem: ``q (n, heads, q_len, D)`` against
-``k, v (n, kv_heads, k_len, D)`` with a scale and a causal offset. Real kernels break where
-shape-only tests never look, so :func:`kernel_cases` draws, within what a backend declares:
+``k, v (n, kv_heads, k_len, D)`` with a scale and a key window (the block's
+:class:`~ringdilated.core.plan.window.KeyWindow`). Real kernels break where shape-only tests
+never look, so :func:`kernel_cases` draws, within what a backend declares:
+
+- key windows as the driver hands them to blocks: right bounds on, above and below the
+  diagonal (causal blocks, their row chunks, other ranks' pieces), and, for a kernel declaring
+  ``sliding_window``, left bounds too: bands of any width about any diagonal (a sliding window's
+  blocks, shifted into row chunks and into another rank's piece), so that rows at the start
+  (``right < 0``), at the end (``left`` below their reach) or all of them see no key;
 
 - lengths around and past the usual tile sizes: most draws are 1 to 24 long, others 25 to 128,
   on a tile boundary (31-33, 63-65, 127-129, 191-193, 255-257), or 129 to 300; about one length
@@ -22,12 +29,14 @@ dimension catches (a wrong kernel that passes without it and fails with it).
 
 from __future__ import annotations
 
+import warnings
+
 import attrs
 import torch
 from hypothesis import strategies as st
 
 from ringdilated.core.contract.kernel import BlockOptions
-from ringdilated.core.plan.window import KeyWindow
+from ringdilated.core.plan.window import FULL, KeyWindow
 from ringdilated.core.select.capabilities import Environment, KernelSpec, Request
 from ringdilated.testing._oracle import masked_attention, scaled_scores
 
@@ -76,11 +85,19 @@ class CaseSpace:
 DEFAULT_SPACE = CaseSpace()
 
 
-@attrs.frozen
+_UNSET = object()
+
+
+@attrs.frozen(init=False)
 class KernelCase:
     """One kernel-level problem: ``q (n, heads, q_len, D)``, ``k, v (n, kv_heads, k_len, D)``,
-    each in ``layout`` (:meth:`lay_out`); ``q`` drawn ``amplitude`` times larger than ``k`` and
-    ``v`` (scores past a ``softcap``); ``softcap`` the logit cap (``None``: none)."""
+    each in ``layout`` (:meth:`lay_out`), key ``j`` visible to query ``i`` under ``window``;
+    ``q`` drawn ``amplitude`` times larger than ``k`` and ``v`` (scores past a ``softcap``);
+    ``softcap`` the logit cap (``None``: none).
+
+    ``causal_offset`` (0.1: ``window.right``, an int or ``None``, in ``window``'s place or by
+    name, also in ``attrs.evolve``, where it replaces the window by ``KeyWindow(None,
+    causal_offset)``) is accepted and read for one release with a ``DeprecationWarning``."""
 
     n: int
     heads: int
@@ -90,7 +107,7 @@ class KernelCase:
     head_dim: int
     dtype: torch.dtype
     scale: float
-    causal_offset: int | None
+    window: KeyWindow
     seed: int
     device: str = "cpu"
     layout: str = "contiguous"
@@ -98,6 +115,42 @@ class KernelCase:
     offset: int = 0
     softcap: float | None = None
     amplitude: float = 1.0
+
+    def __init__(
+        self,
+        n: int,
+        heads: int,
+        kv_heads: int,
+        q_len: int,
+        k_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        scale: float,
+        window: KeyWindow | int | None = FULL,
+        seed: int = 0,
+        device: str = "cpu",
+        layout: str = "contiguous",
+        rate: int = 1,
+        offset: int = 0,
+        softcap: float | None = None,
+        amplitude: float = 1.0,
+        *,
+        causal_offset: object = _UNSET,
+    ) -> None:
+        if causal_offset is not _UNSET or not isinstance(window, KeyWindow):
+            _deprecated_offset()
+            right = window if causal_offset is _UNSET else causal_offset
+            window = KeyWindow(None, right)
+        self.__attrs_init__(
+            n, heads, kv_heads, q_len, k_len, head_dim, dtype, scale, window, seed, device,
+            layout, rate, offset, softcap, amplitude,
+        )  # fmt: skip
+
+    @property
+    def causal_offset(self) -> int | None:
+        """Deprecated: ``window.right``."""
+        _deprecated_offset()
+        return self.window.right
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed)
@@ -127,7 +180,16 @@ class KernelCase:
         return view.copy_(x)
 
     def options(self) -> BlockOptions:
-        return BlockOptions(self.scale, KeyWindow(None, self.causal_offset), softcap=self.softcap)
+        return BlockOptions(self.scale, self.window, softcap=self.softcap)
+
+
+def _deprecated_offset() -> None:
+    warnings.warn(
+        "KernelCase.causal_offset is deprecated: use window=KeyWindow(None, offset) and "
+        "window.right (ringdilated.core.KeyWindow)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 #: Lengths on either side of the 32-, 64- and 128-row tiles fused kernels use.
@@ -170,10 +232,11 @@ def kernel_cases(
 ) -> st.SearchStrategy[KernelCase]:
     """Problems ``spec`` declares it supports on ``device`` (its reasons are empty for them).
 
-    ``causal``: ``True`` draws only causal offsets, ``False`` none, ``None`` either (as declared).
-    ``backward``: draw only problems whose request needs (and the backend declares) gradients;
-    ``dropout``: the same for dropout; ``softcap``: the same for a logit cap (see the module
-    docstring: one case in three saturates it).
+    ``causal``: ``True`` draws only windows with a bound (a right bound always; with
+    ``sliding_window`` declared, a left bound too, half the time), ``False`` none, ``None``
+    either (as declared). ``backward``: draw only problems whose request needs (and the backend
+    declares) gradients; ``dropout``: the same for dropout; ``softcap``: the same for a logit
+    cap (see the module docstring: one case in three saturates it).
     """
     env = env or Environment.from_environ()
     capability = env.capability(torch.device(device))
@@ -193,12 +256,7 @@ def kernel_cases(
         groups = min(3, room // kv_heads) if spec.capabilities.gqa else 1
         heads = kv_heads * d(st.integers(1, max(1, groups)))
         max_n = max(1, min(space.max_batch, room // heads))
-        offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
-        if causal is None:
-            offsets = st.none() | offsets if spec.capabilities.causal else st.none()
-        elif not causal:
-            offsets = st.none()
-        offset = d(offsets)
+        window = _window(d, spec, causal, q_len, k_len)
         layout = d(st.sampled_from(space.layouts))
         strided = layout == "strided"
         cap, amplitude = None, 1.0
@@ -215,7 +273,7 @@ def kernel_cases(
             head_dim=head_dim,
             dtype=dtype,
             scale=d(st.floats(0.05, 1.0)),
-            causal_offset=offset,
+            window=window,
             seed=d(st.integers(0, 2**31 - 1)),
             device=device,
             layout=layout,
@@ -229,7 +287,7 @@ def kernel_cases(
             dtype=dtype,
             head_dim=head_dim,
             compute_capability=capability,
-            window=offset is not None,
+            window=window,
             gqa=heads != kv_heads,
             backward=backward,
             dropout=dropout,
@@ -241,11 +299,49 @@ def kernel_cases(
     return draw()
 
 
-def _visible(q_len: int, k_len: int, offset: int | None, device: torch.device) -> torch.Tensor:
-    if offset is None:
-        return torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+def _window(
+    d: st.DrawFn, spec: KernelSpec, causal: bool | None, q_len: int, k_len: int
+) -> KeyWindow:
+    """The block window drawn for ``spec`` (see :func:`kernel_cases`' ``causal``): a right
+    bound from just above every key to just below every query (rows at the start see no key),
+    drawn as 0.1 drew its causal offset (so a kernel without sliding windows gets 0.1's cases);
+    where ``sliding_window`` is declared, then a left bound half the time, drawn as the band's
+    width ``left + right`` (from ``-1``, no key seen by any row, past every key), so bands lie
+    about every diagonal and rows at the end may see no key; with no right bound, a left bound
+    alone from just past the keys' end to just past every row."""
+    caps = spec.capabilities
+    offsets: st.SearchStrategy[int | None] = st.integers(-q_len - 1, k_len + 1)
+    if causal is None:
+        offsets = st.none() | offsets if caps.causal else st.none()
+    elif not causal or not caps.causal:
+        offsets = st.none()
+    right = d(offsets)
+    if causal is False or not caps.sliding_window:
+        return KeyWindow(None, right)
+    left = None
+    if d(st.booleans()) or (causal and right is None):  # a bound, always, for ``causal``
+        if right is None:
+            left = d(st.integers(-k_len - 1, q_len + 1))
+        else:
+            left = d(st.integers(-1, q_len + k_len)) - right
+    return KeyWindow(left, right)
+
+
+def _visible(
+    q_len: int, k_len: int, window: KeyWindow | int | None, device: torch.device
+) -> torch.Tensor:
+    """``(q_len, k_len)`` bool: key ``j`` visible to query ``i`` under ``window`` (an int or
+    ``None``: 0.1's right bound)."""
+    if not isinstance(window, KeyWindow):
+        window = KeyWindow(None, window)
+    rows = torch.arange(q_len, device=device).unsqueeze(1)
     cols = torch.arange(k_len, device=device).unsqueeze(0)
-    return cols <= torch.arange(q_len, device=device).unsqueeze(1) + offset
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if window.left is not None:
+        visible &= cols >= rows - window.left
+    if window.right is not None:
+        visible &= cols <= rows + window.right
+    return visible
 
 
 def dense(
@@ -253,18 +349,19 @@ def dense(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    offset: int | None,
+    window: KeyWindow | int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kernel-layout dense attention in ``dtype`` under the contract's causal rule (autograd):
+    """Kernel-layout dense attention in ``dtype`` under the contract's key window (autograd):
     :func:`ringdilated.testing.masked_attention` with key ``j`` visible to query ``i`` when
-    ``offset`` is ``None`` or ``j <= i + offset``, each probability scaled by ``drop`` (a
-    dropout mask ``keep / (1 - p)``, broadcastable to the scores) when given, every score capped
-    by ``softcap`` when given. Exact for non-finite inputs, as the oracle is.
+    ``i - left <= j <= i + right`` (``window``; an int or ``None``: 0.1's causal offset, the
+    right bound alone), each probability scaled by ``drop`` (a dropout mask ``keep / (1 -
+    p)``, broadcastable to the scores) when given, every score capped by ``softcap`` when
+    given. Exact for non-finite inputs, as the oracle is.
     """
-    visible = _visible(q.shape[2], k.shape[2], offset, q.device)
+    visible = _visible(q.shape[2], k.shape[2], window, q.device)
     return masked_attention(q, k, v, visible, scale, dtype, drop=drop, softcap=softcap)
 
 
@@ -276,7 +373,7 @@ def contract_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
-    offset: int | None,
+    window: KeyWindow | int | None,
     dtype: torch.dtype = torch.float64,
     drop: torch.Tensor | None = None,
     softcap: float | None = None,
@@ -299,7 +396,7 @@ def contract_backward(
     if softcap is not None:
         tanh = torch.tanh(s / softcap)
         s, slope = tanh * softcap, 1.0 - tanh * tanh
-    visible = _visible(s.shape[-2], s.shape[-1], offset, q.device)
+    visible = _visible(s.shape[-2], s.shape[-1], window, q.device)
     lse_d = lse.to(dtype)
     finite = torch.where(torch.isneginf(lse_d), torch.zeros_like(lse_d), lse_d)
     p = torch.exp(s - finite.unsqueeze(-1)).masked_fill(~visible, 0.0)

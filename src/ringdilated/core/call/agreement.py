@@ -108,12 +108,16 @@ class _Fields:
 @attrs.frozen
 class CallSignature(_Fields):
     """What every rank must pass identically, as strings (built from any object a caller passed,
-    so it always pickles; see :func:`safe_repr`). ``backward``: whether this rank will run a
+    so it always pickles; see :func:`safe_repr`). ``window``: the call's key window (the agreed
+    :class:`~ringdilated.core.plan.window.KeyWindow`, or the raw argument where validation
+    failed), so ranks with different windows, which would send each other different pieces,
+    raise naming it. ``backward``: whether this rank will run a
     backward (a rank that does while its peer does not would wait in the backward exchange)."""
 
     pattern: str
     causal: str
     scale: str
+    window: str
     dropout_p: str
     dtype: str
     documents: str

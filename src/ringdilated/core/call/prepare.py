@@ -33,13 +33,14 @@ from ringdilated.core.call.validation import (
     check_options,
     check_shards,
     check_sinks,
+    check_window,
 )
 from ringdilated.core.contract.communicator import Communicator, TransferStats, mask_argument
 from ringdilated.core.plan.documents import DocumentLayout, Rows
 from ringdilated.core.plan.heads import deal_heads, share_blocks, share_plan
 from ringdilated.core.plan.pattern import Block, DilationPattern
 from ringdilated.core.plan.shards import ShardPlan, shard_plan
-from ringdilated.core.plan.window import KeyWindow, as_window
+from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.run.head_parallel import HeadParallelRun
 from ringdilated.core.run.local import (
     BackwardInputs,
@@ -96,6 +97,7 @@ class CallOptions:
     :func:`prepare_call`, inside the ranks' agreement, never on construction."""
 
     causal: object = False
+    window: object = None
     scale: object = None
     dropout_p: object = 0.0
     return_lse: object = False
@@ -427,7 +429,7 @@ def _check(
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     softcap = as_softcap(options.softcap)
     check_sinks(options.sinks, q)
-    window = as_window(check_bool("causal", options.causal))  # the call's one mask value
+    window = check_window(options.window, options.causal)  # the call's one mask value
     check_bool("return_lse", options.return_lse)
     if options.transfer_stats is not None and not isinstance(options.transfer_stats, TransferStats):
         raise TypeError(
@@ -628,6 +630,11 @@ def plan_key(
         if not isinstance(sinks, torch.Tensor) or sinks.is_nested:
             return None
         sinks = (sinks.shape, sinks.dtype, sinks.device, sinks.layout)  # values: per call
+    window = options.get("window")
+    if isinstance(window, list):  # a list is as good as a tuple (and unhashable)
+        window = tuple(window)
+    if isinstance(window, tuple):  # bounds and their types: (4, 0) is valid, (4.0, 0) is not
+        window = (window, tuple(map(type, window)))
     if backward is None:
         backward = wants_gradients(q, k, v, options["sinks"])
     key = (
@@ -636,6 +643,7 @@ def plan_key(
         (q.dtype, k.dtype, v.dtype, q.device, k.device, v.device),
         backward,
         (type(causal), causal, type(scale), scale, type(dropout_p), dropout_p),
+        (type(window), window),
         (type(return_lse), return_lse),
         (type(softcap), softcap),
         sinks,
@@ -878,6 +886,9 @@ def _signature(
     return CallSignature(
         pattern=safe_repr(fields),
         causal=safe_repr(options.causal),
+        # The window as agreed (so (4, None) and (4, 0) under causal=True agree); no window
+        # as "None" (a causal flag that differs is named once, as causal).
+        window=safe_repr(options.window if plan is None or options.window is None else plan.window),
         scale=safe_repr(options.scale),
         dropout_p=safe_repr(options.dropout_p),
         dtype=safe_repr(getattr(q, "dtype", None)),

@@ -10,6 +10,7 @@ import torch
 from ringdilated.core.call.agreement import safe_repr
 from ringdilated.core.contract.kernel import check_dropout
 from ringdilated.core.plan.pattern import DilationPattern
+from ringdilated.core.plan.window import CAUSAL, FULL, KeyWindow
 
 __all__ = [
     "EMPTY_SHARD_RULE",
@@ -21,6 +22,7 @@ __all__ = [
     "check_shard_lengths",
     "check_shards",
     "check_sinks",
+    "check_window",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -88,6 +90,51 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+WINDOW_RULE = (
+    "window must be None or a (left, right) pair, each bound an int >= 0 or None (unbounded)"
+)
+"""How every error about a call's ``window`` begins."""
+
+
+def _window_bound(window: object, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{WINDOW_RULE}, got window={safe_repr(window)}")
+    bound = int(value)
+    if bound < 0:
+        raise ValueError(
+            f"{WINDOW_RULE}, got window={safe_repr(window)} (a negative bound is refused: "
+            "flash-attn's -1 for unbounded is None here)"
+        )
+    return bound
+
+
+def check_window(window: object, causal: object) -> KeyWindow:
+    """A call's key window (docs/spec.md, section 5) from its ``window`` and ``causal``
+    arguments: ``None``, or a ``(left, right)`` tuple or list of two bounds, each an int ``>= 0``
+    (numpy's ints too, not a bool) or ``None`` (unbounded); ``causal=True`` is ``right = 0``, and
+    with a window whose ``right`` is neither ``None`` nor ``0`` raises ``ValueError`` (one of the
+    two would be ignored; the oracle's rule). Negative bounds are refused: with both bounds
+    ``>= 0`` every selected query sees at least its own position (the float64 oracle evaluates
+    negative bounds too, as plain arithmetic, but a call never needs them, and flash-attn's
+    ``-1`` meaning "unbounded" would silently mean something else here). Returns
+    :data:`~ringdilated.core.plan.window.FULL` or
+    :data:`~ringdilated.core.plan.window.CAUSAL` for those windows."""
+    check_bool("causal", causal)
+    if window is None:
+        return CAUSAL if causal else FULL
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"{WINDOW_RULE}, got window={safe_repr(window)}")
+    left, right = (_window_bound(window, bound) for bound in window)
+    if causal and right not in (None, 0):
+        raise ValueError(
+            f"causal=True asks for right = 0, but window={safe_repr(window)}: pass one"
+        )
+    found = KeyWindow(left, 0 if causal else right)
+    return CAUSAL if found == CAUSAL else FULL if found == FULL else found
 
 
 def _real(name: str, value: object, kind: str) -> float:

@@ -1,16 +1,24 @@
-"""Causal offsets for kernels whose only causal mask is "bottom-right" aligned.
+"""Key windows for kernels whose only masks are "bottom-right" aligned.
 
-The kernel contract (:mod:`ringdilated.core.contract.kernel`) asks for any key window bounded on
-the right by ``offset`` (``BlockOptions.window.right``): key ``j`` is visible to query ``i`` iff
-``j <= i + offset``. Many fused kernels (flash-attn 2.1+,
-xformers' ``LowerTriangularFromBottomRightMask``) offer one mask only: key ``j`` visible iff
-``j <= i + (Lk - Lq)``. Any offset reduces to at most two such calls:
+The kernel contract (:mod:`ringdilated.core.contract.kernel`) asks for any key window
+(``BlockOptions.window``): key ``j`` is visible to query ``i`` iff ``i - left <= j <= i + right``,
+top-left aligned (both counted from the block's start). Many fused kernels (flash-attn 2.1+,
+xformers' ``LowerTriangularFromBottomRightMask``) align their masks to the bottom-right corner
+instead: with ``d = Lk - Lq``, key ``j`` visible iff ``j <= i + d`` (causal) and, for those with a
+local window (flash-attn's ``window_size=(left, right)``), ``j >= i + d - left``. Any window
+reduces to at most two such calls, each on a contiguous run of rows and of keys:
 
-- rows before ``max(0, -offset)`` see no key (output 0, lse ``-inf``);
-- rows whose limit ``i + offset`` is at most the last key see a prefix of the keys, and cutting
-  the keys to ``rows + offset`` makes their mask exactly bottom-right (a diagonal block,
-  ``offset = 0`` with ``Lq = Lk``, is one call on all its keys);
-- the remaining rows see every key and need no mask.
+- rows outside :meth:`~ringdilated.core.plan.window.KeyWindow.visible_rows` see no key (output
+  0, lse ``-inf``): before ``-right``, and with a left bound from ``Lk + left`` on;
+- rows whose limit ``i + right`` is at most the last key see a run of keys ending there, and
+  cutting the keys to ``rows + right`` makes their right bound exactly bottom-right (a diagonal
+  block, ``right = 0`` with ``Lq = Lk``, is one call on all its keys);
+- the remaining rows see every key to the last and need no right mask.
+
+A left bound becomes the piece's own bottom-right ``left`` (:attr:`BottomRightPiece.left`), and
+each piece's keys start at the first its first row sees (:attr:`BottomRightPiece.key_start`), so
+a sliding window's piece holds the keys it needs and no more before them. Without a left bound
+the pieces are 0.1's (keys from 0, ``left=None``).
 
 No piece contains an empty row, so a kernel's own convention for empty rows never matters.
 :func:`forward_by_piece` and :func:`backward_by_piece` run a native call over the pieces, handing
@@ -18,7 +26,8 @@ it each piece (a kernel with dropout derives the piece's seed from it, :func:`pi
 :func:`backward_with_lse_by_piece` does so for a native backward that also takes the lse's
 gradient, each piece getting its rows of ``dlse`` (rows in no piece see no key: their lse is a
 constant). :func:`forward_in_pieces` and :func:`backward_in_pieces` do the same for a native
-call that takes the mask flag only. :class:`BottomRightKernel` is a kernel built on them.
+call that takes the mask flag only (no left bound). :class:`BottomRightKernel` is a kernel built
+on them.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import torch
 
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.kernel import BlockOptions, derive_seed
+from ringdilated.core.plan.window import KeyWindow
 
 __all__ = [
     "BottomRightKernel",
@@ -52,28 +62,74 @@ __all__ = [
 
 @attrs.frozen
 class BottomRightPiece:
-    """Query rows ``[row_start, row_stop)`` against keys ``[0, keys)``; ``causal``: bottom-right."""
+    """Query rows ``[row_start, row_stop)`` against keys ``[key_start, keys)``; in the piece's
+    own coordinates (row ``i`` is ``row_start + i``, key ``j`` is ``key_start + j``) and with
+    ``d = (keys - key_start) - (row_stop - row_start)``, key ``j`` is visible to row ``i`` iff
+    ``j <= i + d`` when ``causal`` and ``j >= i + d - left`` when ``left`` is not ``None``:
+    flash-attn's ``window_size=(left, 0)`` (``causal``) or ``(left, -1)``, ``-1`` for ``None``.
+    ``left >= 0`` whenever set."""
 
     row_start: int
     row_stop: int
     keys: int
     causal: bool
+    key_start: int = 0
+    left: int | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.row_stop - self.row_start
+
+    @property
+    def key_count(self) -> int:
+        return self.keys - self.key_start
 
 
-def bottom_right_pieces(q_len: int, k_len: int, offset: int | None) -> tuple[BottomRightPiece, ...]:
-    """The calls that reproduce ``window.right=offset`` with bottom-right masks only."""
+def _as_window(window: KeyWindow | int | None) -> KeyWindow:
+    """``window``, or 0.1's right bound (``offset``, an int or ``None``) as a window."""
+    return window if isinstance(window, KeyWindow) else KeyWindow(None, window)
+
+
+def bottom_right_pieces(
+    q_len: int, k_len: int, window: KeyWindow | int | None
+) -> tuple[BottomRightPiece, ...]:
+    """The calls that reproduce ``window`` (a :class:`~ringdilated.core.plan.window.KeyWindow`,
+    or 0.1's ``window.right`` as an int or ``None``) with bottom-right masks only."""
+    window = _as_window(window)
     if not (q_len and k_len):
         return ()
-    if offset is None or offset >= k_len - 1:
-        return (BottomRightPiece(0, q_len, k_len, False),)
-    first = min(q_len, max(0, -offset))
-    split = min(q_len, max(first, k_len - offset))  # rows from here see every key
+    right = window.right
+    if window.left is None:  # 0.1's pieces, keys from 0
+        if right is None or right >= k_len - 1:
+            return (BottomRightPiece(0, q_len, k_len, False),)
+        first = min(q_len, max(0, -right))
+        split = min(q_len, max(first, k_len - right))  # rows from here see every key
+        pieces = []
+        if split > first:
+            pieces.append(BottomRightPiece(first, split, split + right, True))
+        if q_len > split:
+            pieces.append(BottomRightPiece(split, q_len, k_len, False))
+        return tuple(pieces)
+    left = window.left
+    first, stop = window.visible_rows(q_len, k_len)
+    split = first if right is None else min(stop, max(first, k_len - right))
     pieces = []
-    if split > first:
-        pieces.append(BottomRightPiece(first, split, split + offset, True))
-    if q_len > split:
-        pieces.append(BottomRightPiece(split, q_len, k_len, False))
+    if split > first:  # keys to split + right <= k_len: the right bound is bottom-right
+        assert right is not None
+        pieces.append(_left_piece(first, split, split + right, True, left + right))
+    if stop > split:  # every key to the last: bottom-right is k_len - stop past the rows'
+        pieces.append(_left_piece(split, stop, k_len, False, left + k_len - stop))
     return tuple(pieces)
+
+
+def _left_piece(start: int, stop: int, keys: int, causal: bool, left: int) -> BottomRightPiece:
+    """Rows ``[start, stop)`` against keys up to ``keys``, ``left`` the left bound past the
+    piece's bottom-right diagonal (row ``i``'s is key ``i + keys - stop``); its keys start at the
+    first row's first, and ``left`` is dropped where even the last row sees that key."""
+    diagonal = keys - stop
+    first_key = max(0, start + diagonal - left)
+    masked = stop - 1 + diagonal - left > first_key
+    return BottomRightPiece(start, stop, keys, causal, first_key, left if masked else None)
 
 
 PieceForward = Callable[
@@ -130,7 +186,9 @@ def piece_seed(dropout_seed: int, piece: BottomRightPiece) -> int:
     function of the two, so a backward, which makes the same pieces of the same block, derives
     the forward's seeds; distinct for the pieces of one block (their rows differ), each unrelated
     to ``dropout_seed`` in every bit (:func:`~ringdilated.core.contract.kernel.derive_seed`)."""
-    shape = (piece.row_start, piece.row_stop, piece.keys, int(piece.causal))
+    shape: tuple[int, ...] = (piece.row_start, piece.row_stop, piece.keys, int(piece.causal))
+    if piece.key_start or piece.left is not None:  # 0.1's pieces keep 0.1's seeds
+        shape += (piece.key_start, -1 if piece.left is None else piece.left)
     return derive_seed(dropout_seed, "bottom-right piece", *shape)
 
 
@@ -144,25 +202,32 @@ def _rows(x: torch.Tensor, piece: BottomRightPiece, dim: int = -2) -> torch.Tens
 
 
 def _keys(x: torch.Tensor, piece: BottomRightPiece) -> torch.Tensor:
-    return x.narrow(-2, 0, piece.keys)
+    return x.narrow(-2, piece.key_start, piece.key_count)
 
 
 def forward_by_piece(
-    native: PieceForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
+    native: PieceForward,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: KeyWindow | int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` for ``window.right=offset`` from bottom-right-only ``native`` calls, one
-    per :func:`bottom_right_pieces` piece, each handed its piece. One piece covering the block
+    """``(out, lse)`` for ``window`` (a :class:`~ringdilated.core.plan.window.KeyWindow`, or
+    0.1's ``window.right``) from bottom-right-only ``native`` calls, one per
+    :func:`bottom_right_pieces` piece, each handed its piece. One piece covering the block
     is one call whose results are returned as they are; otherwise the pieces' results are added
     into zeros, the rows no piece holds (they see no key) left at ``out = 0``, ``lse = -inf``.
     Only ``narrow``, ``fill_`` and ``add_`` touch the results: no copy, no index assignment."""
     q_len, k_len = q.shape[-2], k.shape[-2]
-    pieces = bottom_right_pieces(q_len, k_len, offset)
+    pieces = bottom_right_pieces(q_len, k_len, window)
     if _whole(pieces, q_len, k_len):
         return native(q, k, v, pieces[0])
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     lse = q.new_zeros(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
     seeing = pieces[0].row_start if pieces else q_len  # the rows before it see no key
     lse.narrow(-1, 0, seeing).fill_(float("-inf"))
+    after = pieces[-1].row_stop if pieces else q_len  # nor do the rows from here on
+    lse.narrow(-1, after, q_len - after).fill_(float("-inf"))
     for p in pieces:
         part, part_lse = native(_rows(q, p), _keys(k, p), _keys(v, p), p)
         _rows(out, p).add_(part)
@@ -178,14 +243,14 @@ def backward_by_piece(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    offset: int | None,
+    window: KeyWindow | int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` for ``window.right=offset`` from bottom-right-only ``native`` calls, each
-    handed its piece (the same pieces as :func:`forward_by_piece`'s), added into zeros: the
-    pieces share keys, whose gradients they sum."""
+    """``(dq, dk, dv)`` for ``window`` (or 0.1's ``window.right``) from bottom-right-only
+    ``native`` calls, each handed its piece (the same pieces as :func:`forward_by_piece`'s),
+    added into zeros: the pieces share keys, whose gradients they sum."""
     return backward_with_lse_by_piece(
         lambda do, _, q, k, v, o, s, p: native(do, q, k, v, o, s, p),
-        dout, None, q, k, v, out, lse, offset,
+        dout, None, q, k, v, out, lse, window,
     )  # fmt: skip
 
 
@@ -198,12 +263,12 @@ def backward_with_lse_by_piece(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    offset: int | None,
+    window: KeyWindow | int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward_by_piece` of ``sum(dout * out) + sum(dlse * lse)``: each call is also
     handed its rows of ``dlse`` (``(N, Hq, Lq)``; ``None``: no lse term)."""
     q_len, k_len = q.shape[-2], k.shape[-2]
-    pieces = bottom_right_pieces(q_len, k_len, offset)
+    pieces = bottom_right_pieces(q_len, k_len, window)
     if _whole(pieces, q_len, k_len):
         return native(dout, dlse, q, k, v, out, lse, pieces[0])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -224,11 +289,27 @@ def backward_with_lse_by_piece(
     return dq, dk, dv
 
 
+def _flag(piece: BottomRightPiece) -> bool:
+    """The one mask flag of a call that takes nothing else: ``piece.causal``; a piece with a
+    left bound raises ``NotImplementedError`` (a flag cannot say it)."""
+    if piece.left is not None:
+        raise NotImplementedError(
+            f"{piece!r} has a left bound, which a native call taking the causal flag only "
+            "cannot serve"
+        )
+    return piece.causal
+
+
 def forward_in_pieces(
-    native: NativeForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int | None
+    native: NativeForward,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: KeyWindow | int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward_by_piece` for a ``native`` call that takes the mask flag only."""
-    return forward_by_piece(lambda q, k, v, p: native(q, k, v, p.causal), q, k, v, offset)
+    """:func:`forward_by_piece` for a ``native`` call that takes the mask flag only
+    (``NotImplementedError`` for a piece with a left bound)."""
+    return forward_by_piece(lambda q, k, v, p: native(q, k, v, _flag(p)), q, k, v, window)
 
 
 def backward_in_pieces(
@@ -239,25 +320,30 @@ def backward_in_pieces(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    offset: int | None,
+    window: KeyWindow | int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`backward_by_piece` for a ``native`` call that takes the mask flag only."""
+    """:func:`backward_by_piece` for a ``native`` call that takes the mask flag only
+    (``NotImplementedError`` for a piece with a left bound)."""
     return backward_by_piece(
-        lambda do, q, k, v, o, s, p: native(do, q, k, v, o, s, p.causal),
-        dout, q, k, v, out, lse, offset,
+        lambda do, q, k, v, o, s, p: native(do, q, k, v, o, s, _flag(p)),
+        dout, q, k, v, out, lse, window,
     )  # fmt: skip
 
 
 class BottomRightKernel:
     """Base for kernels whose native causal mask is bottom-right aligned: implement
     :meth:`native_forward` and :meth:`native_backward` (kernel layout, ``causal`` meaning the
-    bottom-right mask) and inherit the contract's ``forward``/``backward`` for any offset.
+    bottom-right mask) and inherit the contract's ``forward``/``backward`` for any window
+    bounded on the right only.
 
     Each call of a block goes through :meth:`forward_piece` / :meth:`backward_piece`, handed its
     :class:`BottomRightPiece` and the block's options; by default they call the native methods
-    with the piece's mask and ``options.scale``. A kernel whose calls need more of the options
-    (a dropout seed per piece, :func:`piece_seed`; ``options.deterministic``) overrides them
-    instead (and then need not implement the native methods)."""
+    with the piece's mask and ``options.scale`` (a piece with a left bound raises
+    ``NotImplementedError``: the native methods take the causal flag only). A kernel whose
+    calls need more (a dropout seed per piece, :func:`piece_seed`; ``options.deterministic``;
+    a local window, ``piece.left`` and ``piece.key_start``, for a kernel declaring
+    ``Capabilities.sliding_window``) overrides them instead (and then need not implement the
+    native methods)."""
 
     def native_forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
@@ -286,7 +372,7 @@ class BottomRightKernel:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The call ``piece`` of a block run with ``options`` (``q``, ``k``, ``v``: the piece's)."""
-        return self.native_forward(q, k, v, piece.causal, options.scale)
+        return self.native_forward(q, k, v, _flag(piece), options.scale)
 
     def backward_piece(
         self,
@@ -300,7 +386,7 @@ class BottomRightKernel:
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backward of the call ``piece`` (every tensor: the piece's)."""
-        return self.native_backward(dout, q, k, v, out, lse, piece.causal, options.scale)
+        return self.native_backward(dout, q, k, v, out, lse, _flag(piece), options.scale)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
@@ -310,7 +396,7 @@ class BottomRightKernel:
         ) -> tuple[torch.Tensor, torch.Tensor]:
             return self.forward_piece(q, k, v, piece, options)
 
-        return forward_by_piece(native, q, k, v, right_bound(options))
+        return forward_by_piece(native, q, k, v, options.window)
 
     def backward(
         self,
@@ -333,12 +419,13 @@ class BottomRightKernel:
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             return self.backward_piece(dout, q, k, v, out, lse, piece, options)
 
-        return backward_by_piece(native, dout, q, k, v, out, lse, right_bound(options))
+        return backward_by_piece(native, dout, q, k, v, out, lse, options.window)
 
 
 def right_bound(options: BlockOptions) -> int | None:
-    """The window's right bound, for the pieces: all a bottom-right mask serves. Raises
-    ``NotImplementedError`` for a window bounded on the left."""
+    """The window's right bound, for the pieces of a kernel that serves no left bound (0.1's
+    pieces take it; newer code passes ``options.window``). Raises ``NotImplementedError`` for a
+    window bounded on the left."""
     if options.window.left is not None:
         raise NotImplementedError(f"{options.window!r}: bottom-right masks serve no left bound")
     return options.window.right

@@ -132,8 +132,13 @@ class BlockOptions:
       block's start; :class:`~ringdilated.core.plan.window.KeyWindow`): key ``j`` is visible to
       query ``i`` iff ``i - left <= j <= i + right``. :data:`~ringdilated.core.plan.window.FULL`
       (no mask) by default; ``right = 0`` is the usual causal diagonal block, and a block
-      wholly below the diagonal never needs a mask and is passed with ``FULL``. Only ``right``
-      is ever bounded today (kernels declaring no sliding window get no ``left``).
+      wholly below the diagonal never needs a mask and is passed with ``FULL``. ``left`` is
+      bounded only for kernels declaring ``Capabilities.sliding_window`` (a call's window with
+      a left bound); a block's bounds are any ints, so some of its rows may see no key, at the
+      start (``right < 0``) or at the end (``left`` below the rows' reach,
+      :meth:`~ringdilated.core.plan.window.KeyWindow.visible_rows`). Kernels check the left
+      bound first when they build their masks (a kernel that reads only ``right`` would serve
+      a sliding window wrongly).
     - ``dropout_p`` and ``dropout_seed``: attention probabilities are zeroed with probability
       ``dropout_p`` and the rest scaled by ``1 / (1 - dropout_p)``. The mask is a pure function of
       the seed and the block's shape and device, so backward regenerates the same mask.
@@ -199,18 +204,38 @@ class BlockOptions:
         return self.window.right
 
     def visible_rows_start(self) -> int:
-        """First query row that sees at least one key (rows before it are empty)."""
+        """First query row that sees at least one key (rows before it are empty), for a window
+        without a left bound (:meth:`visible_rows` answers for any)."""
         return self.window.visible_rows_start()
 
-    def mark_empty_rows(self, out: torch.Tensor | None, lse: torch.Tensor) -> None:
-        """Give the rows that see no key (those before :meth:`visible_rows_start`) the
-        contract's ``lse = -inf`` (and ``out = 0`` when ``out`` is given), in place: for kernels
-        whose op reports something else for them (``lse = 0``, or NaN)."""
-        empty = min(self.visible_rows_start(), lse.shape[-1])
-        if empty:
-            lse.narrow(-1, 0, empty).fill_(float("-inf"))
-            if out is not None:
-                out.narrow(-2, 0, empty).zero_()
+    def visible_rows(self, q_len: int, k_len: int) -> tuple[int, int]:
+        """``(start, stop)``: the rows of a ``q_len x k_len`` block that see at least one key
+        (:meth:`~ringdilated.core.plan.window.KeyWindow.visible_rows`)."""
+        return self.window.visible_rows(q_len, k_len)
+
+    def mark_empty_rows(
+        self, out: torch.Tensor | None, lse: torch.Tensor, k_len: int | None = None
+    ) -> None:
+        """Give the rows that see no key the contract's ``lse = -inf`` (and ``out = 0`` when
+        ``out`` is given), in place: for kernels whose op reports something else for them
+        (``lse = 0``, or NaN). ``k_len``: the block's key count, which a window with a left
+        bound needs (rows at the end may see no key; ``ValueError`` without it); without it
+        (0.1's call) the empty rows are those before :meth:`visible_rows_start`."""
+        q_len = lse.shape[-1]
+        if k_len is not None:
+            start, stop = self.window.visible_rows(q_len, k_len)
+        elif self.window.left is None:
+            start, stop = min(self.visible_rows_start(), q_len), q_len
+        else:
+            raise ValueError(
+                f"mark_empty_rows needs k_len for {self.window!r}: with a left bound, rows at "
+                "the end may see no key"
+            )
+        for first, count in ((0, start), (stop, q_len - stop)):
+            if count > 0:
+                lse.narrow(-1, first, count).fill_(float("-inf"))
+                if out is not None:
+                    out.narrow(-2, first, count).zero_()
 
     def needs_mask(self, q_len: int, k_len: int) -> bool:
         """Whether any key is hidden from any query of a ``q_len x k_len`` block."""
@@ -310,7 +335,7 @@ def mark_non_finite_rows(
         out.add_(poison.unsqueeze(-1))
         lse.add_(poison)
     if options is not None:
-        options.mark_empty_rows(out, lse)
+        options.mark_empty_rows(out, lse, k.shape[-2])
 
 
 def mark_non_finite_problems(
@@ -340,8 +365,8 @@ def mark_non_finite_problems(
       (:func:`ringdilated.core.contract.lse.lse_gradient`).
     - For a row whose ``lse`` is NaN or ``+inf`` (a merged lse: the non-finite value may be in
       another problem, another pattern's block or another rank's piece): its ``dq`` row, and the
-      ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``j <= i + right``,
-      ``options.window.right``; every key without one). Fused backwards weight a row whose lse
+      ``dk``, ``dv`` of the keys it sees (key ``j`` of query ``i`` when ``i - left <= j <= i
+      + right``, ``options.window``; every key without one). Fused backwards weight a row whose lse
       is ``+inf`` by zero, turning its NaN into finite gradients.
 
     ``forward_marked=True`` when the lse comes from forwards that applied
@@ -378,14 +403,25 @@ def mark_non_finite_problems(
         rows = seen.sub_(seen)  # (N, H, Lq): 0, or NaN for a row whose lse is NaN or +inf
         q_poison = q_poison + rows.unsqueeze(-1)
         per_kv = rows.view(n, kv_heads, group, q_len).sum(2)  # (N, Hkv, Lq)
-        offset = None if options is None else options.window.right
-        if offset is None:  # every row sees every key
+        window = FULL if options is None else options.window
+        if window == FULL:  # every row sees every key
             keys = per_kv.sum(-1, keepdim=True)  # (N, Hkv, 1)
-        else:  # key j: the rows i >= j - offset, a suffix of the rows (none past the last)
-            after = per_kv.flip(-1).cumsum(-1).flip(-1)
-            after = torch.cat([after, after.new_zeros(n, kv_heads, 1)], -1)  # (N, Hkv, Lq + 1)
-            first = (torch.arange(k_len, device=lse.device) - offset).clamp(0, q_len)
-            keys = after.index_select(-1, first)  # (N, Hkv, Lk)
+        else:  # key j: the rows j - right <= i <= j + left, a run of rows
+            j = torch.arange(k_len, device=lse.device)
+            first = torch.zeros_like(j) if window.right is None else j - window.right
+            first = first.clamp(0, q_len)
+            if window.left is None:  # a suffix of the rows: suffix sums (none past the last)
+                after = per_kv.flip(-1).cumsum(-1).flip(-1)
+                after = torch.cat([after, after.new_zeros(n, kv_heads, 1)], -1)  # (.., Lq + 1)
+                keys = after.index_select(-1, first)  # (N, Hkv, Lk)
+            else:  # a run: counts of NaN rows before each row, differenced (sums would let
+                # the NaN of rows before the run reach it)
+                bad = per_kv.isnan().to(per_kv.dtype).cumsum(-1)
+                before = torch.cat([bad.new_zeros(n, kv_heads, 1), bad], -1)  # (.., Lq + 1)
+                past = torch.maximum((j + window.left + 1).clamp(0, q_len), first)
+                count = before.index_select(-1, past) - before.index_select(-1, first)
+                nan = per_kv.new_full((), float("nan"))
+                keys = torch.where(count > 0, nan, per_kv.new_zeros(()))  # (N, Hkv, Lk)
         kv_poison = kv_poison + keys.unsqueeze(-1)
         dk_poison = dk_poison + keys.unsqueeze(-1)
     dq.add_(q_poison)

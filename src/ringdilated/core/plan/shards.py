@@ -7,10 +7,14 @@ pattern, the segments a shard meets are of two kinds:
 
 - **inner**: wholly inside the shard. Computed locally, exactly as on one process; nothing moves.
 - **crossing**: spanning a shard boundary (at most two per shard and block). Each rank holding
-  selected positions of such a segment is a *participant*; its selected keys and values (its
-  *piece*) go to every other participant whose queries see them (by the call's key window,
-  :mod:`.window`): every other participant, or only later ones when no query sees a later key.
-  Nothing else moves, so the bytes sent are the minimum.
+  selected positions of such a segment is a *participant*; of its selected keys and values (its
+  *piece*) each other participant is sent exactly those some query of its own piece sees, by
+  the call's key window (:mod:`.window`): with no window every key, none toward an earlier rank
+  when no query sees a later key (causal), and with bounds only the keys within reach of the
+  receiver's queries (:meth:`Crossing.sent`: a contiguous run of the piece, since its queries
+  are contiguous and each sees a run), so under a sliding window a rank sends only the last
+  ``left`` positions' keys to the next rank, and nothing to a rank beyond its reach. Nothing
+  else moves, so the bytes sent are the minimum.
 
 Every rank computes the same :class:`ShardPlan` from the same arguments, so senders and receivers
 agree on sizes and order without asking each other.
@@ -33,6 +37,7 @@ __all__ = [
     "Payload",
     "Piece",
     "ShardPlan",
+    "Transfer",
     "broadcast_payload",
     "broadcast_positions",
     "payload",
@@ -44,14 +49,21 @@ __all__ = [
 
 @attrs.frozen
 class Piece:
-    """The selected positions of one crossing segment held by ``rank``, in its local coordinates."""
+    """The selected positions of one crossing segment held by ``rank``, in its local coordinates;
+    ``origin``: the global position of that rank's first (its shard's start)."""
 
     rank: int
     selection: Selection
+    origin: int = 0
 
     @property
     def count(self) -> int:
         return self.selection.count
+
+    @property
+    def first(self) -> int:
+        """The global position of the piece's first selected position."""
+        return self.origin + self.selection.start + self.selection.offset
 
 
 @attrs.frozen
@@ -65,11 +77,36 @@ class Crossing:
         return next((piece for piece in self.pieces if piece.rank == rank), None)
 
     def sends(self, src: int, dst: int, window: KeyWindow | bool) -> bool:
-        """Whether ``src``'s piece goes to ``dst``: both take part, and ``window``'s send rule
-        (:meth:`~ringdilated.core.plan.window.KeyWindow.sends`) lets it."""
+        """Whether ``src``'s piece goes to ``dst``: both take part, ``window``'s send rule
+        (:meth:`~ringdilated.core.plan.window.KeyWindow.sends`) lets it, and some query of
+        ``dst``'s piece sees some key of ``src``'s (:meth:`sent`)."""
         if src == dst or self.piece(src) is None or self.piece(dst) is None:
             return False
-        return as_window(window).sends(src, dst)  # a 0.1 caller's bool: causal or not
+        window = as_window(window)  # a 0.1 caller's bool: causal or not
+        if not window.sends(src, dst):
+            return False
+        first, stop = self.sent(src, dst, window)
+        return stop > first
+
+    def window(self, src: int, dst: int, window: KeyWindow) -> KeyWindow:
+        """The call's ``window`` (in positions) between ``dst``'s queries and ``src``'s keys, in
+        the pieces' coordinates (query ``i`` of ``dst``'s piece, key ``j`` of ``src``'s): both
+        lie on the segment's grid of stride ``rate``, so it is :meth:`~.window.KeyWindow.dilated`
+        by the rate and shifted by how many selected positions ``dst``'s first lies after
+        ``src``'s."""
+        queries, keys = self.piece(dst), self.piece(src)
+        assert queries is not None and keys is not None
+        rate = self.block.selection.rate
+        return window.dilated(rate).shifted((queries.first - keys.first) // rate)
+
+    def sent(self, src: int, dst: int, window: KeyWindow) -> tuple[int, int]:
+        """``(start, stop)``: the keys of ``src``'s piece (numbered from its first) that some
+        query of ``dst``'s piece sees under ``window``, one contiguous run (``(0, 0)``: none).
+        Every key of the piece without a window; what moves from ``src`` to ``dst``."""
+        queries, keys = self.piece(dst), self.piece(src)
+        assert queries is not None and keys is not None
+        between = self.window(src, dst, window)
+        return between.visible_keys(0, queries.count, keys.count)
 
 
 @attrs.frozen(cache_hash=True)
@@ -128,42 +165,61 @@ class Payload:
         return bool(self.crossings)
 
 
-def _piece_positions(crossing: Crossing, rank: int) -> range:
-    """The selected positions (local to ``rank``) of ``rank``'s piece of ``crossing``."""
-    piece = crossing.piece(rank)
+Transfer = tuple[Crossing, tuple[int, ...]]
+"""A crossing and the positions (local to the sender, sorted) of its piece that move."""
+
+
+def _sent_positions(crossing: Crossing, src: int, dst: int, window: KeyWindow) -> range:
+    """The positions (local to ``src``) of ``src``'s piece of ``crossing`` that ``dst``'s
+    queries see (:meth:`Crossing.sent`)."""
+    piece = crossing.piece(src)
     assert piece is not None
     sel = piece.selection
-    first = sel.start + sel.offset
-    return range(first, first + sel.count * sel.rate, sel.rate)
+    first, stop = crossing.sent(src, dst, window)
+    local = sel.start + sel.offset
+    return range(local + first * sel.rate, local + stop * sel.rate, sel.rate)
 
 
-def _union(crossings: Iterable[Crossing], src: int) -> dict[int, set[int]]:
-    """Per key/value head, the positions of ``src``'s pieces of ``crossings`` that read it."""
+def _union(transfers: Iterable[Transfer]) -> dict[int, set[int]]:
+    """Per key/value head, the positions of the transfers that read it."""
     union: dict[int, set[int]] = {}
-    for c in crossings:
-        positions = _piece_positions(c, src)
+    for c, positions in transfers:
         for h in range(c.block.heads.kv_start, c.block.heads.kv_stop):
             union.setdefault(h, set()).update(positions)
     return union
 
 
-def _broadcast_crossings(plan: ShardPlan, window: KeyWindow) -> tuple[Crossing, ...]:
-    """The crossings whose piece ``plan.rank`` sends to some peer."""
+def _transfers(plan: ShardPlan, src: int, dst: int, window: KeyWindow) -> tuple[Transfer, ...]:
+    """What ``src`` sends ``dst``: each crossing with the positions of its piece that move."""
+    return tuple(
+        (c, tuple(_sent_positions(c, src, dst, window))) for c in plan.transfers(src, dst, window)
+    )
+
+
+def _broadcast_transfers(plan: ShardPlan, window: KeyWindow) -> tuple[Transfer, ...]:
+    """What ``plan.rank`` sends when one payload goes to every peer: each crossing whose piece
+    it sends some peer, with the union of the positions any peer needs."""
     me = plan.rank
-    return tuple(c for c in plan.crossings if any(c.sends(me, x.rank, window) for x in c.pieces))
+    out = []
+    for c in plan.crossings:
+        peers = [x.rank for x in c.pieces if c.sends(me, x.rank, window)]
+        if peers:
+            union = set().union(*(_sent_positions(c, me, x, window) for x in peers))
+            out.append((c, tuple(sorted(union))))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
 def payload(plan: ShardPlan, src: int, dst: int, window: KeyWindow) -> Payload:
     """The deduplicated payload from ``src`` to ``dst`` (one of them is ``plan.rank``)."""
-    return _payload(plan.transfers(src, dst, window), src)
+    return _payload(_transfers(plan, src, dst, as_window(window)))
 
 
 @functools.lru_cache(maxsize=1024)
 def broadcast_payload(plan: ShardPlan, window: KeyWindow) -> Payload:
     """What ``plan.rank`` sends when it sends one payload to every peer at once (a collective):
     the union of its payloads to each peer. A receiver finds its own payload inside it."""
-    return _payload(_broadcast_crossings(plan, window), plan.rank)
+    return _payload(_broadcast_transfers(plan, as_window(window)))
 
 
 def payload_positions(plan: ShardPlan, window: KeyWindow) -> dict[int, int]:
@@ -172,32 +228,33 @@ def payload_positions(plan: ShardPlan, window: KeyWindow) -> dict[int, int]:
     (key/value head, position) pairs it sends ``dst``. Work in the crossings' participants, not
     in the world size."""
     me = plan.rank
-    sent: dict[int, list[Crossing]] = {}
+    sent: dict[int, list[Transfer]] = {}
     for c in plan.crossings:
         for other in c.pieces:
             if c.sends(me, other.rank, window):
-                sent.setdefault(other.rank, []).append(c)
-    return {dst: sum(map(len, _union(cs, me).values())) for dst, cs in sent.items()}
+                positions = tuple(_sent_positions(c, me, other.rank, window))
+                sent.setdefault(other.rank, []).append((c, positions))
+    return {dst: sum(map(len, _union(ts).values())) for dst, ts in sent.items()}
 
 
 def broadcast_positions(plan: ShardPlan, window: KeyWindow) -> int:
     """``broadcast_payload(plan, window).positions_count``, without building the payload."""
-    return sum(map(len, _union(_broadcast_crossings(plan, window), plan.rank).values()))
+    return sum(map(len, _union(_broadcast_transfers(plan, window)).values()))
 
 
-def _payload(crossings: tuple[Crossing, ...], src: int) -> Payload:
-    union = _union(crossings, src)
+def _payload(transfers: tuple[Transfer, ...]) -> Payload:
+    union = _union(transfers)
     heads = tuple(sorted(union))
     positions = tuple(tuple(sorted(union[h])) for h in heads)
     where = {h: {p: i for i, p in enumerate(pos)} for h, pos in zip(heads, positions, strict=True)}
     index = tuple(
         tuple(
-            tuple(where[h][p] for p in _piece_positions(c, src))
+            tuple(where[h][p] for p in sent)
             for h in range(c.block.heads.kv_start, c.block.heads.kv_stop)
         )
-        for c in crossings
+        for c, sent in transfers
     )
-    return Payload(crossings, heads, positions, index)
+    return Payload(tuple(c for c, _ in transfers), heads, positions, index)
 
 
 def _local(segment: Selection, starts: tuple[int, ...], rank: int) -> Selection | None:
@@ -284,7 +341,7 @@ def shard_plan(
             for x in range(owner, bisect.bisect_left(starts, segment.stop)):
                 piece = _local(segment, starts, x)
                 if piece is not None:
-                    pieces.append(Piece(x, piece))
+                    pieces.append(Piece(x, piece, starts[x]))
             if any(p.rank == rank for p in pieces):
                 crossings.append(Crossing(block, tuple(pieces)))
     return ShardPlan(

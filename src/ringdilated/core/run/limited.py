@@ -35,39 +35,101 @@ import torch
 from ringdilated.core.contract.accumulator import accumulation_dtype
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.contract.lse import backward_with_lse
+from ringdilated.core.plan.window import KeyWindow
 from ringdilated.core.select.capabilities import BatchLimit
 
-__all__ = ["BatchLimitedKernel", "RowChunk", "row_chunks"]
+__all__ = ["WINDOW_CHUNK_ROWS", "BatchLimitedKernel", "RowChunk", "row_chunks", "window_chunk_rows"]
+
+
+#: The fewest query rows a chunk made for a window's sake holds (:func:`row_chunks`): below it
+#: a chunk's keys are mostly the window's width, and each more call costs a launch and the
+#: driver's Python.
+WINDOW_CHUNK_ROWS = 256
 
 
 @attrs.frozen
 class RowChunk:
-    """Query rows ``[start, stop)`` of a call, and the call's ``options`` with the window shifted
-    to row ``start`` (the chunk's own coordinates). Dropout seeds are the caller's to set."""
+    """Query rows ``[start, stop)`` of a call, the keys ``[key_start, key_stop)`` they see
+    (``key_stop`` ``None``: every key of the call), and the call's ``options`` with the window
+    shifted to row ``start`` and key ``key_start`` (the chunk's own coordinates). Dropout seeds
+    are the caller's to set."""
 
     start: int
     stop: int
     options: BlockOptions
+    key_start: int = 0
+    key_stop: int | None = None
 
     @property
     def rows(self) -> int:
         return self.stop - self.start
 
+    @property
+    def sees_keys(self) -> bool:
+        """Whether any row of the chunk sees a key (a chunk that does not is not computed:
+        its rows give ``out = 0``, ``lse = -inf`` and no gradient)."""
+        return self.key_stop is None or self.key_stop > self.key_start
+
+    def keys(self, x: torch.Tensor, dim: int = -2) -> torch.Tensor:
+        """The chunk's keys of ``x`` (``k``, ``v`` or their gradients) along ``dim``."""
+        if self.key_stop is None:
+            return x
+        return x.narrow(dim, self.key_start, self.key_stop - self.key_start)
+
+
+def window_chunk_rows(window: KeyWindow, rows: int, k_len: int) -> int | None:
+    """Rows a chunk holds so that a window bounded on both sides (a band, ``width = left +
+    right + 1`` keys a row) costs about ``rows x (chunk + width)`` scores instead of ``rows x
+    k_len``: ``max(WINDOW_CHUNK_ROWS, width)``, when that is less than a quarter of ``k_len``
+    and than ``rows``; ``None`` otherwise (chunking would save little)."""
+    if window.left is None or window.right is None:
+        return None
+    width = window.left + window.right + 1
+    chunk = max(WINDOW_CHUNK_ROWS, width)
+    return chunk if 4 * (chunk + width) <= k_len and chunk < rows else None
+
 
 def row_chunks(
-    rows: int, row_elements: int, budget: int | None, options: BlockOptions
+    rows: int,
+    row_elements: int,
+    budget: int | None,
+    options: BlockOptions,
+    k_len: int | None = None,
+    bands: bool = True,
 ) -> Iterator[RowChunk]:
     """A call's ``rows`` query rows, first to last, in chunks of at most ``budget`` query
     elements (``row_elements`` a row: problems x query heads x head dim), at least one row a
     chunk; one chunk of every row when they fit or ``budget`` is ``None`` (``options``
-    unchanged)."""
+    unchanged).
+
+    With ``k_len`` (the call's keys), each chunk holds only the keys its rows see
+    (:meth:`~ringdilated.core.plan.window.KeyWindow.visible_keys`, ``(0, 0)`` when none: the
+    caller skips it), and with ``bands`` (a kernel that computes every score it is handed:
+    ``not BatchLimit.skips_hidden_keys``) a window bounded on both sides is chunked further
+    (:func:`window_chunk_rows`): a sliding window over a long block costs about ``rows x
+    (window + chunk)`` scores. Without ``k_len``, every chunk keeps every key (0.1's chunks)."""
+    window = options.window
     per_chunk = rows if budget is None else max(1, budget // max(1, row_elements))
+    banded = None if k_len is None or not bands else window_chunk_rows(window, rows, k_len)
+    if banded is not None:
+        per_chunk = min(per_chunk, banded)
     if per_chunk >= rows:
-        yield RowChunk(0, rows, options)
-        return
+        per_chunk = rows
     for start in range(0, rows, per_chunk):
-        window = options.window.shifted(start)
-        yield RowChunk(start, min(rows, start + per_chunk), attrs.evolve(options, window=window))
+        stop = min(rows, start + per_chunk)
+        if k_len is None:
+            if per_chunk == rows:
+                yield RowChunk(0, rows, options)
+            else:
+                yield RowChunk(start, stop, attrs.evolve(options, window=window.shifted(start)))
+            continue
+        first, last = window.visible_keys(start, stop, k_len)
+        if (first, last) == (0, k_len):
+            shifted, key_stop = window.shifted(start), None
+        else:
+            shifted, key_stop = window.shifted(start - first), last
+        chunk_options = options if shifted == window else attrs.evolve(options, window=shifted)
+        yield RowChunk(start, stop, chunk_options, first, key_stop)
 
 
 @attrs.frozen
@@ -84,8 +146,8 @@ class _Piece:
         return x.narrow(0, self.first, self.count).narrow(2, self.chunk.start, self.chunk.rows)
 
     def keys(self, x: torch.Tensor) -> torch.Tensor:
-        """This piece of ``k`` or ``v``: its problems, every key."""
-        return x.narrow(0, self.first, self.count)
+        """This piece of ``k`` or ``v``: its problems, the keys its rows see."""
+        return self.chunk.keys(x.narrow(0, self.first, self.count))
 
 
 class BatchLimitedKernel:
@@ -93,6 +155,12 @@ class BatchLimitedKernel:
     ``limit.per_call(kv_heads)`` problems and ``limit.query_elements`` query elements, and a
     problem larger than that along its query rows (:func:`row_chunks`); results as the one call's
     (``dk``, ``dv`` of a problem's row chunks summed in the accumulation dtype, then cast).
+
+    A key window also splits a call (:func:`row_chunks` with the keys): each piece holds only
+    the keys its rows see, a window bounded on both sides is chunked into bands, and a piece
+    whose rows see no key is not computed (its rows give ``out = 0``, ``lse = -inf``, no
+    gradient): a sharded run's crossing pieces under a sliding window compute about ``rows x
+    window`` scores, and nothing for another rank's keys that no query of theirs sees.
 
     Pieces are numbered in order (problems, then rows); with dropout, piece ``i > 0`` draws its
     mask from ``derive_seed(dropout_seed, "piece", i)`` (piece 0, and an unsplit call, from
@@ -105,20 +173,20 @@ class BatchLimitedKernel:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        pieces = self._pieces(q, k.shape[1], options)
+        pieces = self._pieces(q, k, options)
         if pieces is None:
             return self.kernel.forward(q, k, v, options)
-        out = lse = None
+        skipped = any(not piece.chunk.sees_keys for piece in pieces)
+        out = (q.new_zeros if skipped else q.new_empty)((*q.shape[:3], v.shape[-1]))
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=accumulation_dtype(q.dtype))
         for i, piece in enumerate(pieces):
+            if not piece.chunk.sees_keys:
+                continue
             part_out, part_lse = self.kernel.forward(
                 piece.queries(q), piece.keys(k), piece.keys(v), _seeded(piece.chunk.options, i)
             )
-            if out is None or lse is None:
-                out = part_out.new_empty((*q.shape[:3], part_out.shape[-1]))
-                lse = part_lse.new_empty(q.shape[:3])
             piece.queries(out).copy_(part_out)
             piece.queries(lse).copy_(part_lse)
-        assert out is not None and lse is not None
         return out, lse
 
     def backward(
@@ -174,32 +242,40 @@ class BatchLimitedKernel:
                 return self.kernel.backward(dout, q, k, v, out, lse, options)
             return backward_with_lse(self.kernel, dout, dlse, q, k, v, out, lse, options)
 
-        pieces = self._pieces(q, k.shape[1], options)
+        pieces = self._pieces(q, k, options)
         if pieces is None:
             return call(dout, dlse, q, k, v, out, lse, options)
-        # Row chunks of one problem add into its dk, dv; pieces of whole problems are copied.
-        summed = any(piece.chunk.rows < q.shape[2] for piece in pieces)
-        dq = dk = dv = None
+        # Row chunks of one problem add into its dk, dv (so do pieces of some of its keys, and
+        # a piece not computed leaves zeros); pieces of whole problems are copied.
+        summed = any(
+            piece.chunk.rows < q.shape[2] or piece.chunk.key_stop is not None for piece in pieces
+        )
+        skipped = any(not piece.chunk.sees_keys for piece in pieces)
+        dq = (torch.zeros_like if skipped else torch.empty_like)(q)
+        acc = accumulation_dtype(q.dtype)
+        dk, dv = (_buffer(x, acc if summed else x.dtype, summed) for x in (k, v))
         for i, piece in enumerate(pieces):
+            if not piece.chunk.sees_keys:
+                continue
             dout_p, q_p, out_p, lse_p = (piece.queries(x) for x in (dout, q, out, lse))
             k_p, v_p, options_p = piece.keys(k), piece.keys(v), _seeded(piece.chunk.options, i)
             dlse_p = None if dlse is None else piece.queries(dlse)
             gq, gk, gv = call(dout_p, dlse_p, q_p, k_p, v_p, out_p, lse_p, options_p)
-            if dq is None or dk is None or dv is None:
-                dq = gq.new_empty(q.shape)
-                dk, dv = (_buffer(g, like, summed) for g, like in ((gk, k), (gv, v)))
             piece.queries(dq).copy_(gq)
             for buffer, grad in ((dk, gk), (dv, gv)):
                 if summed:
                     piece.keys(buffer).add_(grad)
                 else:
                     piece.keys(buffer).copy_(grad)
-        assert dq is not None and dk is not None and dv is not None
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
-    def _pieces(self, q: torch.Tensor, kv_heads: int, options: BlockOptions) -> list[_Piece] | None:
-        """The pieces of a call on ``q``, in order; ``None`` when the call fits whole."""
+    def _pieces(
+        self, q: torch.Tensor, k: torch.Tensor, options: BlockOptions
+    ) -> list[_Piece] | None:
+        """The pieces of a call on ``q`` and ``k``, in order; ``None`` when the call runs whole
+        (it fits, and its window neither hides a key from every row nor is worth banding)."""
         n, heads, rows, dim = q.shape
+        kv_heads, k_len = k.shape[1], k.shape[2]
         budget = self.limit.query_elements
         limits = [n]
         per_call = self.limit.per_call(kv_heads)
@@ -208,12 +284,16 @@ class BatchLimitedKernel:
         if budget is not None:
             limits.append(budget // max(1, heads * rows * dim))
         step = max(1, min(limits))
-        if step >= n and (budget is None or q.numel() <= budget):
+        window = options.window
+        whole = window.visible_keys(0, rows, k_len) == (0, k_len)
+        bands = not self.limit.skips_hidden_keys
+        banded = bands and window_chunk_rows(window, rows, k_len) is not None
+        if step >= n and (budget is None or q.numel() <= budget) and whole and not banded:
             return None
         pieces: list[_Piece] = []
         for first in range(0, n, step):
             count = min(step, n - first)
-            chunks = row_chunks(rows, count * heads * dim, budget, options)
+            chunks = row_chunks(rows, count * heads * dim, budget, options, k_len, bands)
             pieces.extend(_Piece(first, count, chunk) for chunk in chunks)
         return pieces
 
@@ -226,9 +306,9 @@ def _seeded(options: BlockOptions, piece: int) -> BlockOptions:
     return attrs.evolve(options, dropout_seed=derive_seed(options.dropout_seed, "piece", piece))
 
 
-def _buffer(grad: torch.Tensor, like: torch.Tensor, summed: bool) -> torch.Tensor:
-    """The buffer a split backward puts ``like``'s gradient together in: zeros in the
-    accumulation dtype when row chunks add into it, else uninitialised in ``grad``'s dtype."""
+def _buffer(like: torch.Tensor, dtype: torch.dtype, summed: bool) -> torch.Tensor:
+    """The buffer a split backward puts ``like``'s gradient together in: zeros in ``dtype``
+    (the accumulation dtype) when pieces add into it, else uninitialised."""
     if summed:
-        return torch.zeros(like.shape, dtype=accumulation_dtype(grad.dtype), device=grad.device)
-    return grad.new_empty(like.shape)
+        return torch.zeros(like.shape, dtype=dtype, device=like.device)
+    return torch.empty(like.shape, dtype=dtype, device=like.device)

@@ -413,8 +413,11 @@ class LocalRun:
     """One dilated-attention plan's fixed parts: the kernel, the blocks and the options.
 
     ``exclusive``: every (position, head) is covered by at most one block (``head_groups``),
-    so results are copied rather than merged. ``window``: the call's key window, in the dilated
-    positions of every block (a causal call's is the diagonal mask in every block).
+    so results are copied rather than merged. ``window``: the call's key window, counted in
+    positions; each block's is :meth:`~ringdilated.core.plan.window.KeyWindow.dilated` by its
+    rate and shifted to its queries (a causal call's is the diagonal mask in every block; a
+    sliding window's, a band of ``window // rate`` keys, which the steps cut into row chunks
+    holding only the keys their rows see: :func:`~ringdilated.core.run.limited.row_chunks`).
     ``complete``: the blocks are the whole computation; ``False`` when other contributions (a
     sharded run's crossing segments) are added afterwards, so gradient buffers start at zero.
     ``batch_limit``: how many problems and query elements one kernel call may hold (the
@@ -522,17 +525,25 @@ class LocalRun:
                     kv_grad = selection_view(selection, kv_grad_strides, chunk_rows, hkv, D)
                     # A problem larger than the budget: its query rows in chunks (each a step).
                     n, heads, q_rows = q_view.size[:3]
-                    parts = tuple(row_chunks(q_rows, n * heads * D, budget, options))
+                    # A window's band, or a problem larger than the budget: its query rows in
+                    # chunks (each a step), each with the keys its rows see; a chunk whose rows
+                    # see none is no step (its rows keep out = 0, lse = -inf).
+                    k_len = k_view.size[2]
+                    bands = not self.batch_limit.skips_hidden_keys
+                    parts = tuple(row_chunks(q_rows, n * heads * D, budget, options, k_len, bands))
                     for part in parts:
+                        if not part.sees_keys:
+                            continue
+                        keys = (part.key_start, k_len if part.key_stop is None else part.key_stop)
                         yield _Step(
                             q=q_view.rows(part.start, part.stop),
-                            k=k_view,
-                            v=v_view,
-                            kv_grad=kv_grad,
+                            k=k_view.rows(*keys),
+                            v=v_view.rows(*keys),
+                            kv_grad=kv_grad.rows(*keys),
                             lse=lse_view.rows(part.start, part.stop),
                             options=part.options,
                             index=index,
-                            shares_keys=len(parts) > 1,
+                            shares_keys=len(parts) > 1 or part.key_stop is not None,
                         )
                         index += 1
 
@@ -859,7 +870,9 @@ def pattern_run(
     else:
         whole = pattern.blocks(length, heads, kv_heads) if blocks is None else blocks
         rows = (RowBlocks(None, whole),)
-    covers = layout.covers_all
+    # Every query row is written only where every selected query sees a key (its own
+    # position, under any call's window); a window that hides it leaves rows to zero.
+    covers = layout.covers_all and window.sees_own_position
     return LocalRun(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
         rows=rows,

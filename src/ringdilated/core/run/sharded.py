@@ -38,7 +38,6 @@ from ringdilated.core.contract.communicator import Communicator, TransferStats
 from ringdilated.core.contract.kernel import BlockOptions, Kernel, derive_seed
 from ringdilated.core.contract.lse import backward_with_lse
 from ringdilated.core.plan.shards import Crossing, ShardPlan
-from ringdilated.core.plan.window import FULL
 from ringdilated.core.run import wire as wire
 from ringdilated.core.run.exchange import PieceExchange
 from ringdilated.core.run.limited import BatchLimitedKernel
@@ -61,7 +60,9 @@ class ShardedRun:
     communicator: Communicator = attrs.field(eq=False)
     group: object = attrs.field(eq=False)
     broadcast: bool = attrs.field(kw_only=True)
-    _options: dict[bool, BlockOptions] = attrs.field(factory=dict, eq=False, repr=False, init=False)
+    _options: dict[tuple[int, int], BlockOptions] = attrs.field(
+        factory=dict, eq=False, repr=False, init=False
+    )
 
     @property
     def plan(self) -> ShardPlan:
@@ -168,22 +169,25 @@ class ShardedRun:
 
     def options(self, crossing: int, src: int, seed: int) -> BlockOptions:
         """The options of the partial of crossing number ``crossing`` against rank ``src``'s
-        piece: the call's window over this rank's own piece (queries and keys at the same
-        positions); no mask for another rank's (today's windows, ``FULL`` and ``CAUSAL``,
-        see all of an earlier rank's keys, and only earlier ranks send under the causal one; a
-        window with bounds elsewhere would shift here by the pieces' offset). ``seed``: the
-        shard's dropout seed (``0``: none; the options of each side are then made once and kept)."""
-        own = src == self.plan.rank
+        piece (this rank's own, or the keys of it that ``src`` sent:
+        :meth:`~ringdilated.core.plan.shards.Crossing.sent`): the call's window between this
+        rank's queries and those keys, in their coordinates
+        (:meth:`~ringdilated.core.plan.shards.Crossing.window`, shifted to the first key sent).
+        ``seed``: the shard's dropout seed (``0``: none; the options are then made once per
+        crossing and piece, and kept)."""
         if seed == 0:
-            if own not in self._options:
-                self._options[own] = self._make_options(own, 0)
-            return self._options[own]
+            found = self._options.get((crossing, src))
+            if found is None:
+                found = self._options[crossing, src] = self._make_options(crossing, src, 0)
+            return found
         seed_index = crossing * self.plan.world_size + src
-        return self._make_options(own, derive_seed(seed, "crossing", seed_index))
+        return self._make_options(crossing, src, derive_seed(seed, "crossing", seed_index))
 
-    def _make_options(self, own: bool, seed: int) -> BlockOptions:
-        window = self.inner.window if own else FULL
-        inner = self.inner
+    def _make_options(self, crossing: int, src: int, seed: int) -> BlockOptions:
+        c, me, inner = self.plan.crossings[crossing], self.plan.rank, self.inner
+        window = c.window(src, me, inner.window)
+        if src != me:  # the keys sent start at the first some query here sees
+            window = window.shifted(-c.sent(src, me, inner.window)[0])
         return BlockOptions(
             inner.scale,
             window,

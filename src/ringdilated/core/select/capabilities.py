@@ -267,8 +267,16 @@ class BatchLimit:
     chunk with every key, the window shifted, with dropout a seed of its own; one query row of
     one problem at least: :mod:`ringdilated.core.run.limited`). Whether a kernel materialises
     scores is read from this bound (:attr:`bounds_scratch`: at most the default), so a fused
-    plugin kernel should declare :data:`FUSED_GRID_LIMIT` or its own larger bound. Each field
-    is ``None`` or a positive int.
+    plugin kernel should declare :data:`FUSED_GRID_LIMIT` or its own larger bound. Each of
+    these is ``None`` or a positive int.
+
+    ``skips_hidden_keys``: the kernel's work follows the keys a block's window shows (it skips
+    the tiles a window hides: flash-attn's local window, a FlexAttention block mask), so the
+    driver hands it a window's block whole. ``False`` (the default): it computes every score it
+    is handed (an additive mask, dense math), so the driver cuts a window bounded on both sides
+    into bands of rows, each with only the keys its rows see
+    (:func:`~ringdilated.core.run.limited.row_chunks`): a sliding window costs about ``rows x
+    window`` scores either way.
     """
 
     problems: int | None = attrs.field(default=None, validator=rules.optional(rules.positive_int))
@@ -278,6 +286,7 @@ class BatchLimit:
     query_elements: int | None = attrs.field(
         default=DEFAULT_QUERY_ELEMENTS, validator=rules.optional(rules.positive_int), kw_only=True
     )
+    skips_hidden_keys: bool = attrs.field(default=False, validator=rules.bools, kw_only=True)
 
     @property
     def bounds_scratch(self) -> bool:

@@ -3,8 +3,10 @@ chooses by (docs/distributed.md, "Choosing a communicator").
 
 For every rank, from every rank's shard plan (nothing is sent to compute this):
 
-- **minimum**: the bytes of keys and values this rank's peers' queries see (the sum of its
-  pairwise payloads, :func:`~ringdilated.core.plan.shards.payload`); what ``ringpass`` sends.
+- **minimum**: the bytes of keys and values this rank's peers' queries see under the call's key
+  window (the sum of its pairwise payloads, :func:`~ringdilated.core.plan.shards.payload`: with a
+  sliding window only the keys within reach of a peer's queries); what ``ringpass`` sends.
+  Head parallelism (``ulysses``) moves whole shards of its heads whatever the window.
 - **sent / received**: what the communicator's delivery moves. Pairwise: the minimum. Broadcast
   (``allgather``): at each step of its schedule, one payload to every peer of the step, the union
   of what any peer needs, padded to the group's largest.
