@@ -367,7 +367,7 @@ CAPPED = Request("cuda", torch.float16, 64, (9, 0), softcap=30.0)
         (TORCH_FLASH_SPEC, True, False),
         (XFORMERS_SPEC, False, False),
         (CUDNN_SPEC, False, False),
-        (SDPA_SPEC, False, False),
+        (SDPA_SPEC, True, False),  # sdpa: windows by an additive bias
     ],
 )
 def test_what_each_kernel_declares(spec: KernelSpec, window: bool, softcap: bool) -> None:

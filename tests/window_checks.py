@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from ringdilated.core import BlockOptions, Kernel, KeyWindow, accumulation_dtype
+from ringdilated.core import FULL, BlockOptions, Kernel, KeyWindow, accumulation_dtype
 from ringdilated.testing import allowed_error, masked_attention, max_error
 from ringdilated.testing.kernel_cases import KernelCase
 from tests.standins.math import grads
@@ -65,7 +65,7 @@ def _cases(count: int, seed: int) -> tuple[WindowCase, ...]:
             head_dim=draw.choice((16, 32, 64)),
             dtype=draw.choice((torch.float16, torch.bfloat16)),
             scale=draw.uniform(0.1, 0.6),
-            causal_offset=None,
+            window=FULL,
             seed=seed * 1000 + i,
             layout="strided" if strided else "contiguous",
             rate=draw.choice((1, 2)) if strided else 1,
