@@ -698,7 +698,8 @@ def plan_for(
     reported inside the agreement, on every rank), called every call: it should return the same
     resolver while nothing changes (as :func:`~ringdilated.registry.default_resolver`, cached,
     does), since plans are kept per resolver; ``backward``: whether a backward will run
-    (default: grad mode and the inputs say)."""
+    (default: grad mode and the inputs say). Under :func:`rejected`, raises its error instead,
+    having joined the agreement only where the call would have agreed."""
     on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
     key = None
     chosen: Resolver | None = resolver if isinstance(resolver, Resolver) else None
