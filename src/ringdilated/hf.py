@@ -53,7 +53,10 @@ global ``position_ids``, and getting its slice of the logits; the loss is
 the model: transformers would shift each shard on its own). The documents and padding are then
 the layout's; a shard's ``attention_mask``, ``cu_seq_lens_k`` and ``position_ids`` are only
 checked against it (see :func:`sequence_parallel`'s module, ``ringdilated._hf_sequence_parallel``,
-for what each check reads and when it raises, on every rank). Outside the block nothing changes.
+for what each check reads, what it costs, and where it raises: on every rank, or on the failing
+one alone). Outside the block nothing changes, but for one refusal: the mask function raises
+in a backward's recompute while a layout that a sharded forward ran on lives (a checkpointed
+region that made the mask under the block, recomputed after it).
 
 What it refuses, with a ``ValueError``, rather than compute something else: an
 ``attention_mask`` whose length is not the key length (e.g. 25 columns for 20 tokens, or a
@@ -82,6 +85,7 @@ from ringdilated._hf_sequence_parallel import (
     SequenceParallel,
     ShardedForward,
     active,
+    refuse_unsharded_recompute,
     sequence_parallel,
 )
 from ringdilated.core.call import SequenceLayout
@@ -271,14 +275,18 @@ def _sharded_mask(
     kv_offset: int,
     attention_mask: torch.Tensor | None,
     mask_function: object,
+    config: object,
 ) -> KeyMask:
     """:func:`padding_mask` under :func:`sequence_parallel`: the setting's layout and the
     forward's record; packed documents transformers found in the shard's ``position_ids`` are
     not read (the layout's are)."""
+    from transformers.masking_utils import bidirectional_mask_function
+
     mask = None if attention_mask is None else attention_mask.bool()
     sharded = ShardedForward.begin(
-        setting, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-        q_offset=q_offset, kv_offset=kv_offset, attention_mask=mask,
+        setting, config=config, bidirectional=mask_function is bidirectional_mask_function,
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+        kv_offset=kv_offset, attention_mask=mask,
     )  # fmt: skip
     _, overlay = _mask_kind(mask_function)
     return KeyMask(None, None, overlay, setting.layout, sharded)
@@ -300,15 +308,17 @@ def padding_mask(
     token) or a cache layout it refuses (a row's tokens not in one run: in eager mode; compiled
     calls check it in the layer's op). A mask function it does not serve is reported in
     :attr:`KeyMask.overlay`, for the attention call to raise. Under :func:`sequence_parallel`
-    the batch's layout replaces what transformers passes (see that function's module), and
-    nothing raises here: the first attention call raises what was found."""
+    the batch's layout replaces what transformers passes (see that function's module), which
+    says what raises here and what at the first attention call."""
     start, offset = int(q_offset), int(kv_offset)  # type: ignore[call-overload]
     setting = active()
     if setting is not None:
         sharded: KeyMask = _sharded_mask(
-            setting, batch_size, q_length, kv_length, start, offset, attention_mask, mask_function
-        )
+            setting, batch_size, q_length, kv_length, start, offset, attention_mask,
+            mask_function, kwargs.get("config"),
+        )  # fmt: skip
         return sharded
+    refuse_unsharded_recompute()
     keys = start + q_length  # what a dynamic cache holds: the cached positions, then the new
     if attention_mask is not None and (
         attention_mask.dim() != 2
@@ -349,12 +359,7 @@ def _sharded_attention(
     """One layer's call under :func:`sequence_parallel`, on the forward's layout (its first
     call checks what the forward passed)."""
     assert mask.sharded is not None
-    layout = mask.sharded.layout_for_call(mask.overlay, kwargs)
-    communicator = mask.sharded.setting.communicator
-    out: torch.Tensor = dilated_attention(
-        q, k, v, segments, rates, layout=layout, communicator=communicator, **pattern
-    )
-    return out
+    return mask.sharded.attend(mask.overlay, q, k, v, segments, rates, pattern, kwargs)
 
 
 def _what(mask: object) -> str:

@@ -13,16 +13,18 @@ plan builds its executors once (:meth:`CallPlan.with_executors`); every call the
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import torch
 import torch.distributed as dist
 
 from ringdilated.core.call import grid
-from ringdilated.core.call.agreement import CallSignature, agree, safe_repr
+from ringdilated.core.call.agreement import CallSignature, agree, agreed, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.nccl_device import check_current_device
 from ringdilated.core.call.sequence_layout import SequenceLayout
@@ -76,6 +78,7 @@ __all__ = [
     "plan_for",
     "plan_key",
     "prepare_call",
+    "rejected",
     "wants_gradients",
 ]
 
@@ -789,7 +792,8 @@ def plan_for(
     reported inside the agreement, on every rank), called every call: it should return the same
     resolver while nothing changes (as :func:`~ringdilated.registry.default_resolver`, cached,
     does), since plans are kept per resolver; ``backward``: whether a backward will run
-    (default: grad mode and the inputs say)."""
+    (default: grad mode and the inputs say). Under :func:`rejected`, raises its error instead,
+    having joined the agreement only where the call would have agreed."""
     on = call_layout(layout, process_group, arguments["cu_seqlens"], arguments["key_padding_mask"])
     key = None
     chosen: Resolver | None = resolver if isinstance(resolver, Resolver) else None
@@ -798,15 +802,22 @@ def plan_for(
             chosen = resolver()  # type: ignore[operator]
         except Exception:  # raised again inside prepare_call's agreement, on every rank
             chosen = None
+    rejection = _REJECTION.get()
     if on is not None and not on.agree_every_call and chosen is not None:
         key = plan_key(pattern, q, k, v, arguments, chosen, on, backward)
         if key is not None:
             plan = on.plans.get(key)
             if plan is not None:
+                if rejection is not None:  # the peers run this plan: no agreement to join
+                    raise rejection
                 assert isinstance(plan, CallPlan)
                 plan.check_shard(q, k, v)
                 return plan
     group = on.group if on is not None else as_process_group(process_group)
+    if rejection is not None:
+        if isinstance(group, (dist.ProcessGroup, Grid)) and not agreed(rejection):
+            agree(group, rejection, None)  # every rank raises (this one, its own error)
+        raise rejection
     options = CallOptions(**arguments)
     plan = prepare_call(
         pattern, q, k, v, options, chosen or resolver, group, layout=on, backward=backward
@@ -814,6 +825,28 @@ def plan_for(
     if key is not None:
         on.plans.put(key, plan)  # type: ignore[union-attr]
     return plan
+
+
+_REJECTION: contextvars.ContextVar[Exception | None] = contextvars.ContextVar(
+    "ringdilated_rejected_call", default=None
+)
+
+
+@contextlib.contextmanager
+def rejected(error: Exception) -> Iterator[None]:
+    """Within the block, the calls planned on this thread (:func:`plan_for`) raise ``error``
+    instead of running, where the peers can hear of it: a call whose plan its layout holds
+    raises at once, on this rank only (its peers run that plan, whose data exchange no
+    agreement may pair with; they wait until the group's timeout); any other call on a process
+    group first joins the agreement its peers are in, with ``error``, so that every rank raises
+    (this one ``error``, the others a :class:`~ringdilated.PeerRejectedError` naming it). For a
+    check a wrapper makes before its call (``ringdilated.hf``'s): which way it goes is decided
+    by the call's own plan key, not by whether its layout has planned anything."""
+    token = _REJECTION.set(error)
+    try:
+        yield
+    finally:
+        _REJECTION.reset(token)
 
 
 _NO_DROPOUT = {key: CallState(0, None, *key) for key in itertools.product((False, True), repeat=2)}
