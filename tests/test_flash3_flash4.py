@@ -75,7 +75,9 @@ def test_conforms_on_every_supported_interface(monkeypatch: pytest.MonkeyPatch, 
     install(monkeypatch)
     spec = on_cpu(SPECS[which.split()[0]])
     report = check_kernel(spec, max_examples=8)
-    unclaimed = ("dropout", "softcap", "softcap-gradients", "softcap-dropout")
+    unclaimed = {"dropout", "softcap-dropout"}  # no dropout
+    if which == "flash4 4.0.0b5":  # softcapped gradients from 4.0.0b9: the kit draws gradients
+        unclaimed |= {"softcap", "softcap-gradients"}
     assert (
         report.passed == applicable_checks(spec) == tuple(c for c in CHECKS if c not in unclaimed)
     )

@@ -37,6 +37,8 @@ from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.testing import ConformanceError, check_kernel
 from ringdilated.testing.conformance import CHECKS
 from tests.standins import (
+    bshd_flash_attention,
+    bshd_flash_attention_backward,
     cudnn_attention,
     cudnn_attention_backward,
     efficient_attention,
@@ -54,7 +56,12 @@ def _with(spec: KernelSpec, factory: Callable[[], object]) -> KernelSpec:
 
 
 def flash_kernel(kind: type = TorchFlashKernel) -> Any:
-    return kind(flash_attention, flash_attention_backward)
+    """The kernel over the stand-ins of both op families: the SDPA-level ops, and for calls
+    with a left bound ``_flash_attention_forward``/``_backward``."""
+    return kind(
+        flash_attention, flash_attention_backward, bshd_flash_attention,
+        bshd_flash_attention_backward,
+    )  # fmt: skip
 
 
 def cudnn_kernel(kind: type = CudnnKernel) -> Any:

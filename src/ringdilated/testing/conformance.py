@@ -683,29 +683,39 @@ def _applies(check: str, spec: KernelSpec, device: str, env: Environment | None 
     caps = spec.capabilities
     if check in _NEEDS_CAUSAL and not (caps.causal or caps.sliding_window):
         return False
-    if check in _NEEDS_DROPOUT and not _has_dropout(spec, device, env):
-        return False
-    if check in _NEEDS_SOFTCAP and not spec.capabilities.softcap:
+    features: dict[str, object] = {}
+    if check in _NEEDS_DROPOUT:
+        features["dropout"] = True
+    if check in _NEEDS_SOFTCAP:
+        features["softcap"] = 1.0
+    if features and not _serves(spec, device, env, features):
         return False
     return check not in _NEEDS_BACKWARD or _has_backward(spec, device)
 
 
-def _has_dropout(spec: KernelSpec, device: str, env: Environment | None) -> bool:
-    """Whether ``spec`` serves dropout on ``device``: it declares dropout, and on some declared
-    target of the device a request with it meets no reason that one without it does not (a
-    target may lack dropout, and a spec may refuse it in its ``extra_reasons``), in ``env``
-    (``None``: its required packages present) at the compute capability ``env`` reports."""
-    if not spec.capabilities.dropout:
+def _serves(
+    spec: KernelSpec, device: str, env: Environment | None, features: dict[str, object]
+) -> bool:
+    """Whether ``spec`` serves ``features`` (:class:`Request` fields: ``dropout``, ``softcap``)
+    together on ``device``, on the requests the kit draws (with gradients where it declares
+    them): it declares each, and on some declared target of the device a request with them
+    meets no reason that one without them does not (a target may lack dropout, and a spec may
+    refuse a feature or a combination in its ``extra_reasons``: flash-attn's softcap with
+    dropout, FlashAttention 4's softcapped gradients before 4.0.0b9), in ``env`` (``None``: its
+    required packages present) at the compute capability ``env`` reports."""
+    caps = spec.capabilities
+    if any(not getattr(caps, name) for name in features):
         return False
-    env = env or Environment(frozenset(spec.capabilities.requires))
+    env = env or Environment(frozenset(caps.requires))
     capability = env.compute_capability if device == "cuda" else None
-    for target in spec.capabilities.targets:
+    backward = _has_backward(spec, device)
+    for target in caps.targets:
         if target.device_type != device:
             continue
         dtype = min(target.dtypes, key=str)
-        plain = Request(device, dtype, None, capability)
-        with_dropout = attrs.evolve(plain, dropout=True)
-        if set(spec.reasons(with_dropout, env)) <= set(spec.reasons(plain, env)):
+        plain = Request(device, dtype, None, capability, backward=backward)
+        wanted = attrs.evolve(plain, **features)  # type: ignore[arg-type]
+        if set(spec.reasons(wanted, env)) <= set(spec.reasons(plain, env)):
             return True
     return False
 
