@@ -494,8 +494,8 @@ class DilatedKVCache:
 
         ``key_padding_mask`` ``(B, m)`` bool (``True`` = padding, one contiguous valid run per
         row), on the first call after construction or :meth:`reset` only: each row's prompt is
-        its valid tokens; padded positions give ``out = 0`` and ``lse = -inf`` (with sinks,
-        ``lse = sinks[h]``).
+        its valid tokens; padded positions give ``out = 0`` and ``lse = -inf``, with or without
+        sinks (padding is no query).
 
         ``sinks``: attention sinks ``(H,)``, :func:`ringdilated.dilated_attention`'s, checked as
         it checks them (metadata only: a one-token step still reads nothing on the host) and
