@@ -52,6 +52,7 @@ from ringdilated.core import (
 )
 
 __all__ = [
+    "NativeWindowKernel",
     "PieceBackward",
     "PieceForward",
     "WindowKernel",
@@ -348,3 +349,70 @@ class WindowKernel:
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
+
+
+class NativeWindowKernel(WindowKernel):
+    """A :class:`WindowKernel` without dropout whose op takes one call's mask and features as
+    :meth:`native_forward` and :meth:`native_backward` do (FlashAttention 3 and 4): each piece
+    runs with its ``causal`` flag and ``left`` bound, the block's scale, softcap and (backward)
+    deterministic mode."""
+
+    def native_forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        window_left: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One op call in kernel layout under the op's bottom-right mask."""
+        raise NotImplementedError
+
+    def native_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        *,
+        deterministic: bool = False,
+        window_left: int | None = None,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward of one op call, into fresh ``dq``, ``dk``, ``dv``."""
+        raise NotImplementedError
+
+    def forward_piece(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.native_forward(
+            q, k, v, piece.causal, options.scale, window_left=piece.left, softcap=options.softcap
+        )
+
+    def backward_piece(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        piece: WindowPiece,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.native_backward(
+            dout, q, k, v, out, lse, piece.causal, options.scale,
+            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
+        )  # fmt: skip

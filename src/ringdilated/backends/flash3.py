@@ -69,10 +69,9 @@ from ringdilated.backends._upstream import (
     release,
     required_parameters,
 )
-from ringdilated.backends._windows import WindowKernel, WindowPiece
+from ringdilated.backends._windows import NativeWindowKernel
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
-    BlockOptions,
     Capabilities,
     Environment,
     KernelSpec,
@@ -147,7 +146,7 @@ def _window(split: bool, left: int | None) -> dict[str, Any]:
     return {"window_size": (bound, -1)}
 
 
-class Flash3Kernel(WindowKernel):
+class Flash3Kernel(NativeWindowKernel):
     """FlashAttention 3's kernels. Construction imports ``flash_attn_interface`` (which loads
     the extension) and reads both functions' parameters; an interface it does not know raises
     ``ImportError`` with the reason."""
@@ -226,34 +225,6 @@ class Flash3Kernel(WindowKernel):
             **self._backward_extra,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-    def forward_piece(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        piece: WindowPiece,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.native_forward(
-            q, k, v, piece.causal, options.scale, window_left=piece.left, softcap=options.softcap
-        )
-
-    def backward_piece(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        piece: WindowPiece,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.native_backward(
-            dout, q, k, v, out, lse, piece.causal, options.scale,
-            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
-        )  # fmt: skip
 
 
 def determinism_reasons(request: Request, env: Environment) -> Iterable[str]:

@@ -73,7 +73,7 @@ import torch
 from ringdilated.backends._dense import refuse_dropout
 from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import check_parameters, distribution_version, release
-from ringdilated.backends._windows import WindowKernel, WindowPiece, backward_by_window
+from ringdilated.backends._windows import NativeWindowKernel, WindowPiece, backward_by_window
 from ringdilated.core import (
     FUSED_GRID_LIMIT,
     BlockOptions,
@@ -132,7 +132,7 @@ def softcap_reasons(request: Request, env: Environment) -> Iterable[str]:
     )
 
 
-class Flash4Kernel(WindowKernel):
+class Flash4Kernel(NativeWindowKernel):
     """FlashAttention 4's kernels. Construction checks the installed release and imports
     ``flash_attn.cute.interface``, checking both functions' parameters; a mismatch raises
     ``ImportError`` with the reason. :meth:`backward_with_lse` takes the lse's gradient in the
@@ -223,34 +223,6 @@ class Flash4Kernel(WindowKernel):
             dlse=None if dlse is None else dense_float32(dlse),
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-    def forward_piece(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        piece: WindowPiece,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.native_forward(
-            q, k, v, piece.causal, options.scale, window_left=piece.left, softcap=options.softcap
-        )
-
-    def backward_piece(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        piece: WindowPiece,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.native_backward(
-            dout, q, k, v, out, lse, piece.causal, options.scale,
-            deterministic=options.deterministic, window_left=piece.left, softcap=options.softcap,
-        )  # fmt: skip
 
     def backward_with_lse(
         self,
