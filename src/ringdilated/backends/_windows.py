@@ -47,6 +47,7 @@ from ringdilated.core import (
     BottomRightPiece,
     KeyWindow,
     accumulation_dtype,
+    bottom_right_pieces,
     mark_non_finite_problems,
     mark_non_finite_rows,
 )
@@ -113,43 +114,19 @@ class WindowPiece:
 
 def seen_rows(q_len: int, k_len: int, window: KeyWindow) -> tuple[int, int]:
     """``(first, last)``: the rows ``[first, last)`` of a ``q_len x k_len`` block that see at
-    least one key under ``window`` (``first == last``: none does)."""
-    left, right = window.left, window.right
-    if not k_len or (left is not None and right is not None and left + right < 0):
-        return 0, 0
-    first = 0 if right is None else min(q_len, max(0, -right))
-    last = q_len if left is None else min(q_len, max(0, k_len + left))
+    least one key under ``window`` (:meth:`KeyWindow.visible_rows`; ``first == last``: none)."""
+    first, last = window.visible_rows(q_len, k_len)
     return (first, last) if first < last else (0, 0)
 
 
 def window_pieces(q_len: int, k_len: int, window: KeyWindow) -> tuple[WindowPiece, ...]:
-    """The op calls that reproduce ``window`` on a ``q_len x k_len`` block (module docstring),
-    in row order."""
-    first, last = seen_rows(q_len, k_len, window)
-    if first == last:
-        return ()
-    left, right = window.left, window.right
-    if right is not None and right >= k_len - 1:  # hides nothing: no mask, as core's pieces
-        right = None
-    # Rows before ``split`` see up to i + right <= Lk - 1; rows before ``whole`` see from key 0.
-    split = first if right is None else min(last, max(first, k_len - right))
-    whole = last if left is None else min(last, max(split, left + 1))
-    pieces = []
-    if split > first:
-        assert right is not None
-        start = 0 if left is None else max(0, first - left)
-        bound = None  # in bottom-right terms the rows' left bound is ``left + right``
-        if left is not None and split - 1 - left > start:  # the last row hides a key
-            bound = left + right
-        pieces.append(WindowPiece(first, split, start, split + right, bound, True))
-    if whole > split:
-        pieces.append(WindowPiece(split, whole, 0, k_len, None, False))
-    if last > whole:
-        assert left is not None
-        start = whole - left
-        bound = (k_len - start) - (last - whole) if last - whole > 1 else None
-        pieces.append(WindowPiece(whole, last, start, k_len, bound, False))
-    return tuple(pieces)
+    """The op calls that reproduce ``window`` on a ``q_len x k_len`` block, in row order: core's
+    :func:`~ringdilated.core.contract.causal.bottom_right_pieces` (module docstring), each as
+    the op call it is."""
+    return tuple(
+        WindowPiece(p.row_start, p.row_stop, p.key_start, p.keys, p.left, p.causal)
+        for p in bottom_right_pieces(q_len, k_len, window)
+    )
 
 
 PieceForward = Callable[
@@ -251,10 +228,10 @@ class WindowKernel:
     The results are repaired on the device for non-finite inputs, as
     :class:`~ringdilated.backends._dense.GuardedBottomRightKernel` repairs them (flash-style
     kernels return zeros for a row whose scores are all ``-inf``, which an infinite query or key
-    produces): :func:`~ringdilated.core.mark_non_finite_rows` and
-    :func:`~ringdilated.core.mark_non_finite_problems`, then ``out = 0``, ``lse = -inf`` again
-    for rows that see no key. :meth:`unguarded_forward` and :meth:`unguarded_backward` are the
-    calls alone. Dropout is refused (``NotImplementedError``) unless :attr:`serves_dropout`."""
+    produces): :func:`~ringdilated.core.mark_non_finite_rows` (which gives rows that see no key
+    ``out = 0``, ``lse = -inf`` again) and :func:`~ringdilated.core.mark_non_finite_problems`.
+    :meth:`unguarded_forward` and :meth:`unguarded_backward` are the calls alone. Dropout is
+    refused (``NotImplementedError``) unless :attr:`serves_dropout`."""
 
     #: Whether this kernel's pieces draw dropout themselves (else ``dropout_p > 0`` is refused).
     serves_dropout: ClassVar[bool] = False
@@ -328,8 +305,7 @@ class WindowKernel:
         if not self.serves_dropout:
             refuse_dropout(type(self).__name__, options)
         out, lse = self.unguarded_forward(q, k, v, options)
-        mark_non_finite_rows(out, lse, q, k, v)
-        _mark_unseen(out, lse, *seen_rows(q.shape[-2], k.shape[-2], options.window))
+        mark_non_finite_rows(out, lse, q, k, v, options)  # then rows that see no key again
         return out, lse
 
     def backward(

@@ -6,19 +6,26 @@ top-left aligned (both counted from the block's start). Many fused kernels (flas
 xformers' ``LowerTriangularFromBottomRightMask``) align their masks to the bottom-right corner
 instead: with ``d = Lk - Lq``, key ``j`` visible iff ``j <= i + d`` (causal) and, for those with a
 local window (flash-attn's ``window_size=(left, right)``), ``j >= i + d - left``. Any window
-reduces to at most two such calls, each on a contiguous run of rows and of keys:
+reduces to at most three such calls, each on a contiguous run of rows and of keys:
 
 - rows outside :meth:`~ringdilated.core.plan.window.KeyWindow.visible_rows` see no key (output
   0, lse ``-inf``): before ``-right``, and with a left bound from ``Lk + left`` on;
-- rows whose limit ``i + right`` is at most the last key see a run of keys ending there, and
-  cutting the keys to ``rows + right`` makes their right bound exactly bottom-right (a diagonal
-  block, ``right = 0`` with ``Lq = Lk``, is one call on all its keys);
-- the remaining rows see every key to the last and need no right mask.
+- rows whose limit ``i + right`` is before the last key: one causal call on keys up to the
+  rows' last ``+ right`` (a diagonal block, ``right = 0`` with ``Lq = Lk``, is one call on all
+  its keys), left bound ``left + right`` in bottom-right terms;
+- rows that see every key from 0 to the last: one call without a mask;
+- rows that see the keys from ``i - left > 0`` to the last: one call on keys from the first such
+  row's ``i - left``, left bound ``keys - rows``, no right bound.
 
-A left bound becomes the piece's own bottom-right ``left`` (:attr:`BottomRightPiece.left`), and
-each piece's keys start at the first its first row sees (:attr:`BottomRightPiece.key_start`), so
-a sliding window's piece holds the keys it needs and no more before them. Without a left bound
-the pieces are 0.1's (keys from 0, ``left=None``).
+Every call is exact under each op's own rewriting of its window arguments (flash-attn 2 and
+torch's copy drop a bound ``>= seqlen_k`` and turn "no right bound" beside a left one into
+``seqlen_k``; FlashAttention 3 clamps at ``seqlen_k - 1`` and ``seqlen_q - 1``; FlashAttention 4
+drops a window whose bounds sum below 0: ``flash_api.cpp`` of flash-attn v2.6.3 to v2.8.3,
+``hopper/flash_api.cpp`` at v2.8.3, ``flash_attn/cute/interface.py`` at fa4-v4.0.0.beta27):
+a left bound is set only when it hides a key (``0 <= left < keys - 1``), and a call with a left
+bound and no right bound has at least as many keys as rows. Each piece's keys start at the first
+its first row sees (:attr:`BottomRightPiece.key_start`). Without a left bound the pieces are
+0.1's (keys from 0, ``left=None``) and keep 0.1's dropout seeds.
 
 No piece contains an empty row, so a kernel's own convention for empty rows never matters.
 :func:`forward_by_piece` and :func:`backward_by_piece` run a native call over the pieces, handing
@@ -111,25 +118,31 @@ def bottom_right_pieces(
             pieces.append(BottomRightPiece(split, q_len, k_len, False))
         return tuple(pieces)
     left = window.left
-    first, stop = window.visible_rows(q_len, k_len)
-    split = first if right is None else min(stop, max(first, k_len - right))
+    first, last = window.visible_rows(q_len, k_len)
+    if first == last:
+        return ()
+    if right is not None and right >= k_len - 1:  # hides nothing on the right
+        right = None
+    # Rows before ``split`` see up to i + right <= Lk - 1; rows before ``whole`` see from key 0.
+    split = first if right is None else min(last, max(first, k_len - right))
+    whole = min(last, max(split, left + 1))
     pieces = []
-    if split > first:  # keys to split + right <= k_len: the right bound is bottom-right
+    if split > first:  # keys to split + right: the right bound is bottom-right
         assert right is not None
-        pieces.append(_left_piece(first, split, split + right, True, left + right))
-    if stop > split:  # every key to the last: bottom-right is k_len - stop past the rows'
-        pieces.append(_left_piece(split, stop, k_len, False, left + k_len - stop))
+        start = max(0, first - left)
+        masked = split - 1 - left > start  # the last row hides a key: the left bound matters
+        pieces.append(
+            BottomRightPiece(
+                first, split, split + right, True, start, left + right if masked else None
+            )
+        )
+    if whole > split:  # every key, no mask
+        pieces.append(BottomRightPiece(split, whole, k_len, False))
+    if last > whole:  # from i - left > 0 to the last key; a single row needs no left bound
+        start = whole - left
+        bound = (k_len - start) - (last - whole) if last - whole > 1 else None
+        pieces.append(BottomRightPiece(whole, last, k_len, False, start, bound))
     return tuple(pieces)
-
-
-def _left_piece(start: int, stop: int, keys: int, causal: bool, left: int) -> BottomRightPiece:
-    """Rows ``[start, stop)`` against keys up to ``keys``, ``left`` the left bound past the
-    piece's bottom-right diagonal (row ``i``'s is key ``i + keys - stop``); its keys start at the
-    first row's first, and ``left`` is dropped where even the last row sees that key."""
-    diagonal = keys - stop
-    first_key = max(0, start + diagonal - left)
-    masked = stop - 1 + diagonal - left > first_key
-    return BottomRightPiece(start, stop, keys, causal, first_key, left if masked else None)
 
 
 PieceForward = Callable[
