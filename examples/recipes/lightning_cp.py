@@ -117,6 +117,10 @@ def main() -> None:
         )
     if rank == 0:
         print(f"lightning ModelParallelStrategy, data_parallel x cp: losses {module.losses}")
+    # Tear the group down together: a rank that exits while a peer's gloo threads still run
+    # aborts ("terminate called without an active exception"), failing the launch.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
