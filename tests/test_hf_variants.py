@@ -227,3 +227,29 @@ def test_the_masks_window_is_transformers_own() -> None:
         left, right = mask.window
         expected = function(zero, zero, q, kv)  # broadcast over every (q, kv) pair
         assert torch.equal((kv >= q - left) & (kv <= q + right), expected), mask.window
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_generation_with_a_full_dynamic_cache_equals_eager(model: str) -> None:
+    """transformers' default cache for these models keeps only the window on sliding layers
+    (``DynamicCache(config=...)``: v5.23.0 cache_utils.py), whose decode steps the adapter
+    refuses (the queries are not the last of all positions); ``past_key_values=DynamicCache()``
+    keeps every position, and greedy decoding then gives eager's tokens and step logits."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([_walk(3, 1, 8)])  # longer than WINDOW: the sliding cache drops keys
+    options = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    ours = tiny_variant({"model": model}, "ringdilated").eval()
+    with pytest.raises(ValueError, match=r"a static or sliding-window cache"):
+        ours.generate(ids, **options)
+    full = {"output_logits": True, "return_dict_in_generate": True, **options}
+    runs = [
+        tiny_variant({"model": model}, implementation)
+        .eval()
+        .generate(ids, past_key_values=DynamicCache(), **full)
+        for implementation in ("ringdilated", "eager")
+    ]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    close = tolerance(model)
+    for a, b in zip(runs[0].logits, runs[1].logits, strict=True):
+        assert torch.allclose(a, b, **close)

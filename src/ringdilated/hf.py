@@ -76,7 +76,9 @@ process and under :func:`sequence_parallel` alike: the layer's ``sliding_window=
 ``and_masks(sliding_window_overlay(w), causal_mask_function)``, ``kv > q - w`` and ``kv <= q``,
 which is ``window=(w - 1, 0)``; or, with ``config.is_causal`` false,
 ``sliding_window_bidirectional_overlay(w)``, ``abs(q - kv) <= w``, which is ``window=(w, w)``
-(alone or made packed-sequence compatible, as above; see :func:`_features`).
+(alone or made packed-sequence compatible, as above; see :func:`_features`). Their default
+cache (``DynamicCache(config=...)``) keeps only the window on sliding layers, whose decode steps
+are refused as a sliding-window cache layout: generate with ``past_key_values=DynamicCache()``.
 
 A model's logit cap (``softcap=``, Gemma 2's ``attn_logit_softcapping``) and attention sinks
 (``s_aux=``, gpt-oss's ``sinks`` parameter, one logit per query head) are passed on as
