@@ -34,6 +34,9 @@ def tiny_variant(case: dict[str, Any], implementation: str) -> Any:
     - ``"gemma2"``: a sliding layer then a global one (``layer_types``),
       ``attn_logit_softcapping=2.0`` (small, so the cap bends these scores), ``kernel=
       "reference"`` (the fused sdpa kernel lacks softcap and would warn that it picks it);
+      With ``case["bidirectional"]``: ``use_bidirectional_attention`` (the modules' ``is_causal``
+      false) and ``is_causal=False`` (transformers' masks then bidirectional, the sliding one
+      ``abs(q - kv) <= w``);
     - ``"gpt_oss"``: the same layers, attention sinks drawn away from their zero init, the
       smallest MoE (2 experts, 1 per token) with transformers' ``"eager"`` experts (its grouped
       matmul takes no float64), default rotary embeddings (not YaRN, which warns on these sizes).
@@ -49,7 +52,7 @@ def tiny_variant(case: dict[str, Any], implementation: str) -> Any:
     elif family == "gemma2":
         config = transformers.Gemma2Config(
             **_COMMON, layer_types=_HYBRID, attn_logit_softcapping=2.0, query_pre_attn_scalar=8,
-            ringdilated_kernel="reference",
+            ringdilated_kernel="reference", **_bidirectional(case),
         )  # fmt: skip
         build = transformers.Gemma2ForCausalLM
     elif family == "gpt_oss":
@@ -71,6 +74,12 @@ def tiny_variant(case: dict[str, Any], implementation: str) -> Any:
                 sinks.copy_(torch.randn(sinks.shape, generator=generator, dtype=sinks.dtype))
     model.set_attn_implementation(implementation)
     return model.train()
+
+
+def _bidirectional(case: dict[str, Any]) -> dict[str, Any]:
+    if not case.get("bidirectional"):
+        return {}
+    return {"use_bidirectional_attention": True, "is_causal": False}
 
 
 def sharded_variant_step(case: dict[str, Any]) -> dict[str, Any]:

@@ -124,6 +124,19 @@ def test_one_process_equals_eager(model: str, layout: str) -> None:
         assert torch.allclose(ours["grads"][name], grad, **close), name
 
 
+@pytest.mark.parametrize("layout", ["no padding", "right padding"])
+def test_a_bidirectional_gemma2_equals_eager(layout: str) -> None:
+    """Gemma-2 with ``use_bidirectional_attention`` and ``config.is_causal`` false: transformers
+    masks its sliding layers with ``abs(q - kv) <= w``, served as ``window=(w, w)``."""
+    case = {**_LAYOUTS[layout], "model": "gemma2", "bidirectional": True}
+    ours, theirs = run(case, "ringdilated"), run(case, "eager")
+    close = tolerance("gemma2")
+    tokens = _tokens(case, theirs["logits"].shape[:2])
+    assert torch.allclose(ours["logits"][tokens], theirs["logits"][tokens], **close)
+    for name, grad in theirs["grads"].items():
+        assert torch.allclose(ours["grads"][name], grad, **close), name
+
+
 def test_the_window_is_what_separates_the_models_from_the_global_ones() -> None:
     """The comparison above can fail: with every layer global (no sliding window) Mistral's
     logits move well beyond the tolerance, so the window reached every layer."""
