@@ -266,3 +266,27 @@ def test_generation_with_a_full_dynamic_cache_equals_eager(model: str) -> None:
     close = tolerance(model)
     for a, b in zip(runs[0].logits, runs[1].logits, strict=True):
         assert torch.allclose(a, b, **close)
+
+
+@pytest.mark.parametrize("order", ["5.23", "5.24"])
+def test_a_packed_sliding_window_mask_gives_documents_and_window(order: str) -> None:
+    """transformers makes the sliding-window mask packed-sequence compatible around it (the
+    packed-sequence mask first in 5.23, second in 5.24): the documents and the window both."""
+    from transformers.masking_utils import (
+        and_masks,
+        packed_sequence_mask_function,
+        remap_positions_for_packed_sequence,
+        sliding_window_causal_mask_function,
+    )
+
+    ids, positions = torch.tensor([[0, 0, 0, 1, 1]]), torch.tensor([[0, 1, 2, 0, 1]])
+    parts = [
+        packed_sequence_mask_function(ids),
+        remap_positions_for_packed_sequence(sliding_window_causal_mask_function(3), positions),
+    ]
+    function = and_masks(*(parts if order == "5.23" else parts[::-1]))
+    mask = ringdilated.hf.padding_mask(
+        batch_size=1, q_length=5, kv_length=5, mask_function=function
+    )
+    assert (mask.overlay, mask.sliding_window, mask.window) == (None, 3, (2, 0))
+    assert mask.documents is ids

@@ -217,31 +217,33 @@ class MaskKind(NamedTuple):
     window: tuple[int, int] | None = None
 
 
-def _base_window(function: object) -> tuple[bool, int | None, tuple[int, int] | None]:
-    """``(served, w, (left, right))`` of a mask function without packing: plain causal or
-    bidirectional (no window), or transformers' sliding-window masks (transformers v5.23.0
-    masking_utils.py): ``and_masks(sliding_window_overlay(w), causal_mask_function)``, ``kv_idx >
-    q_idx - w`` and ``kv_idx <= q_idx``, is ``window=(w - 1, 0)`` (``w >= 1``);
-    ``and_masks(sliding_window_bidirectional_overlay(w), bidirectional_mask_function)``,
-    ``abs(q_idx - kv_idx) <= w``, is ``window=(w, w)`` (``w >= 0``)."""
+def _base_window(function: object) -> MaskKind | None:
+    """What a mask function without packing asks for, ``None`` when the adapter does not serve
+    it: plain causal or bidirectional (no window), or transformers' sliding-window masks
+    (transformers v5.23.0 masking_utils.py): ``and_masks(sliding_window_overlay(w),
+    causal_mask_function)``, ``kv_idx > q_idx - w`` and ``kv_idx <= q_idx``, is ``window=(w - 1,
+    0)`` (``w >= 1``); ``and_masks(sliding_window_bidirectional_overlay(w),
+    bidirectional_mask_function)``, ``abs(q_idx - kv_idx) <= w``, is ``window=(w, w)`` (``w >=
+    0``). The operands may come in any order and grouping (an intersection is the same mask)."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
-    if function in (causal_mask_function, bidirectional_mask_function):
-        return True, None, None
+    plain = (causal_mask_function, bidirectional_mask_function)
+    if function in plain:
+        return MaskKind(None, None)
     operands = _operands(function)
-    bases = [f for f in operands if f in (causal_mask_function, bidirectional_mask_function)]
-    overlays = [f for f in operands if f not in bases]
+    bases = [f for f in operands if f in plain]
+    overlays = [f for f in operands if f not in plain]
     if len(bases) != 1 or len(overlays) != 1:
-        return False, None, None
+        return None
     kind = (bases[0] is causal_mask_function, _maker(overlays[0]))
     w = _captured(overlays[0]).get("sliding_window")
     if type(w) is not int:
-        return False, None, None
+        return None
     if kind == (True, "sliding_window_overlay") and w >= 1:
-        return True, w, (w - 1, 0)
+        return MaskKind(None, None, w, (w - 1, 0))
     if kind == (False, "sliding_window_bidirectional_overlay") and w >= 0:
-        return True, w, (w, w)
-    return False, None, None
+        return MaskKind(None, None, w, (w, w))
+    return None
 
 
 def _mask_kind(mask_function: object) -> MaskKind:
@@ -251,19 +253,24 @@ def _mask_kind(mask_function: object) -> MaskKind:
     overlay, reported by how it was built."""
     if mask_function is None:
         return MaskKind(None, None)
-    served, w, window = _base_window(mask_function)
-    if served:
-        return MaskKind(None, None, w, window)
+    kind = _base_window(mask_function)
+    if kind is not None:
+        return kind
     operands = sorted(_operands(mask_function), key=lambda f: str(_maker(f)))
     if [_maker(f) for f in operands] == [
         "packed_sequence_mask_function",
         "remap_positions_for_packed_sequence",
     ]:
         ids = _captured(operands[0]).get("packed_sequence_mask")
-        served, w, window = _base_window(_captured(operands[1]).get("mask_function"))
-        if served and isinstance(ids, torch.Tensor):
-            return MaskKind(ids, None, w, window)
+        kind = _base_window(_captured(operands[1]).get("mask_function"))
+        if kind is not None and isinstance(ids, torch.Tensor):
+            return kind._replace(documents=ids)
     return MaskKind(None, _describe(mask_function))
+
+
+def _window_of(kind: MaskKind) -> dict[str, Any]:
+    """:class:`KeyMask`'s window fields from what :func:`_mask_kind` read."""
+    return {"sliding_window": kind.sliding_window, "window": kind.window}
 
 
 def _bounds(ids: torch.Tensor) -> torch.Tensor:
@@ -347,9 +354,7 @@ def _sharded_mask(
         kv_offset=kv_offset, attention_mask=mask,
     )  # fmt: skip
     kind = _mask_kind(mask_function)
-    return KeyMask(
-        None, None, kind.overlay, setting.layout, sharded, kind.sliding_window, kind.window
-    )
+    return KeyMask(None, None, kind.overlay, setting.layout, sharded, **_window_of(kind))
 
 
 def padding_mask(
@@ -395,15 +400,15 @@ def padding_mask(
             "sliding-window cache)"
         )
     kind = _mask_kind(mask_function)
-    documents, overlay, window = kind.documents, kind.overlay, (kind.sliding_window, kind.window)
+    documents, overlay, window = kind.documents, kind.overlay, _window_of(kind)
     mask = None if attention_mask is None else attention_mask.bool()
     if torch.compiler.is_compiling() or overlay is not None:
-        return KeyMask(mask, documents, overlay, None, None, *window)
+        return KeyMask(mask, documents, overlay, **window)
     # Eager: the batch's layout, read here once for every layer (and once for mask.all()).
     if mask is not None and not bool(mask.all()):
-        return KeyMask(mask, documents, overlay, _padding_layout(mask), None, *window)
+        return KeyMask(mask, documents, overlay, _padding_layout(mask), **window)
     layout = None if documents is None else SequenceLayout(cu_seqlens=_bounds(documents))
-    return KeyMask(None, documents, overlay, layout, None, *window)
+    return KeyMask(None, documents, overlay, layout, **window)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
