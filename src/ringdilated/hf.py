@@ -538,9 +538,10 @@ def attention_forward(
         if attention_mask.overlay is not None:
             raise ValueError(
                 f"attn_implementation={NAME!r} serves transformers' causal_mask_function or "
-                "bidirectional_mask_function, alone or made packed-sequence compatible (and_masks "
-                "of packed_sequence_mask_function and remap_positions_for_packed_sequence over "
-                f"one of them); transformers asked for {attention_mask.overlay}"
+                "bidirectional_mask_function, or their sliding windows, alone or made "
+                "packed-sequence compatible (and_masks of packed_sequence_mask_function and "
+                "remap_positions_for_packed_sequence over one of them); transformers asked for "
+                f"{attention_mask.overlay}"
             )
         if attention_mask.padding is not None:
             key_padding_mask = attention_mask.padding.logical_not()
