@@ -28,7 +28,8 @@ _HYBRID = ["sliding_attention", "full_attention"]
 
 def tiny_variant(case: dict[str, Any], implementation: str) -> Any:
     """A float64 model of ``case["model"]``'s family, seeded (the same weights in every process),
-    in training mode:
+    in training mode, with ``case["pattern"]`` (segment lengths, dilation rates; default dense:
+    ``[64], [1]``):
 
     - ``"mistral"``: ``sliding_window`` on every layer;
     - ``"gemma2"``: a sliding layer then a global one (``layer_types``),
@@ -46,18 +47,23 @@ def tiny_variant(case: dict[str, Any], implementation: str) -> Any:
     import ringdilated.hf  # noqa: F401  (registers "ringdilated")
 
     family = case["model"]
+    segments, rates = case.get("pattern", ([64], [1]))
+    common = {
+        **_COMMON, "ringdilated_segment_lengths": list(segments),
+        "ringdilated_dilation_rates": list(rates),
+    }  # fmt: skip
     if family == "mistral":
-        config: Any = transformers.MistralConfig(**_COMMON)
+        config: Any = transformers.MistralConfig(**common)
         build: Any = transformers.MistralForCausalLM
     elif family == "gemma2":
         config = transformers.Gemma2Config(
-            **_COMMON, layer_types=_HYBRID, attn_logit_softcapping=2.0, query_pre_attn_scalar=8,
+            **common, layer_types=_HYBRID, attn_logit_softcapping=2.0, query_pre_attn_scalar=8,
             ringdilated_kernel="reference", **_bidirectional(case),
         )  # fmt: skip
         build = transformers.Gemma2ForCausalLM
     elif family == "gpt_oss":
         config = transformers.GptOssConfig(
-            **_COMMON, layer_types=_HYBRID, num_local_experts=2, num_experts_per_tok=1,
+            **common, layer_types=_HYBRID, num_local_experts=2, num_experts_per_tok=1,
             experts_implementation="eager",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )  # fmt: skip
