@@ -146,16 +146,13 @@ def test_is_causal_passed_by_transformers_wins_over_the_module_attribute() -> No
 
 
 def test_layouts_it_cannot_place_are_refused_not_miscomputed() -> None:
-    """A static cache (queries not at the end of the keys) and a sliding window raise."""
+    """A static cache (queries not at the end of the keys) raises."""
     model = _model([8], [1], "ringdilated").eval()
     ids = _ids(1, 7, seed=11)
     with pytest.raises(ValueError, match="queries to be the last positions of the keys"):
         model.generate(
             ids, max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static"
         )
-    model.config.sliding_window = 4
-    with pytest.raises(ValueError, match=r"does not combine with config\.sliding_window"):
-        model(input_ids=ids)
 
 
 def test_packing_follows_transformers_own_detection() -> None:
@@ -253,7 +250,7 @@ def test_a_mask_function_it_does_not_serve_is_reported_as_found() -> None:
     from transformers.masking_utils import (
         and_masks,
         causal_mask_function,
-        sliding_window_overlay,
+        sliding_window_bidirectional_overlay,
     )
 
     def custom(batch_idx, head_idx, q_idx, kv_idx):  # type: ignore[no-untyped-def]
@@ -266,9 +263,10 @@ def test_a_mask_function_it_does_not_serve_is_reported_as_found() -> None:
     common = {"batch_size": 1, "q_length": 5, "kv_length": 5}
     for function, found in (
         (
-            and_masks(causal_mask_function, sliding_window_overlay(4)),
+            # (a causal mask under a bidirectional window: none of transformers' windows)
+            and_masks(causal_mask_function, sliding_window_bidirectional_overlay(4)),
             r"transformers asked for and_masks\(causal_mask_function, "
-            r"sliding_window_overlay\(\.\.\.\)\)",
+            r"sliding_window_bidirectional_overlay\(\.\.\.\)\)",
         ),
         (custom, r"transformers asked for [\w.]*test_hf\.test_a_mask_function_it_does_not_serve"),
     ):

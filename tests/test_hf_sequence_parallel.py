@@ -545,9 +545,13 @@ def test_contradictions_name_what_the_layout_holds() -> None:
 
 
 def test_mask_overlays_are_refused_under_the_block() -> None:
-    """A mask function that intersects or unites plain causal with another (a sliding window
-    here) is refused at the first attention call, naming how transformers built it."""
-    from transformers.masking_utils import create_causal_mask, sliding_window_overlay
+    """A mask function that intersects or unites plain causal with another (a bidirectional
+    window here, which no transformers mask puts over causal) is refused at the first attention
+    call, naming how transformers built it."""
+    from transformers.masking_utils import (
+        create_causal_mask,
+        sliding_window_bidirectional_overlay,
+    )
 
     model = tiny_llama({"pattern": DILATED}, "ringdilated")
     attention = model.model.layers[0].self_attn
@@ -557,14 +561,17 @@ def test_mask_overlays_are_refused_under_the_block() -> None:
     for argument, built in (
         (
             "and_mask_function",
-            r"and_masks\(causal_mask_function, sliding_window_overlay\(\.\.\.\)\)",
+            r"and_masks\(causal_mask_function, sliding_window_bidirectional_overlay\(\.\.\.\)\)",
         ),
-        ("or_mask_function", r"or_masks\(causal_mask_function, sliding_window_overlay\(\.\.\.\)\)"),
+        (
+            "or_mask_function",
+            r"or_masks\(causal_mask_function, sliding_window_bidirectional_overlay\(\.\.\.\)\)",
+        ),
     ):
         with ringdilated.hf.sequence_parallel(ringdilated.SequenceLayout()):
             mask = create_causal_mask(
                 config=model.config, inputs_embeds=embeds, attention_mask=None,
-                past_key_values=None, **{argument: sliding_window_overlay(3)},
+                past_key_values=None, **{argument: sliding_window_bidirectional_overlay(3)},
             )  # fmt: skip
             assert isinstance(mask, ringdilated.hf.KeyMask) and mask.sharded is not None
             with pytest.raises(ValueError, match=f"transformers asked for {built}$"):

@@ -63,9 +63,22 @@ What it refuses, with a ``ValueError``, rather than compute something else: an
 shorter all-ones mask: never cut to its last columns nor taken as no padding) or whose row's
 tokens are not one run, both named in its convention; a static or sliding-window cache layout
 (the queries must be the last positions of the keys: use the default dynamic cache); a custom
-4-D mask; any mask function other than those above (sliding windows, chunked, prefix or
-bidirectional overlays, or one it does not recognise: the error names how it was built, e.g.
-``and_masks(causal_mask_function, sliding_window_overlay(...))``); ``config.sliding_window``.
+4-D mask; any mask function other than those above and the sliding windows below (chunked,
+prefix or bidirectional overlays, or one it does not recognise: the error names how it was
+built, e.g. ``and_masks(causal_mask_function, chunked_overlay(...))``); a layer whose
+``sliding_window`` keyword is not the window its mask was made with (both named).
+
+Sliding-window layers (Mistral's ``config.sliding_window``, Gemma-2's and gpt-oss's
+``"sliding_attention"`` entries of ``config.layer_types``) get
+:func:`ringdilated.dilated_attention`'s ``window=`` on top of the dilation pattern, on one
+process and under :func:`sequence_parallel` alike: the layer's ``sliding_window=w`` keyword
+(``None`` on global layers) must be the ``w`` of transformers' sliding-window mask function,
+``and_masks(sliding_window_overlay(w), causal_mask_function)``, ``kv > q - w`` and ``kv <= q``,
+which is ``window=(w - 1, 0)``; or, with ``config.is_causal`` false,
+``sliding_window_bidirectional_overlay(w)``, ``abs(q - kv) <= w``, which is ``window=(w, w)``
+(alone or made packed-sequence compatible, as above; see :func:`_features`). Their default
+cache (``DynamicCache(config=...)``) keeps only the window on sliding layers, whose decode steps
+are refused as a sliding-window cache layout: generate with ``past_key_values=DynamicCache()``.
 
 A model's logit cap (``softcap=``, Gemma 2's ``attn_logit_softcapping``) and attention sinks
 (``s_aux=``, gpt-oss's ``sinks`` parameter, one logit per query head) are passed on as
@@ -124,14 +137,19 @@ class KeyMask(NamedTuple):
     mode, the batch's :class:`~ringdilated.SequenceLayout` made from them (read once here, for every
     layer; under ``torch.compile`` each layer's op reads the tensors instead). Under
     :func:`sequence_parallel`: ``padding`` and ``documents`` ``None``, ``layout`` the setting's, and
-    ``sharded`` the forward's record (what its checks found; they run once). A named tuple, which
-    ``torch.compile`` traces (a frozen attrs class it cannot build)."""
+    ``sharded`` the forward's record (what its checks found; they run once). For a sliding-window
+    mask function (see :func:`_mask_kind`), ``sliding_window`` is the ``w`` it captured and
+    ``window`` the ``(left, right)`` :func:`dilated_attention` takes for it (``None`` both
+    otherwise). A named tuple, which ``torch.compile`` traces (a frozen attrs class it cannot
+    build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
     overlay: str | None
     layout: SequenceLayout | None = None
     sharded: ShardedForward | None = None
+    sliding_window: int | None = None
+    window: tuple[int, int] | None = None
 
 
 _MASKING = "transformers.masking_utils"
@@ -187,25 +205,72 @@ def _describe(function: object, depth: int = 0) -> str:
     return f"{maker}({', '.join(_describe(f, depth + 1) for f in inner)})"
 
 
-def _mask_kind(mask_function: object) -> tuple[torch.Tensor | None, str | None]:
-    """``(packed-sequence ids, overlay)`` of transformers' mask function: ``(None, None)`` for
-    plain causal or bidirectional, ``(ids, None)`` for one made packed-sequence compatible (the
-    module docstring says how), anything else ``(None, how it was built)``."""
+class MaskKind(NamedTuple):
+    """What :func:`_mask_kind` read in a mask function: the packed-sequence ids (``None`` when
+    not packed), how it was built when the adapter does not serve it (``overlay``, else
+    ``None``), and its sliding window: transformers' ``w`` and the ``(left, right)`` it means
+    (``None`` both without one)."""
+
+    documents: torch.Tensor | None
+    overlay: str | None
+    sliding_window: int | None = None
+    window: tuple[int, int] | None = None
+
+
+def _base_window(function: object) -> MaskKind | None:
+    """What a mask function without packing asks for, ``None`` when the adapter does not serve
+    it: plain causal or bidirectional (no window), or transformers' sliding-window masks
+    (transformers v5.23.0 masking_utils.py): ``and_masks(sliding_window_overlay(w),
+    causal_mask_function)``, ``kv_idx > q_idx - w`` and ``kv_idx <= q_idx``, is ``window=(w - 1,
+    0)`` (``w >= 1``); ``and_masks(sliding_window_bidirectional_overlay(w),
+    bidirectional_mask_function)``, ``abs(q_idx - kv_idx) <= w``, is ``window=(w, w)`` (``w >=
+    0``). The operands may come in any order and grouping (an intersection is the same mask)."""
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
     plain = (causal_mask_function, bidirectional_mask_function)
-    if mask_function is None or mask_function in plain:
-        return None, None
+    if function in plain:
+        return MaskKind(None, None)
+    operands = _operands(function)
+    bases = [f for f in operands if f in plain]
+    overlays = [f for f in operands if f not in plain]
+    if len(bases) != 1 or len(overlays) != 1:
+        return None
+    kind = (bases[0] is causal_mask_function, _maker(overlays[0]))
+    w = _captured(overlays[0]).get("sliding_window")
+    if type(w) is not int:
+        return None
+    if kind == (True, "sliding_window_overlay") and w >= 1:
+        return MaskKind(None, None, w, (w - 1, 0))
+    if kind == (False, "sliding_window_bidirectional_overlay") and w >= 0:
+        return MaskKind(None, None, w, (w, w))
+    return None
+
+
+def _mask_kind(mask_function: object) -> MaskKind:
+    """What transformers' mask function asks for (:class:`MaskKind`): plain causal or
+    bidirectional, or a causal or bidirectional sliding window (:func:`_base_window`), alone or
+    made packed-sequence compatible (the module docstring says how); anything else is an
+    overlay, reported by how it was built."""
+    if mask_function is None:
+        return MaskKind(None, None)
+    kind = _base_window(mask_function)
+    if kind is not None:
+        return kind
     operands = sorted(_operands(mask_function), key=lambda f: str(_maker(f)))
     if [_maker(f) for f in operands] == [
         "packed_sequence_mask_function",
         "remap_positions_for_packed_sequence",
     ]:
         ids = _captured(operands[0]).get("packed_sequence_mask")
-        base = _captured(operands[1]).get("mask_function")
-        if base in plain and isinstance(ids, torch.Tensor):
-            return ids, None
-    return None, _describe(mask_function)
+        kind = _base_window(_captured(operands[1]).get("mask_function"))
+        if kind is not None and isinstance(ids, torch.Tensor):
+            return kind._replace(documents=ids)
+    return MaskKind(None, _describe(mask_function))
+
+
+def _window_of(kind: MaskKind) -> dict[str, Any]:
+    """:class:`KeyMask`'s window fields from what :func:`_mask_kind` read."""
+    return {"sliding_window": kind.sliding_window, "window": kind.window}
 
 
 def _bounds(ids: torch.Tensor) -> torch.Tensor:
@@ -288,8 +353,8 @@ def _sharded_mask(
         batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
         kv_offset=kv_offset, attention_mask=mask,
     )  # fmt: skip
-    _, overlay = _mask_kind(mask_function)
-    return KeyMask(None, None, overlay, setting.layout, sharded)
+    kind = _mask_kind(mask_function)
+    return KeyMask(None, None, kind.overlay, setting.layout, sharded, **_window_of(kind))
 
 
 def padding_mask(
@@ -334,15 +399,16 @@ def padding_mask(
             f"{keys}) of {kv_length} keys from position {offset} (a static or "
             "sliding-window cache)"
         )
-    documents, overlay = _mask_kind(mask_function)
+    kind = _mask_kind(mask_function)
+    documents, overlay, window = kind.documents, kind.overlay, _window_of(kind)
     mask = None if attention_mask is None else attention_mask.bool()
     if torch.compiler.is_compiling() or overlay is not None:
-        return KeyMask(mask, documents, overlay)
+        return KeyMask(mask, documents, overlay, **window)
     # Eager: the batch's layout, read here once for every layer (and once for mask.all()).
     if mask is not None and not bool(mask.all()):
-        return KeyMask(mask, documents, overlay, _padding_layout(mask))
+        return KeyMask(mask, documents, overlay, _padding_layout(mask), **window)
     layout = None if documents is None else SequenceLayout(cu_seqlens=_bounds(documents))
-    return KeyMask(None, documents, overlay, layout)
+    return KeyMask(None, documents, overlay, layout, **window)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -368,28 +434,29 @@ def _what(mask: object) -> str:
     return repr(mask) if shape is None else f"{type(mask).__name__} of shape {tuple(shape)}"
 
 
-def _features(config: object, kwargs: dict[str, Any]) -> dict[str, object]:
+def _features(config: object, kwargs: dict[str, Any], mask: object) -> dict[str, object]:
     """:func:`dilated_attention`'s keyword arguments for the attention features a model passes
-    beside the mask: ``softcap`` and ``sinks`` served; a sliding window still refused.
+    beside the mask: ``window``, ``softcap`` and ``sinks``. Raises ``ValueError`` when the
+    layer's ``sliding_window`` keyword is not the window of the mask function transformers made
+    for it (``mask``, the layer's :class:`KeyMask`), naming both.
 
     How transformers 5.23 passes them, each per layer as a keyword of the attention call, and
-    what each becomes once ``dilated_attention`` takes ``window=``, ``softcap=``, ``sinks=``
-    (docs/spec.md section 5; read in transformers v5.23.0: models/mistral/modeling_mistral.py,
-    models/gemma2/modeling_gemma2.py, models/gpt_oss/modeling_gpt_oss.py, masking_utils.py,
-    modeling_flash_attention_utils.py):
+    what each becomes (docs/spec.md section 5; read in transformers v5.23.0:
+    models/mistral/modeling_mistral.py, models/gemma2/modeling_gemma2.py,
+    models/gpt_oss/modeling_gpt_oss.py, masking_utils.py, modeling_flash_attention_utils.py):
 
     - ``kwargs["sliding_window"] = w``: Mistral passes ``config.sliding_window`` to every layer;
       Gemma-2 and gpt-oss pass it to their ``"sliding_attention"`` layers
-      (``config.layer_types``) and ``None`` to the others, so read the keyword, not the config.
-      The mask transformers builds for such a layer (eager, sdpa) is ``and_masks(
-      sliding_window_overlay(w), causal_mask_function)``, ``kv_idx > q_idx - w`` and ``kv_idx <=
-      q_idx``: ``window=(w - 1, 0)``. With ``config.is_causal`` false it is
-      ``sliding_window_bidirectional_overlay(w)``, ``abs(q_idx - kv_idx) <= w``: ``window=(w,
-      w)`` (transformers' flash-attention path passes ``window_size=(w - 1, w - 1)`` in both
-      cases: one apart from its own mask when bidirectional; follow the mask). That layer's
-      mask function then arrives as an overlay, which :func:`_mask_kind` must accept when its
-      captured ``sliding_window`` equals the keyword. (Until then ``config.sliding_window``
-      itself is refused, on a model that ignores it too.)
+      (``config.layer_types``) and ``None`` to the others, so the keyword is read, not the
+      config. The mask transformers builds for such a layer (``create_sliding_window_causal_mask``)
+      is ``and_masks(sliding_window_overlay(w), causal_mask_function)``, ``kv_idx > q_idx - w``
+      and ``kv_idx <= q_idx``: ``window=(w - 1, 0)``. With ``config.is_causal`` false it is
+      ``and_masks(sliding_window_bidirectional_overlay(w), bidirectional_mask_function)``,
+      ``abs(q_idx - kv_idx) <= w``: ``window=(w, w)`` (transformers' flash-attention path
+      passes ``window_size=(w - 1, w - 1)`` in both cases: one apart from its own mask when
+      bidirectional; the adapter follows the mask, which eager and sdpa compute). The window
+      is the mask's (:func:`_mask_kind` reads ``w`` from the overlay's closure); the keyword
+      must equal the ``w`` it captured, and ``None`` must meet a mask without a window.
     - ``kwargs["softcap"] = c`` (Gemma-2: ``config.attn_logit_softcapping``, default 50.0, every
       layer): eager computes ``c * tanh(s / c)`` of ``s = q.k * scaling`` (``scaling`` =
       ``config.query_pre_attn_scalar ** -0.5``, passed as ``scaling``) before the mask:
@@ -397,16 +464,25 @@ def _features(config: object, kwargs: dict[str, Any]) -> dict[str, object]:
     - ``kwargs["s_aux"]`` (gpt-oss: ``module.sinks``, a parameter of shape
       ``(num_attention_heads,)`` in the model's dtype, every layer): eager appends it as one more
       logit per query after the scaled, masked scores, softmaxes and drops its column, so it
-      joins each query's denominator once with a zero value: ``sinks=s_aux.float()`` (a
-      differentiable cast, float32 as ``sinks=`` takes).
+      joins each query's denominator once with a zero value: ``sinks=s_aux`` (passed as is).
     """
-    window = getattr(config, "sliding_window", None)
-    if window is not None:
+    keyword = kwargs.get("sliding_window")
+    window: tuple[int, int] | None = None
+    if isinstance(mask, KeyMask):
+        if mask.overlay is None and keyword != mask.sliding_window:
+            raise ValueError(
+                f"attn_implementation={NAME!r}: this layer passes sliding_window={keyword!r} but "
+                f"transformers made its mask with sliding_window={mask.sliding_window!r} (the "
+                "model gave the layer another mask than its sliding_window keyword's)"
+            )
+        window = mask.window
+    elif keyword is not None and mask is None and active() is None:  # else refused below
         raise ValueError(
-            f"attn_implementation={NAME!r} does not combine with config.sliding_window "
-            f"({window}); the dilation pattern bounds what a query sees"
+            f"attn_implementation={NAME!r}: this layer passes sliding_window={keyword!r} with "
+            f"{_what(mask)} as its mask, not one made by transformers' mask functions (which "
+            "carries the window the adapter checks the keyword against)"
         )
-    return {"softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    return {"window": window, "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
 
 
 def attention_forward(
@@ -422,7 +498,7 @@ def attention_forward(
     """transformers' attention function for ``"ringdilated"``: ``(attn_output (B, Lq, H, D),
     None)``."""
     config = getattr(module, "config", None)
-    features = _features(config, kwargs)
+    features = _features(config, kwargs, attention_mask)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     pattern: dict[str, Any] = {
@@ -462,9 +538,10 @@ def attention_forward(
         if attention_mask.overlay is not None:
             raise ValueError(
                 f"attn_implementation={NAME!r} serves transformers' causal_mask_function or "
-                "bidirectional_mask_function, alone or made packed-sequence compatible (and_masks "
-                "of packed_sequence_mask_function and remap_positions_for_packed_sequence over "
-                f"one of them); transformers asked for {attention_mask.overlay}"
+                "bidirectional_mask_function, or their sliding windows, alone or made "
+                "packed-sequence compatible (and_masks of packed_sequence_mask_function and "
+                "remap_positions_for_packed_sequence over one of them); transformers asked for "
+                f"{attention_mask.overlay}"
             )
         if attention_mask.padding is not None:
             key_padding_mask = attention_mask.padding.logical_not()
