@@ -35,7 +35,6 @@ from ringdilated.core import (
     FULL,
     BlockOptions,
     BottomRightKernel,
-    BottomRightPiece,
     KeyWindow,
     accumulation_dtype,
     mark_non_finite_problems,
@@ -44,8 +43,8 @@ from ringdilated.core import (
 
 __all__ = [
     "TILE_ELEMENTS",
-    "DeterministicBottomRightKernel",
     "GuardedBottomRightKernel",
+    "GuardedKernel",
     "backward",
     "forward",
     "refuse_dropout",
@@ -195,30 +194,50 @@ def refuse_dropout(name: str, options: BlockOptions) -> None:
         raise NotImplementedError(f"{name} has no dropout (dropout_p={options.dropout_p})")
 
 
-class GuardedBottomRightKernel(BottomRightKernel):
-    """A fused kernel whose native causal mask is bottom-right aligned (flash-attn 2, 3 and 4,
-    torch's flash op, xformers), its results repaired on the device for non-finite inputs:
+class GuardedKernel:
+    """The repair of a fused kernel's results for non-finite inputs, around the calls
+    :meth:`unguarded_forward` and :meth:`unguarded_backward` (which a subclass implements):
     flash-style kernels return zeros for a row whose scores are all ``-inf`` (flash-attn's
     ``softmax.h``: a zero row sum gives ``inv_sum = 1``; torch's memory-efficient epilogue:
     ``s_prime == 0`` gives ``1``), which an infinite query or key produces.
-    :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows` and
+    :func:`~ringdilated.core.contract.kernel.mark_non_finite_rows` (which also gives rows that
+    see no key ``out = 0``, ``lse = -inf`` again) and
     :func:`~ringdilated.core.contract.kernel.mark_non_finite_problems` make the rows and
     problems that hold NaN or infinity NaN, as the kernel contract allows, with no host read.
 
-    Dropout is refused (``NotImplementedError``) unless the class sets :attr:`serves_dropout`,
-    whose ``forward_piece`` / ``backward_piece`` then draw it (a seed per piece,
+    Dropout is refused (``NotImplementedError``) unless the class sets :attr:`serves_dropout`
+    (its calls then draw it, a seed per piece:
     :func:`~ringdilated.core.contract.causal.piece_seed`)."""
 
-    #: Whether this kernel's pieces draw dropout themselves (else ``dropout_p > 0`` is refused).
+    #: Whether this kernel's calls draw dropout themselves (else ``dropout_p > 0`` is refused).
     serves_dropout: ClassVar[bool] = False
+
+    def unguarded_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's calls, unrepaired."""
+        raise NotImplementedError
+
+    def unguarded_backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        options: BlockOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's backward calls, unrepaired."""
+        raise NotImplementedError
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.serves_dropout:
             refuse_dropout(type(self).__name__, options)
-        out, lse = super().forward(q, k, v, options)
-        mark_non_finite_rows(out, lse, q, k, v, options)
+        out, lse = self.unguarded_forward(q, k, v, options)
+        mark_non_finite_rows(out, lse, q, k, v, options)  # then rows that see no key again
         return out, lse
 
     def backward(
@@ -233,19 +252,24 @@ class GuardedBottomRightKernel(BottomRightKernel):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.serves_dropout:
             refuse_dropout(type(self).__name__, options)
-        dq, dk, dv = super().backward(dout, q, k, v, out, lse, options)
+        dq, dk, dv = self.unguarded_backward(dout, q, k, v, out, lse, options)
         mark_non_finite_problems(
             dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
         )
         return dq, dk, dv
 
 
-class DeterministicBottomRightKernel(GuardedBottomRightKernel):
-    """A :class:`GuardedBottomRightKernel` whose native backward has a deterministic mode:
-    :meth:`native_backward` takes ``deterministic`` (keyword), which each piece's backward is
-    handed from ``BlockOptions.deterministic`` (FlashAttention 3 and 4)."""
+class GuardedBottomRightKernel(GuardedKernel, BottomRightKernel):
+    """A fused kernel whose native causal mask is bottom-right aligned (xformers), its calls
+    those of :class:`~ringdilated.core.contract.causal.BottomRightKernel` (right bounds only),
+    repaired as :class:`GuardedKernel` says."""
 
-    def native_backward(
+    def unguarded_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return BottomRightKernel.forward(self, q, k, v, options)
+
+    def unguarded_backward(
         self,
         dout: torch.Tensor,
         q: torch.Tensor,
@@ -253,27 +277,6 @@ class DeterministicBottomRightKernel(GuardedBottomRightKernel):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        causal: bool,
-        scale: float,
-        *,
-        deterministic: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def backward_piece(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        piece: BottomRightPiece,
         options: BlockOptions,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if piece.left is not None:  # the native backward takes the causal flag only
-            raise NotImplementedError(f"{type(self).__name__} serves no left bound: {piece!r}")
-        return self.native_backward(
-            dout, q, k, v, out, lse, piece.causal, options.scale,
-            deterministic=options.deterministic,
-        )  # fmt: skip
+        return BottomRightKernel.backward(self, dout, q, k, v, out, lse, options)

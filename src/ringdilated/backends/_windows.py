@@ -36,20 +36,18 @@ kernel built on them, its results repaired for non-finite inputs on the device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
 
 import attrs
 import torch
 
-from ringdilated.backends._dense import refuse_dropout
+from ringdilated.backends._dense import GuardedKernel
 from ringdilated.core import (
     BlockOptions,
     BottomRightPiece,
     KeyWindow,
-    accumulation_dtype,
+    backward_with_lse_by_piece,
     bottom_right_pieces,
-    mark_non_finite_problems,
-    mark_non_finite_rows,
+    forward_by_piece,
 )
 
 __all__ = [
@@ -77,6 +75,13 @@ class WindowPiece:
     key_stop: int
     left: int | None
     causal: bool
+
+    @classmethod
+    def of(cls, piece: BottomRightPiece) -> WindowPiece:
+        """The op call of core's ``piece``."""
+        return cls(
+            piece.row_start, piece.row_stop, piece.key_start, piece.keys, piece.left, piece.causal
+        )
 
     @property
     def rows(self) -> int:
@@ -123,10 +128,7 @@ def window_pieces(q_len: int, k_len: int, window: KeyWindow) -> tuple[WindowPiec
     """The op calls that reproduce ``window`` on a ``q_len x k_len`` block, in row order: core's
     :func:`~ringdilated.core.contract.causal.bottom_right_pieces` (module docstring), each as
     the op call it is."""
-    return tuple(
-        WindowPiece(p.row_start, p.row_stop, p.key_start, p.keys, p.left, p.causal)
-        for p in bottom_right_pieces(q_len, k_len, window)
-    )
+    return tuple(WindowPiece.of(p) for p in bottom_right_pieces(q_len, k_len, window))
 
 
 PieceForward = Callable[
@@ -151,35 +153,15 @@ PieceBackward = Callable[
 the gradient of ``sum(dout * out) + sum(dlse * lse)`` (``dlse`` ``None``: of the first term)."""
 
 
-def _mark_unseen(out: torch.Tensor, lse: torch.Tensor, first: int, last: int) -> None:
-    """Rows outside ``[first, last)``: ``out = 0``, ``lse = -inf``, in place."""
-    q_len = lse.shape[-1]
-    for start, stop in ((0, first), (last, q_len)) if first < last else ((0, q_len),):
-        if stop > start:
-            lse.narrow(-1, start, stop - start).fill_(float("-inf"))
-            out.narrow(-2, start, stop - start).zero_()
-
-
-# narrow, fill_ and add_, not slicing and copy_: a CPU-only torch has neither for fake CUDA tensors.
 def forward_by_window(
     native: PieceForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: KeyWindow
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of the block under ``window`` from one ``native`` call per
-    :func:`window_pieces` piece. One piece covering the block is one call whose results are
-    returned as they are; otherwise the calls' results are added into zeros, the rows in no
-    call given ``out = 0``, ``lse = -inf``."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    pieces = window_pieces(q_len, k_len, window)
-    if len(pieces) == 1 and pieces[0].covers(q_len, k_len):
-        return native(q, k, v, pieces[0])
-    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
-    lse = q.new_zeros(q.shape[:-1], dtype=accumulation_dtype(q.dtype))
-    _mark_unseen(out, lse, *seen_rows(q_len, k_len, window))
-    for p in pieces:
-        part, part_lse = native(p.rows_of(q), p.keys_of(k), p.keys_of(v), p)
-        p.rows_of(out).add_(part)
-        p.rows_of(lse, -1).add_(part_lse)
-    return out, lse
+    :func:`window_pieces` piece: core's
+    :func:`~ringdilated.core.contract.causal.forward_by_piece` (one piece covering the block is
+    one call whose results are returned as they are; otherwise the calls' results are added into
+    zeros, the rows in no call given ``out = 0``, ``lse = -inf``), each handed its op call."""
+    return forward_by_piece(lambda q, k, v, p: native(q, k, v, WindowPiece.of(p)), q, k, v, window)
 
 
 def backward_by_window(
@@ -194,47 +176,26 @@ def backward_by_window(
     window: KeyWindow,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` under ``window`` from one ``native`` call per piece (the forward's
-    pieces), each handed its rows of ``dout``, ``out``, the lse and ``dlse`` (``(N, Hq, Lq)``;
-    ``None``: no lse term) and its keys, added into zeros: pieces that share keys sum their
-    gradients, rows and keys in no piece get none."""
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    pieces = window_pieces(q_len, k_len, window)
-    if len(pieces) == 1 and pieces[0].covers(q_len, k_len):
-        return native(dout, dlse, q, k, v, out, lse, pieces[0])
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for p in pieces:
-        gq, gk, gv = native(
-            p.rows_of(dout),
-            None if dlse is None else p.rows_of(dlse, -1),
-            p.rows_of(q),
-            p.keys_of(k),
-            p.keys_of(v),
-            p.rows_of(out),
-            p.rows_of(lse, -1),
-            p,
-        )
-        p.rows_of(dq).add_(gq)
-        p.keys_of(dk).add_(gk)
-        p.keys_of(dv).add_(gv)
-    return dq, dk, dv
+    pieces): core's :func:`~ringdilated.core.contract.causal.backward_with_lse_by_piece`, each
+    call handed its rows of ``dout``, ``out``, the lse and ``dlse`` (``(N, Hq, Lq)``; ``None``:
+    no lse term), its keys and its op call, the results added into zeros: pieces that share keys
+    sum their gradients, rows and keys in no piece get none."""
+    return backward_with_lse_by_piece(
+        lambda do, dl, q, k, v, o, s, p: native(do, dl, q, k, v, o, s, WindowPiece.of(p)),
+        dout, dlse, q, k, v, out, lse, window,
+    )  # fmt: skip
 
 
-class WindowKernel:
+class WindowKernel(GuardedKernel):
     """A fused kernel whose op masks with a bottom-right window: implement
     :meth:`forward_piece` and :meth:`backward_piece` (kernel layout, the piece's rows and keys,
     the block's options: its scale, softcap, dropout) and inherit the contract's ``forward`` and
     ``backward`` for any window.
 
-    The results are repaired on the device for non-finite inputs, as
-    :class:`~ringdilated.backends._dense.GuardedBottomRightKernel` repairs them (flash-style
-    kernels return zeros for a row whose scores are all ``-inf``, which an infinite query or key
-    produces): :func:`~ringdilated.core.mark_non_finite_rows` (which gives rows that see no key
-    ``out = 0``, ``lse = -inf`` again) and :func:`~ringdilated.core.mark_non_finite_problems`.
-    :meth:`unguarded_forward` and :meth:`unguarded_backward` are the calls alone. Dropout is
-    refused (``NotImplementedError``) unless :attr:`serves_dropout`."""
-
-    #: Whether this kernel's pieces draw dropout themselves (else ``dropout_p > 0`` is refused).
-    serves_dropout: ClassVar[bool] = False
+    The results are repaired on the device for non-finite inputs and dropout refused unless
+    :attr:`serves_dropout`, as :class:`~ringdilated.backends._dense.GuardedKernel` says (which
+    also gives rows that see no key ``out = 0``, ``lse = -inf`` again).
+    :meth:`unguarded_forward` and :meth:`unguarded_backward` are the calls alone."""
 
     def forward_piece(
         self,
@@ -298,33 +259,6 @@ class WindowKernel:
             return self.backward_piece(dout, q, k, v, out, lse, piece, options)
 
         return backward_by_window(native, dout, None, q, k, v, out, lse, options.window)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: BlockOptions
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.serves_dropout:
-            refuse_dropout(type(self).__name__, options)
-        out, lse = self.unguarded_forward(q, k, v, options)
-        mark_non_finite_rows(out, lse, q, k, v, options)  # then rows that see no key again
-        return out, lse
-
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        options: BlockOptions,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.serves_dropout:
-            refuse_dropout(type(self).__name__, options)
-        dq, dk, dv = self.unguarded_backward(dout, q, k, v, out, lse, options)
-        mark_non_finite_problems(
-            dq, dk, dv, dout, q, k, v, lse, forward_marked=True, options=options
-        )
-        return dq, dk, dv
 
 
 class NativeWindowKernel(WindowKernel):

@@ -23,6 +23,10 @@ strided views the driver passes, batches above 2 (:mod:`ringdilated.testing.kern
   first rows (a right bound below them) and, where sliding windows are declared, the last rows
   (a left bound above them) and both at once; the rows that see keys match the oracle;
 - ``gradients``: backward of one block with its own ``out``/``lse`` against float64 autograd;
+  where the kernel has the contract's optional ``backward_with_lse``, also its gradients of
+  ``sum(dout * out) + sum(dlse * lse)`` with a random ``dlse`` that is nonzero on every row,
+  on the drawn window and on the ``empty-rows`` windows: a row that sees no key has the
+  constant lse ``-inf``, so its ``dlse`` reaches no gradient (as in the driver's fallback);
 - ``split-merge``: keys split into two blocks, merged by the accumulator, equal the whole block,
   and the two backwards with the merged ``out``/``lse`` sum to the whole gradient (the property
   rings and pattern mixing rely on);
@@ -230,7 +234,15 @@ def _check_forward(kernel: Kernel, case: KernelCase, check: str = "forward") -> 
     _within(check, "lse", lse, expected_lse, base_lse, q.dtype, case)
 
 
-def _check_gradients(kernel: Kernel, case: KernelCase, check: str = "gradients") -> None:
+def _check_gradients(
+    kernel: Kernel,
+    case: KernelCase,
+    check: str = "gradients",
+    empty_row_windows: Sequence[KeyWindow] = (),
+) -> None:
+    """Backward of one block against float64 autograd; for a kernel with the contract's optional
+    ``backward_with_lse``, also :func:`_check_lse_gradients` on the case and on each of
+    ``empty_row_windows``."""
     q, k, v = case.tensors()
     out, lse = kernel.forward(q, k, v, case.options())
     dout = _dout(q, case.seed + 2)
@@ -244,6 +256,81 @@ def _check_gradients(kernel: Kernel, case: KernelCase, check: str = "gradients")
         ("dq", "dk", "dv"), grads, expected, baseline, formula, given, strict=True
     ):
         _within(check, name, actual, exp, (b, f), q.dtype, case, inherent)
+    if getattr(kernel, "backward_with_lse", None) is not None:
+        for windowed in (case, *(attrs.evolve(case, window=w) for w in empty_row_windows)):
+            _check_lse_gradients(kernel, windowed, check)
+
+
+def _dlse(lse: torch.Tensor, seed: int) -> torch.Tensor:
+    """A float64 gradient of the lse, shaped like it, drawn from ``seed``: nonzero on every row,
+    those whose lse is ``-inf`` (they see no key) included."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(lse.shape, generator=g, dtype=torch.float64)
+
+
+def _lse_term(
+    dlse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    case: KernelCase,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``sum(dlse * lse)`` in ``dtype`` given ``lse``: ``d lse_i / d s_ij =
+    P_ij``, the contract's backward (:func:`contract_backward`) with ``v = e_0``, ``dout_i =
+    dlse_i e_0`` and ``out = 0`` (:func:`~ringdilated.core.contract.lse.lse_gradient`'s identity),
+    ``dv = 0`` (the lse does not depend on ``v``). A row that sees no key has ``P = 0``: its lse
+    is the constant ``-inf``, so its ``dlse`` reaches no gradient."""
+    e0 = torch.zeros(v.shape, dtype=dtype)
+    e0[..., 0] = 1
+    carried = torch.zeros(q.shape, dtype=dtype)
+    carried[..., 0] = dlse.to(dtype)
+    dq, dk, _ = contract_backward(
+        carried, q, k, e0, torch.zeros_like(carried), lse, case.scale, case.window, dtype,
+        softcap=case.softcap,
+    )  # fmt: skip
+    return dq, dk, torch.zeros(v.shape, dtype=dtype)
+
+
+def _check_lse_gradients(kernel: Kernel, case: KernelCase, check: str) -> None:
+    """The kernel's ``backward_with_lse`` (kernel contract, :class:`LseGradientKernel`) gives the
+    float64 oracle's ``(dq, dk, dv)`` of ``sum(dout * out) + sum(dlse * lse)``, ``dlse`` random
+    on every row: where a row sees no key its lse is ``-inf`` whatever the inputs, so its
+    ``dlse`` adds nothing (the rule of :func:`~ringdilated.core.contract.lse.lse_gradient`, the
+    driver's fallback, and of the bottom-right pieces, which hold no such row). The
+    tolerance is the ``gradients`` check's, each of its references given the lse term in its
+    own dtype."""
+    q, k, v = case.tensors()
+    out, lse = kernel.forward(q, k, v, case.options())
+    dout, dlse = _dout(q, case.seed + 2), _dlse(lse, case.seed + 3)
+    lay_out = case.lay_out
+    grads = kernel.backward_with_lse(  # type: ignore[attr-defined]
+        lay_out(dout.to(q.dtype)), lay_out(dlse.to(lse.dtype)), q, k, v, lay_out(out),
+        lay_out(lse), case.options(),
+    )  # fmt: skip
+    _check_gradient_layout(check, grads, (q, k, v))
+    expected, baseline, given, formula = _reference_gradients(dout, q, k, v, case)
+    exact_lse = dense(q, k, v, case.scale, case.window, softcap=case.softcap)[1]
+    stored_lse = exact_lse.to(accumulation_dtype(q.dtype))
+    plus = {  # each reference's lse term: exact, in q's dtype, rounded lse, accumulation dtype
+        "expected": _lse_term(dlse, q, k, v, exact_lse, case, torch.float64),
+        "baseline": _lse_term(dlse, q, k, v, exact_lse.to(q.dtype), case, q.dtype),
+        "given": _lse_term(dlse, q, k, v, stored_lse, case, torch.float64),
+        "formula": _lse_term(dlse, q, k, v, stored_lse, case, accumulation_dtype(q.dtype)),
+    }
+    for i, (name, actual) in enumerate(zip(("dq", "dk", "dv"), grads, strict=True)):
+        exp, b, f, inherent = (
+            ref[i] + plus[key][i].to(ref[i].dtype)
+            for ref, key in (
+                (expected, "expected"),
+                (baseline, "baseline"),
+                (formula, "formula"),
+                (given, "given"),
+            )
+        )
+        _within(check, f"{name} with the lse's gradient", actual, exp, (b, f), q.dtype, case,
+                inherent)  # fmt: skip
 
 
 def _probabilities(
@@ -745,10 +832,24 @@ def _runner(
     def empty_rows(kernel: Kernel, case: KernelCase, _: bool) -> None:
         _check_empty_rows(kernel, case, caps.causal, caps.sliding_window)
 
+    def gradients(check: str) -> Callable[[Kernel, KernelCase, bool], None]:
+        def run(kernel: Kernel, case: KernelCase, _: bool) -> None:
+            windows = _empty_row_windows(case, caps.causal, caps.sliding_window)
+            _check_gradients(kernel, case, check, windows)
+            if check == "softcap-gradients":
+                _check_split_merge(kernel, case, check)
+
+        return run
+
     # The checks as this kernel declares them. Named as the module's table on purpose: the
     # source of ``run`` seeds hypothesis's derandomized draws (``function_digest``), so it stays
     # as it was and every kernel keeps the cases it was checked on.
-    _RUNNERS = {**globals()["_RUNNERS"], "empty-rows": empty_rows}
+    _RUNNERS = {
+        **globals()["_RUNNERS"],
+        "empty-rows": empty_rows,
+        "gradients": gradients("gradients"),
+        "softcap-gradients": gradients("softcap-gradients"),
+    }
 
     @settings(
         max_examples=max_examples,

@@ -206,7 +206,11 @@ def piece_seed(dropout_seed: int, piece: BottomRightPiece) -> int:
 
 
 def _whole(pieces: tuple[BottomRightPiece, ...], q_len: int, k_len: int) -> bool:
-    return len(pieces) == 1 and pieces[0] == BottomRightPiece(0, q_len, k_len, pieces[0].causal)
+    """Whether ``pieces`` is one call on the whole block (any mask): its results are the block's."""
+    if len(pieces) != 1:
+        return False
+    p = pieces[0]
+    return (p.row_start, p.row_stop, p.key_start, p.keys) == (0, q_len, 0, k_len)
 
 
 # narrow and add_, not slicing and copy_: a CPU-only torch has neither for fake CUDA tensors.
