@@ -154,14 +154,18 @@ TWO_RANKS = {
 }
 
 
-@pytest.mark.parametrize("communicator", ["ringpass", "allgather"])
-@pytest.mark.parametrize("name", sorted(TWO_RANKS))
+@pytest.mark.parametrize(
+    ("name", "communicator"),
+    [
+        (name, communicator)
+        for name in sorted(TWO_RANKS)
+        for communicator in (
+            ("auto",) if TWO_RANKS[name]["communicator"] == "auto" else ("ringpass", "allgather")
+        )
+    ],
+)
 def test_two_ranks(workers2: Workers, name: str, communicator: str) -> None:
-    case = TWO_RANKS[name]
-    if case["communicator"] != "auto":
-        case = {**case, "communicator": communicator}
-    elif communicator != "ringpass":
-        pytest.skip("auto is one case")
+    case = {**TWO_RANKS[name], "communicator": communicator}
     _check(case, _run(workers2, case), 2)
 
 
@@ -278,3 +282,61 @@ def test_the_compiled_op_serves_a_suffix(workers2: Workers) -> None:
     for name, e, b in zip("qkv", wanted, baseline, strict=True):
         got = torch.cat([r[f"d{name}"] for r in results], 1)
         assert_within_tolerance(got, e, b, what=f"d{name}")
+
+
+def _plans(query_start: int, world: int = 4) -> tuple[Any, ...]:
+    from ringdilated.core.plan.pattern import DilationPattern
+    from ringdilated.core.plan.shards import shard_plan
+
+    pattern = DilationPattern([4, 16], [1, 2])
+    return tuple(
+        shard_plan(pattern, 16, 4, 2, r, world, None, None, query_start) for r in range(world)
+    )
+
+
+def test_auto_never_picks_a_head_parallel_communicator_for_a_suffix() -> None:
+    """The resolver alone: with a suffix ``auto`` chooses sequence parallelism, and a forced
+    ``ulysses`` names why it cannot serve (every rank makes the same choice from the same
+    plans)."""
+    from ringdilated.core.plan.window import CAUSAL
+    from ringdilated.core.select.communicator_spec import SUFFIX_REFUSED
+    from ringdilated.core.select.cost import PieceSize
+    from ringdilated.core.select.resolver import ResolutionError
+    from ringdilated.registry import default_resolver
+
+    resolver, size = default_resolver(), PieceSize(1, 64, 2)
+    for start in (1, 10, 15):
+        chosen = resolver.choose_communicator(4, CAUSAL, "auto", _plans(start), size)
+        assert chosen.parallelism == "sequence", (start, chosen.name)
+        with pytest.raises(ResolutionError, match="cannot serve a query suffix"):
+            resolver.choose_communicator(4, CAUSAL, "ulysses", _plans(start), size)
+        spec = resolver.communicator_specs["ulysses"]
+        assert SUFFIX_REFUSED in spec.reasons(4, CAUSAL, _plans(start))
+    assert not resolver.communicator_specs["ulysses"].reasons(4, CAUSAL, _plans(0))
+
+
+def test_a_rank_before_the_suffix_plans_no_work_and_receives_nothing() -> None:
+    """Shards of 4 of 16 positions, queries from 10 on: ranks 0 and 1 hold none (no inner
+    block), rank 2 holds its last 2, and every payload goes to ranks 2 and 3 only."""
+    from ringdilated.core.plan.shards import payload
+    from ringdilated.core.plan.window import FULL
+
+    plans = _plans(10)
+    assert [p.query_length for p in plans] == [0, 0, 2, 4]
+    assert [p.query_origin for p in plans] == [4, 4, 2, 0]
+    assert plans[0].inner == plans[1].inner == ()
+    for src in range(4):
+        for dst in (0, 1):
+            assert not payload(plans[src], src, dst, FULL), (src, dst)
+    assert any(payload(plans[0], 0, dst, FULL) for dst in (2, 3))  # its keys still travel
+
+
+def test_the_split_rule_names_every_rank() -> None:
+    from ringdilated.core.call.validation import check_query_split
+
+    assert check_query_split((4, 4, 4, 4), (0, 0, 2, 4)) == 6
+    assert check_query_split((3, 5), (1, 5)) == 6
+    with pytest.raises(ValueError, match=r"got q lengths \(0, 3, 3\) on shards of \(4, 4, 4\)"):
+        check_query_split((4, 4, 4), (0, 3, 3))
+    with pytest.raises(ValueError, match=r"Lq = 0"):
+        check_query_split((4, 4), (0, 0))

@@ -436,9 +436,10 @@ def _check(
             sequence.check_queries(q.shape[1])
     # With a process group, cu_seqlens holds global positions: the length is every shard's.
     total = sequence.length if sequence.length is not None else k.shape[1] * ranks
+    shard_lengths = sequence.shard_lengths or lengths  # None: equal shards
     if ranks > 1:
-        shard_lengths = sequence.shard_lengths or (k.shape[1],) * ranks
-        query_length = _suffix_length(q, k, shard_lengths, query_lengths or sequence.query_lengths)
+        every = shard_lengths or (k.shape[1],) * ranks
+        query_length = _suffix_length(q, k, every, query_lengths or sequence.query_lengths)
     else:
         query_length = total - (k.shape[1] - q.shape[1])
     layout = sequence.documents_for(k.shape[0], total, query_length)
@@ -668,9 +669,11 @@ def plan_key(
     ``torch.use_deterministic_algorithms`` is on; the sinks' shape, dtype, device and layout,
     not their values, which each call passes), so that a call with the key of
     a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
-    say). On a process group the shards' lengths are left out: the layout holds them, and
-    :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
-    tensor or not hashable (such a call is planned, and checked, anew)."""
+    say). On a process group the shards' lengths and the query lengths are left out: the layout
+    holds them (it binds both at its first agreed call, so every plan it keeps stands for one
+    split of the sequence and of a query suffix on every rank: no rank finds a plan while a peer
+    plans anew), and :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything
+    not simply a dense tensor or not hashable (such a call is planned, and checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)

@@ -104,6 +104,8 @@ class Crossing:
         piece = self.piece(rank)
         assert piece is not None
         sel, (skip, _) = piece.selection, self.query_rows(rank)
+        if self.query_start <= piece.origin + sel.start:  # the piece's span lies in the queries
+            return sel
         first = sel.start + sel.offset + skip * sel.rate
         return Selection(first, 1, sel.start + sel.segment_length - first, sel.rate, 0)
 
