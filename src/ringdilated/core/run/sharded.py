@@ -20,6 +20,13 @@ Call flow on rank ``r`` (every rank runs the same steps)::
         to their owners (asynchronously, while the next step computes); each rank adds what
         comes back to its own pieces
 
+With a query suffix (docs/spec.md, section 3), ``q``, ``out``, ``lse`` and their gradients hold
+only this rank's query rows, the last of its shard from
+:attr:`~ringdilated.core.plan.shards.ShardPlan.query_origin` on: the inner run starts its queries
+there, and a crossing computes only its piece's query rows
+(:func:`~ringdilated.core.run.wire.queries`), none where the piece holds no query (its keys
+still go to the ranks whose queries see them).
+
 Memory per rank is O(L / P): inner work is chunked as on one process, at most two steps' pieces
 and one step's returned gradients are alive at a time. Nothing here validates inputs:
 :func:`ringdilated.core.call.prepare.prepare_call` did, identically on every rank, before any
