@@ -156,3 +156,19 @@ def compiled_suffix(case: dict[str, Any]) -> dict[str, Any]:
     out = compiled(q, k, v)
     dq, dk, dv = torch.autograd.grad((out * dout[:, rows]).sum(), (q, k, v))
     return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def suffix_on_a_layout(case: dict[str, Any]) -> list[torch.Tensor]:
+    """Two calls on one :class:`~ringdilated.SequenceLayout` given every rank's shard length
+    (``case['shard_lengths']``) and the case's documents: the first plans (and agrees on the
+    split), the second runs the plan the layout keeps. This rank's out of each."""
+    import ringdilated
+
+    rank = dist.get_rank()
+    layout = ringdilated.SequenceLayout(
+        process_group=dist.group.WORLD, shard_length=case["shard_lengths"][rank],
+        **case_layout(case),
+    )  # fmt: skip
+    outs = [_call(case, case["query_length"], layout) for _ in range(2)]
+    assert layout.query_lengths is not None
+    return outs

@@ -340,3 +340,18 @@ def test_the_split_rule_names_every_rank() -> None:
         check_query_split((4, 4, 4), (0, 3, 3))
     with pytest.raises(ValueError, match=r"Lq = 0"):
         check_query_split((4, 4), (0, 0))
+
+
+def test_a_layout_with_uneven_shards_and_documents_serves_a_suffix(workers2: Workers) -> None:
+    """The layout holds the shard lengths (no length is gathered): the suffix alone makes the
+    second agreement; its second call runs the kept plan."""
+    case = _case(query_length=13, shard_lengths=[5, 11], cu_seqlens=[0, 4, 16])
+    results = workers2.results(f"{TASKS}:suffix_on_a_layout", case)
+    q, k, v, _, _ = case_inputs(case)
+    kw = {"causal": True, **case_layout(case)}
+    expected = oracle(q[:, 3:], k, v, case["segments"], case["rates"], **kw)
+    base = dense_attention(q[:, 3:], k, v, case["segments"], case["rates"], **kw)[0]
+    assert [r[0].shape[1] for r in results] == [2, 11]
+    for call in (0, 1):
+        got = torch.cat([r[call] for r in results], 1)
+        assert_within_tolerance(got, expected, base, what=f"call {call}")
