@@ -166,3 +166,36 @@ def accelerate_mesh(payload: dict[str, Any]) -> dict[str, Any]:
     ]
     losses = train_loop(model, optimizer, loader, mesh, torch.device("cpu"), torch.Tensor.backward)
     return {"losses": losses, "params": _params(model), "dims": mesh.mesh_dim_names}
+
+
+def one_process_hf_run(steps: int, learning_rate: float, dtype: str = "float64") -> dict[str, Any]:
+    """examples/recipes/hf_plain_loop.py's ``tiny_llama`` trained on one process on each whole
+    global batch: transformers' forward with the batch's ``attention_mask`` (its own position
+    ids), torch's mean cross-entropy over :func:`next_token_labels`, SGD."""
+    from hf_plain_loop import tiny_llama
+    from tiny_lm import synthetic_batches
+
+    model = tiny_llama(getattr(torch, dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate)
+    losses = []
+    for batch in synthetic_batches(steps):
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
+        labels = next_token_labels(batch["input_ids"], batch["attention_mask"])
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _params(model)}
+
+
+def hf_plain_loop(payload: dict[str, Any]) -> dict[str, Any]:
+    """examples/recipes/hf_plain_loop.py's ``train`` on a (dp, cp) mesh of this pool's ranks."""
+    import hf_plain_loop
+
+    losses, model = hf_plain_loop.train(
+        _dp_cp_mesh(), torch.device("cpu"), payload["steps"], _dtype(payload)
+    )
+    return {"losses": losses, "params": _params(model)}

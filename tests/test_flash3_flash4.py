@@ -22,7 +22,7 @@ from ringdilated.backends.flash import FLASH_SPEC
 from ringdilated.backends.flash3 import FLASH3_SPEC, Flash3Kernel
 from ringdilated.backends.flash4 import FLASH4_SPEC, Flash4Kernel
 from ringdilated.backends.sdpa import SDPA_SPEC
-from ringdilated.core import FUSED_GRID_LIMIT, Environment, KeyWindow, Request, Resolver
+from ringdilated.core import FUSED_WINDOWED_GRID_LIMIT, Environment, KeyWindow, Request, Resolver
 from ringdilated.core.contract.kernel import BlockOptions
 from ringdilated.core.plan.pattern import DilationPattern
 from ringdilated.core.plan.window import as_window
@@ -235,7 +235,7 @@ def test_priorities_are_data() -> None:
         capabilities = spec.capabilities
         assert capabilities.gqa and capabilities.deterministic and not capabilities.dropout
         assert capabilities.batch_limit.per_call(1) == 65535
-        assert capabilities.batch_limit == FUSED_GRID_LIMIT
+        assert capabilities.batch_limit == FUSED_WINDOWED_GRID_LIMIT
 
 
 @pytest.mark.parametrize(

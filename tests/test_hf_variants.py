@@ -138,6 +138,22 @@ def test_a_bidirectional_gemma2_equals_eager(layout: str) -> None:
         assert torch.allclose(ours["grads"][name], grad, **close), name
 
 
+def test_a_bidirectional_layer_under_a_causal_mask_raises() -> None:
+    """Gemma-2 with ``use_bidirectional_attention`` (its modules' ``is_causal`` false) but
+    ``config.is_causal`` unset: transformers passes no ``is_causal`` and makes causal masks, so
+    eager computes causal attention and sdpa (its mask skipped) bidirectional. No one answer:
+    the adapter raises, naming both, before any attention runs. (With ``config.is_causal``
+    set, transformers passes it to every layer and both agree: the test above.)"""
+    model = tiny_variant({"model": "gemma2"}, "ringdilated")
+    assert not hasattr(model.config, "is_causal")  # unset: Gemma2Config has no default
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = False
+    ids = batch_tensors(_LAYOUTS["no padding"])["input_ids"]
+    with pytest.raises(ValueError, match="transformers made this layer a causal mask") as info:
+        model(input_ids=ids, use_cache=False)
+    assert "module's is_causal=False" in str(info.value)
+
+
 def test_the_window_is_what_separates_the_models_from_the_global_ones() -> None:
     """The comparison above can fail: with every layer global (no sliding window) Mistral's
     logits move well beyond the tolerance, so the window reached every layer."""

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from ringdilated.testing import oracle
+import ringdilated
+from ringdilated.testing import assert_non_finite_rule, nan_allowed, oracle
 
 L, H, D = 12, 2, 4
 
@@ -260,6 +261,44 @@ def test_a_sink_of_minus_infinity_is_no_sink_and_a_nan_sink_is_never_hidden() ->
     out, lse = oracle(q, k, v, [4, 8], [1, 2], return_lse=True, window=(None, -1), sinks=nan)
     assert bool(out[0, :, 0].isnan().all()) and bool(lse[0, 0].isnan().all())  # query 0 too
     assert not bool(out[0, :, 1].isnan().any())
+
+
+def test_a_sink_makes_a_row_of_only_minus_infinite_scores_zero_with_the_sink_as_its_lse() -> None:
+    """Query 0 (causal) sees key 0 only, and ``q . k = -inf`` there (an infinite query entry
+    against a negative key entry): ``exp(-inf) = 0`` and the sink keeps the denominator
+    positive, so the exact result is ``out = 0``, ``lse = s_h``; the row gives its key and
+    value nothing (``dq`` of that row is 0, key 0's ``dv`` is the other rows' alone); only
+    ``dk`` meets ``0 * inf``. The library may give NaN on that row (docs/spec.md, section 5:
+    the infinite input sits in the row's own kernel block), never a wrong finite number."""
+    q, k, v = _inputs(15)
+    q[0, 0, :, 0], k[0, 0, :, 0] = math.inf, -1.0
+    sinks = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = oracle(*leaves[:3], [L], [1], causal=True, return_lse=True, sinks=leaves[3])
+    assert torch.equal(out[0, 0], torch.zeros(H, D, dtype=torch.float64))
+    assert torch.equal(lse[0, :, 0], sinks)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(16), dtype=out.dtype)
+    out.backward(dout)
+    dq, _, dv, dsinks = (t.grad for t in leaves)
+    assert dq is not None and dv is not None and dsinks is not None
+    assert torch.equal(dq[0, 0], torch.zeros(H, D, dtype=torch.float64))
+    assert bool(dv.isfinite().all()) and bool(dsinks.isfinite().all())
+    rest = [t.clone().requires_grad_() for t in (q, k, v, sinks)]  # without query 0's gradient
+    others = oracle(*rest[:3], [L], [1], causal=True, sinks=rest[3])
+    others.backward(dout.index_fill(1, torch.tensor([0]), 0.0))
+    assert rest[2].grad is not None
+    torch.testing.assert_close(dv[0, 0], rest[2].grad[0, 0], rtol=1e-12, atol=1e-12)
+
+    may_be_nan = nan_allowed(q, k, v, [L], [1])
+    assert bool(may_be_nan[0, 0].all()) and not bool(may_be_nan[0, 1:].any())
+    for kernel in ("reference", "sdpa"):
+        got, got_lse = ringdilated.dilated_attention(
+            q.float(), k.float(), v.float(), [L], [1], causal=True, sinks=sinks.float(),
+            return_lse=True, kernel=kernel,
+        )  # fmt: skip
+        base = out.float()  # dense attention in float32 is the oracle rounded here
+        assert_non_finite_rule(got, out, base, may_be_nan[..., None], what=kernel)
+        assert_non_finite_rule(got_lse, lse, lse.float(), may_be_nan.transpose(1, 2), what=kernel)
 
 
 def test_float32_sinks_with_float64_inputs_give_the_float64_result() -> None:

@@ -1,11 +1,14 @@
 """The training recipes of docs/recipes.md, each run from its file under examples/recipes/ (the
 page includes those files, so the code tested is the code shown): on 4 gloo ranks, a 2 x 2
 (dp, cp) mesh, float64, each recipe's losses on every rank and its parameters after three steps
-equal those of one process trained with torch's mean cross-entropy. The FSDP2 + checkpointing +
+equal those of one process trained with torch's mean cross-entropy (the Hugging Face recipe on a
+1 x 2 mesh too; float32 as well where the recipe trains in it). The models' largest segment
+spans both "cp" shards, so what crosses the ranks is compared too. The FSDP2 + checkpointing +
 compile recipe is tests/test_training.py's."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import Workers
-from tests.recipe_tasks import one_process_run, one_process_torchtitan_run
+from tests.recipe_tasks import one_process_hf_run, one_process_run, one_process_torchtitan_run
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -87,6 +90,23 @@ def test_accelerate_loop_on_its_parallelism_config_mesh_matches_one_process(
     _assert_same_run(results, single, dtype)
 
 
+@DTYPES
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_hf_plain_loop_matches_one_process(
+    request: pytest.FixtureRequest, ranks: int, dtype: str
+) -> None:
+    """examples/recipes/hf_plain_loop.py: transformers' LlamaForCausalLM with
+    attn_implementation="ringdilated" under sequence_parallel(shard.layout), the global
+    position_ids passed, DDP over every rank, sharded_cross_entropy over (dp, cp) with
+    averaged_over = the mesh's size; on a 1 x 2 and a 2 x 2 mesh against transformers' forward on
+    one process with the batch's attention_mask (its own position ids)."""
+    pytest.importorskip("transformers")
+    workers: Workers = request.getfixturevalue(f"workers{ranks}")
+    single = one_process_hf_run(STEPS, LEARNING_RATE, dtype=dtype)
+    payload = {"steps": STEPS, "dtype": dtype}
+    _assert_same_run(workers.results("tests.recipe_tasks:hf_plain_loop", payload), single, dtype)
+
+
 def test_lightning_model_parallel_strategy_matches_one_process(tmp_path: Path) -> None:
     """examples/recipes/lightning_cp.py under torchrun, 4 gloo ranks: ModelParallelStrategy's
     "tensor_parallel" dimension as "cp", HSDP on its 2-D mesh, the batch sharded in
@@ -105,6 +125,28 @@ def test_lightning_model_parallel_strategy_matches_one_process(tmp_path: Path) -
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(4)]
     _assert_same_run(results, one_process_run(STEPS, LEARNING_RATE, one_batch=True))
+
+
+def test_every_recipe_model_attends_across_its_cp_shards() -> None:
+    """Each recipe model's largest segment is longer than a shard (a sequence of SEQ_LEN on a
+    "cp" group of 2), so some queries attend keys of the other rank. With every segment inside
+    one shard each rank attends its shard alone and the comparison with one process cannot see
+    what crosses the ranks: a torchtitan step passing local positions, each shard counted from
+    0, passed the test with the earlier [8, 16] pattern."""
+    import tiny_lm  # examples/recipes/, on sys.path since tests.recipe_tasks is imported
+    import torchtitan_style
+
+    shard = tiny_lm.SEQ_LEN // 2
+    patterns = {
+        "tiny_lm": tiny_lm.SEGMENT_LENGTHS,
+        "torchtitan_style": torchtitan_style.SEGMENT_LENGTHS,
+    }
+    if importlib.util.find_spec("transformers") is not None:
+        import hf_plain_loop
+
+        patterns["hf_plain_loop"] = hf_plain_loop.tiny_llama().config.ringdilated_segment_lengths
+    for name, segments in patterns.items():
+        assert max(segments) > shard, (name, segments, shard)
 
 
 SNIPPET = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"$', re.MULTILINE)

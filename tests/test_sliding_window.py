@@ -253,6 +253,42 @@ def test_a_kernel_that_skips_hidden_keys_gets_a_windows_block_whole() -> None:
     assert (kernel.calls, kernel.scores) == (1, length * length)
 
 
+def _windowed_gpu_specs() -> list[Any]:
+    from ringdilated.backends.flash import FLASH_SPEC
+    from ringdilated.backends.flash3 import FLASH3_SPEC
+    from ringdilated.backends.flash4 import FLASH4_SPEC
+    from ringdilated.backends.torch_flash import TORCH_FLASH_SPEC
+
+    return [FLASH_SPEC, FLASH3_SPEC, FLASH4_SPEC, TORCH_FLASH_SPEC]
+
+
+@pytest.mark.parametrize("spec", _windowed_gpu_specs(), ids=lambda spec: spec.name)
+def test_flash_kernels_get_a_sliding_windows_block_whole(spec: Any) -> None:
+    """flash-attn 2/3/4 and torch's flash op skip the key tiles a ``window_size`` hides, so
+    their specs say so (``skips_hidden_keys``) and the driver hands a sliding-window layer's
+    block to them in one call (their window pieces then make at most three), not in bands of
+    :data:`WINDOW_CHUNK_ROWS` rows: eight launches at L = 2048 for every one. Checked with the
+    real spec's capabilities on a CPU target, a counting reference kernel in its place, and the
+    oracle's result."""
+    from tests.test_gpu_kernel_wrappers import on_cpu
+
+    assert spec.capabilities.batch_limit.skips_hidden_keys
+    length = 2048
+    kernel = Counting(ReferenceKernel())
+    counted = attrs.evolve(
+        on_cpu(spec, frozenset({torch.float64})), name="counted", factory=lambda: kernel
+    )
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, length, 1, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    out, _, _ = attend(
+        ([length], [1]), q, k, v, causal=True, window=(32, 0), scale=None, dropout_p=0.0,
+        kernel="counted", resolver=Resolver([counted]),
+    )  # fmt: skip
+    assert kernel.calls == 1
+    expected = oracle(q, k, v, [length], [1], causal=True, window=(32, 0))
+    assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("window", [KeyWindow(40, -300), KeyWindow(3, 9), KeyWindow(-500, None)])
 def test_a_crossing_piece_under_a_window_computes_only_its_bands(window: KeyWindow) -> None:
     """:class:`BatchLimitedKernel` (a sharded run's crossing pieces) under windows as another

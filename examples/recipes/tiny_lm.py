@@ -17,7 +17,7 @@ import ringdilated
 from ringdilated.rotary import rotary_embedding
 
 VOCAB, WIDTH, HEADS, LAYERS = 32, 16, 2, 2
-SEGMENT_LENGTHS, DILATION_RATES = [8, 16], [1, 2]
+SEGMENT_LENGTHS, DILATION_RATES = [8, 32], [1, 2]
 ROWS, SEQ_LEN = 4, 32  # one global batch: ROWS sequences of SEQ_LEN tokens
 
 

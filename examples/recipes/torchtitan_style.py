@@ -37,7 +37,7 @@ import ringdilated
 from ringdilated.rotary import rotary_embedding
 
 DIM, N_HEADS, N_KV_HEADS, N_LAYERS = 16, 2, 1, 2
-SEGMENT_LENGTHS, DILATION_RATES = [8, 16], [1, 2]
+SEGMENT_LENGTHS, DILATION_RATES = [8, 32], [1, 2]
 IGNORE_INDEX = -100  # torchtitan/components/loss.py
 LEARNING_RATE = 0.5
 

@@ -292,7 +292,8 @@ class ShardedForward:
         if overlay is not None:
             return ValueError(
                 f"attn_implementation={NAME!r} serves transformers' causal_mask_function or "
-                f"bidirectional_mask_function; transformers asked for {overlay}"
+                "bidirectional_mask_function, or their sliding windows; transformers asked for "
+                f"{overlay}"
             )
         return checks.call_problem(self.setting.layout, dict(kwargs), q.shape[1])
 

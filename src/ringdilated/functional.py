@@ -426,7 +426,16 @@ def dilated_attention(
       flow through ``out`` and ``lse``.
     - Query suffix: ``q`` may be shorter than ``k``, ``v`` (``Lq <= L``); it holds the last ``Lq``
       positions (bottom-right aligned, as with a KV cache), and its rows equal those rows of the
-      full-length call.
+      full-length call. With a ``process_group`` (sharded chunked prefill) the suffix is the
+      whole sequence's: each rank passes its shard of ``k``, ``v`` and, as ``q``, the suffix
+      positions inside that shard, the last ``max(0, min(n_r, S_r + n_r - (L - Lq)))`` of it
+      (so ranks before the suffix pass an empty ``q``, ``(B, 0, H, D)``, and get an empty
+      ``out``, and a zero ``dq``, while their keys still serve the later ranks). The ranks learn
+      the suffix in their agreement; a split that is not one suffix raises ``ValueError`` on
+      every rank naming every rank's query length. A ``layout`` keeps the split of its first
+      call: a later call on it with another ``q`` length raises. ``ringpass`` and ``allgather``
+      serve it (sending only the keys the suffix's queries see); ``ulysses`` and ``hybrid``
+      raise ``ValueError``, and ``auto`` does not pick them.
     - ``cu_seqlens``: a 1-D integer tensor ``[0, e_1, ..., L]``, strictly increasing, shared by
       every batch row: packed documents, each attended as its own sequence (positions and
       segments restart at its start; no query sees another document's keys).

@@ -36,7 +36,11 @@ What the adapter does with transformers' arguments:
   transformers' and stores every position; :class:`ringdilated.DilatedKVCache` is the bounded
   cache of ringdilated's own modules.)
 - Causality is the ``is_causal`` transformers passes, else the attention module's
-  ``is_causal`` (``True`` for decoder models). Attention weights are never materialised:
+  ``is_causal`` (``True`` for decoder models); it must agree with the mask function
+  transformers made (causal or bidirectional, from ``config.is_causal``), else ``ValueError``
+  naming both: eager attention follows the mask, sdpa and flash-attention the flag, so a model
+  whose two disagree (Gemma-2's ``use_bidirectional_attention`` without ``config.is_causal =
+  False``) has no one answer. Attention weights are never materialised:
   ``output_attentions`` gets ``None``.
 - Packed inputs that transformers itself detects in ``position_ids`` (its packed-sequence mask:
   no mask and no cache) become ``cu_seqlens`` too, with transformers' boundaries. The adapter
@@ -140,8 +144,8 @@ class KeyMask(NamedTuple):
     ``sharded`` the forward's record (what its checks found; they run once). For a sliding-window
     mask function (see :func:`_mask_kind`), ``sliding_window`` is the ``w`` it captured and
     ``window`` the ``(left, right)`` :func:`dilated_attention` takes for it (``None`` both
-    otherwise). A named tuple, which ``torch.compile`` traces (a frozen attrs class it cannot
-    build)."""
+    otherwise); ``causal`` is whether the mask function is causal (``None``: not read). A named
+    tuple, which ``torch.compile`` traces (a frozen attrs class it cannot build)."""
 
     padding: torch.Tensor | None
     documents: torch.Tensor | None
@@ -150,6 +154,7 @@ class KeyMask(NamedTuple):
     sharded: ShardedForward | None = None
     sliding_window: int | None = None
     window: tuple[int, int] | None = None
+    causal: bool | None = None
 
 
 _MASKING = "transformers.masking_utils"
@@ -208,13 +213,15 @@ def _describe(function: object, depth: int = 0) -> str:
 class MaskKind(NamedTuple):
     """What :func:`_mask_kind` read in a mask function: the packed-sequence ids (``None`` when
     not packed), how it was built when the adapter does not serve it (``overlay``, else
-    ``None``), and its sliding window: transformers' ``w`` and the ``(left, right)`` it means
-    (``None`` both without one)."""
+    ``None``), its sliding window: transformers' ``w`` and the ``(left, right)`` it means
+    (``None`` both without one), and whether it is causal (``None`` for an overlay or no mask
+    function)."""
 
     documents: torch.Tensor | None
     overlay: str | None
     sliding_window: int | None = None
     window: tuple[int, int] | None = None
+    causal: bool | None = None
 
 
 def _base_window(function: object) -> MaskKind | None:
@@ -229,7 +236,7 @@ def _base_window(function: object) -> MaskKind | None:
 
     plain = (causal_mask_function, bidirectional_mask_function)
     if function in plain:
-        return MaskKind(None, None)
+        return MaskKind(None, None, causal=function is causal_mask_function)
     operands = _operands(function)
     bases = [f for f in operands if f in plain]
     overlays = [f for f in operands if f not in plain]
@@ -240,9 +247,9 @@ def _base_window(function: object) -> MaskKind | None:
     if type(w) is not int:
         return None
     if kind == (True, "sliding_window_overlay") and w >= 1:
-        return MaskKind(None, None, w, (w - 1, 0))
+        return MaskKind(None, None, w, (w - 1, 0), causal=True)
     if kind == (False, "sliding_window_bidirectional_overlay") and w >= 0:
-        return MaskKind(None, None, w, (w, w))
+        return MaskKind(None, None, w, (w, w), causal=False)
     return None
 
 
@@ -268,9 +275,9 @@ def _mask_kind(mask_function: object) -> MaskKind:
     return MaskKind(None, _describe(mask_function))
 
 
-def _window_of(kind: MaskKind) -> dict[str, Any]:
-    """:class:`KeyMask`'s window fields from what :func:`_mask_kind` read."""
-    return {"sliding_window": kind.sliding_window, "window": kind.window}
+def _read_fields(kind: MaskKind) -> dict[str, Any]:
+    """:class:`KeyMask`'s window and causality fields from what :func:`_mask_kind` read."""
+    return {"sliding_window": kind.sliding_window, "window": kind.window, "causal": kind.causal}
 
 
 def _bounds(ids: torch.Tensor) -> torch.Tensor:
@@ -354,7 +361,7 @@ def _sharded_mask(
         kv_offset=kv_offset, attention_mask=mask,
     )  # fmt: skip
     kind = _mask_kind(mask_function)
-    return KeyMask(None, None, kind.overlay, setting.layout, sharded, **_window_of(kind))
+    return KeyMask(None, None, kind.overlay, setting.layout, sharded, **_read_fields(kind))
 
 
 def padding_mask(
@@ -400,7 +407,7 @@ def padding_mask(
             "sliding-window cache)"
         )
     kind = _mask_kind(mask_function)
-    documents, overlay, window = kind.documents, kind.overlay, _window_of(kind)
+    documents, overlay, window = kind.documents, kind.overlay, _read_fields(kind)
     mask = None if attention_mask is None else attention_mask.bool()
     if torch.compiler.is_compiling() or overlay is not None:
         return KeyMask(mask, documents, overlay, **window)
@@ -501,6 +508,16 @@ def attention_forward(
     features = _features(config, kwargs, attention_mask)
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if isinstance(attention_mask, KeyMask) and attention_mask.causal not in (None, causal):
+        made = "causal" if attention_mask.causal else "bidirectional"
+        raise ValueError(
+            f"attn_implementation={NAME!r}: transformers made this layer a {made} mask (from "
+            f"config.is_causal={getattr(config, 'is_causal', None)!r}), but the layer is "
+            f"{'causal' if causal else 'bidirectional'} (is_causal={is_causal!r}, the "
+            f"module's is_causal={getattr(module, 'is_causal', None)!r}): eager attention follows "
+            "the mask, sdpa and flash-attention the flag when no mask is needed. Make them agree "
+            "(e.g. Gemma-2's use_bidirectional_attention=True needs config.is_causal=False too)"
+        )
     pattern: dict[str, Any] = {
         "mode": _setting(config, "mode", "head_groups"),
         "causal": causal,

@@ -72,7 +72,7 @@ from ringdilated.backends._upstream import check_parameters, distribution_versio
 from ringdilated.backends._versions import version_tuple
 from ringdilated.backends._windows import WindowKernel, WindowPiece
 from ringdilated.core import (
-    FUSED_GRID_LIMIT,
+    FUSED_WINDOWED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
     Environment,
@@ -328,7 +328,7 @@ FLASH_SPEC = KernelSpec(
         gqa=True,
         deterministic=True,
         requires=("flash_attn",),
-        batch_limit=FUSED_GRID_LIMIT,
+        batch_limit=FUSED_WINDOWED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(PriorityRule(300, "cuda", min_capability=(8, 0)),),

@@ -71,7 +71,7 @@ from ringdilated.backends._upstream import (
 )
 from ringdilated.backends._windows import NativeWindowKernel
 from ringdilated.core import (
-    FUSED_GRID_LIMIT,
+    FUSED_WINDOWED_GRID_LIMIT,
     Capabilities,
     Environment,
     KernelSpec,
@@ -274,7 +274,7 @@ FLASH3_SPEC = KernelSpec(
         gqa=True,
         deterministic=True,
         requires=("flash_attn_interface",),
-        batch_limit=FUSED_GRID_LIMIT,
+        batch_limit=FUSED_WINDOWED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(PriorityRule(450, "cuda", min_capability=(9, 0), max_capability=(9, 0)),),

@@ -75,7 +75,7 @@ from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._upstream import check_parameters, distribution_version, release
 from ringdilated.backends._windows import NativeWindowKernel, WindowPiece, backward_by_window
 from ringdilated.core import (
-    FUSED_GRID_LIMIT,
+    FUSED_WINDOWED_GRID_LIMIT,
     BlockOptions,
     Capabilities,
     Environment,
@@ -296,7 +296,7 @@ FLASH4_SPEC = KernelSpec(
         gqa=True,
         deterministic=True,
         requires=("flash_attn.cute",),
-        batch_limit=FUSED_GRID_LIMIT,
+        batch_limit=FUSED_WINDOWED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(

@@ -81,7 +81,7 @@ from ringdilated.backends._layouts import aligned, dense_float32
 from ringdilated.backends._philox import replay_state, seeded_generator
 from ringdilated.backends._windows import WindowKernel, WindowPiece
 from ringdilated.core import (
-    FUSED_GRID_LIMIT,
+    FUSED_WINDOWED_GRID_LIMIT,
     BlockOptions,
     BottomRightPiece,
     Capabilities,
@@ -323,7 +323,7 @@ TORCH_FLASH_SPEC = KernelSpec(
         dropout=True,
         gqa=True,
         deterministic=True,
-        batch_limit=FUSED_GRID_LIMIT,
+        batch_limit=FUSED_WINDOWED_GRID_LIMIT,
     ),
     priority=0,
     priority_rules=(PriorityRule(250, "cuda", min_capability=(8, 0), max_capability=(12, 1)),),

@@ -49,6 +49,7 @@ from ringdilated.core.plan.window import CAUSAL, FULL, KeyWindow
 from ringdilated.core.select.capabilities import (
     FUSED_GRID_LIMIT,
     FUSED_QUERY_ELEMENTS,
+    FUSED_WINDOWED_GRID_LIMIT,
     GRID_LIMIT,
     BatchLimit,
     Capabilities,
@@ -80,6 +81,7 @@ __all__ = [
     "FULL",
     "FUSED_GRID_LIMIT",
     "FUSED_QUERY_ELEMENTS",
+    "FUSED_WINDOWED_GRID_LIMIT",
     "GRID_LIMIT",
     "KERNEL_ENV_VAR",
     "MODES",

@@ -213,9 +213,10 @@ def masked_attention(
 
     docs/spec.md, section 5: ``softcap`` ``c > 0`` makes every score ``s`` (``scale * q . k``)
     ``c * tanh(s / c)`` before ``log_weights`` are added; ``sinks`` ``(H,)`` adds ``exp(s_h)``
-    to every query's softmax denominator with a zero value (``lse = log(sum_j exp(score_j) +
-    exp(s_h))``, ``out`` scaled by ``exp(lse_keys - lse)``; a query that sees no key then has
-    ``out = 0`` and ``lse = s_h``), differentiable in ``s_h``.
+    to every query's softmax denominator with a zero value: one more score per query, softmaxed
+    with the keys' and weighing nothing (``lse = log(sum_j exp(score_j) + exp(s_h))``), so a
+    query that sees no key, or whose every seen score is ``-inf``, has ``out = 0`` and ``lse =
+    s_h`` exactly; differentiable in ``s_h``; a sink of ``-inf`` is no sink.
 
     ``q (N, H, Lq, D)``, ``k, v (N, Hkv, Lk, D)``; ``seen`` is boolean, broadcastable to
     ``(N, H, Lq, Lk)``, ``True`` where query ``i`` sees key ``j``. ``log_weights`` (same
@@ -242,24 +243,29 @@ def masked_attention(
         raw = softcap * torch.tanh(raw / softcap)
     if log_weights is not None:
         raw = raw + log_weights.to(dtype)
-    # A query with no key has an all -inf row: give it finite scores so neither the values nor
-    # the gradients become NaN, then make its output 0 and its lse -inf.
+    masked = torch.where(seen, raw, raw.new_full((), float("-inf")))
+    if sinks is not None:  # the sink: one more score per query, with a zero value
+        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*masked.shape[:-1], 1)
+        masked = torch.cat([masked, sink], dim=-1)
+        seen = torch.cat([seen.expand(*masked.shape[:-1], -1), ~sink.isneginf()], dim=-1)
+    # A query with no key (and no sink) has an all -inf row: give it finite scores so neither
+    # the values nor the gradients become NaN, then make its output 0 and its lse -inf.
     empty = ~seen.any(-1, keepdim=True)
-    scores = torch.where(seen, raw, raw.new_full((), float("-inf"))).masked_fill(empty, 0.0)
+    scores = masked.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
     # An unseen key's probability is exactly 0, also in a row whose softmax is NaN (a score of
     # +inf, or only -inf scores): its value and key then get exactly 0 gradient from that row.
     probs = torch.where(seen, torch.softmax(scores, dim=-1), raw.new_zeros(()))
+    undefined = None
+    if sinks is not None:  # the sink's column weighs a zero value: drop it (a NaN stays)
+        undefined = probs[..., -1:].isnan()
+        probs, seen = probs[..., :-1], seen[..., :-1]
     if drop is not None:
         probs = probs * drop.to(dtype)
     out = _weighted_values(probs, vd, seen)
-    if sinks is None:
-        return out, lse
-    sink = sinks.to(dtype).view(1, -1, 1).expand_as(lse)
-    total = torch.logaddexp(lse, sink)  # lse = -inf (no key): the sink's own logit
-    # No key: share 0 (out stays 0), unless the sink is NaN: then NaN, never a silent 0.
-    share = torch.where(lse.isneginf() & ~total.isnan(), 0.0, torch.exp(lse - total))
-    return out * share.unsqueeze(-1), total
+    if undefined is not None:
+        out = torch.where(undefined, out.new_full((), float("nan")), out)
+    return out, lse
 
 
 def dense_attention(

@@ -12,14 +12,18 @@ If any rank rejected its input, every rank raises (that rank its own error, the 
 naming each differing field. No rank is left waiting in an exchange, and there is no way to skip
 the agreement: ranks whose shapes differ would otherwise exchange buffers of different sizes.
 
-Cost: the ranks first exchange a 64-bit digest of their signatures, an error flag and their
-shard length in one ``all_gather`` of three integers each (:func:`gather_flags`). Only when that
+Cost: the ranks first exchange a 64-bit digest of their signatures, an error flag, their
+shard length and their query length in one ``all_gather`` of four integers each
+(:func:`gather_flags`). Only when that
 finds a failure or a difference do they exchange the full reports (one ``all_gather_object``) to
 name it. So a call that agrees costs one small fixed-size collective and no pickling. Shards of
 different lengths (docs/spec.md, section 3) cost one more: the first exchange tells every rank
 the lengths, each checks its call again with them, and they agree again. That collective cannot be
 skipped for a signature seen before: a rank cannot learn that a peer's input was rejected this
-time without hearing from it.
+time without hearing from it. A query suffix (docs/spec.md, section 3: ``q`` shorter than a
+rank's shard) costs the same second agreement: a rank holding no query cannot know the suffix from
+its own shapes, so the first exchange tells every rank every rank's query length (a
+:class:`Split`), each checks its call again with them, and they agree again.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "BatchSignature",
     "CallSignature",
     "LayoutSignature",
+    "Split",
     "agree",
     "agreed",
     "compare_reports",
@@ -220,16 +225,16 @@ def control_layout(layout: Layout) -> Layout:
 
 
 def gather_flags(
-    group: Layout, failed: bool, digest: int, length: int
-) -> list[tuple[int, int, int]]:
-    """Every rank's ``(failed, digest, length)``, in rank order: one ``all_gather`` of three
-    integers per rank (on a :class:`~ringdilated.core.call.grid.Grid`, one along each dimension,
-    with each rank's global rank), so every rank gets the same answer. On the CPU, through
-    :func:`control_layout`.
+    group: Layout, failed: bool, digest: int, length: int, query_length: int = -1
+) -> list[tuple[int, int, int, int]]:
+    """Every rank's ``(failed, digest, length, query_length)``, in rank order: one
+    ``all_gather`` of four integers per rank (on a :class:`~ringdilated.core.call.grid.Grid`,
+    one along each dimension, with each rank's global rank), so every rank gets the same
+    answer. On the CPU, through :func:`control_layout`.
 
     On a grid, raises ``ValueError`` on every rank unless its two groups hold every rank once
     (``(WORLD, WORLD)``, or an inner group that is not a row of the outer ones, do not)."""
-    values = [int(failed), digest, length]
+    values = [int(failed), digest, length, query_length]
     group = control_layout(group)
     if isinstance(group, Grid):
         _check_grid(group)
@@ -237,13 +242,13 @@ def gather_flags(
     mine = torch.tensor(values, dtype=torch.int64)
     gathered = [tuple(t.tolist()) for t in grid.gather(group, mine)]
     if isinstance(group, Grid):
-        members = [g[3] for g in gathered]
+        members = [g[4] for g in gathered]
         if len(set(members)) != len(members):
             raise ValueError(
                 f"process_group=(outer, inner) must form a grid, every rank once in (outer, "
                 f"inner) order; its {group.shape} groups hold global ranks {members}"
             )
-    return [cast(tuple[int, int, int], g[:3]) for g in gathered]
+    return [cast(tuple[int, int, int, int], g[:4]) for g in gathered]
 
 
 def _check_grid(layout: Grid) -> None:
@@ -272,32 +277,59 @@ def _check_grid(layout: Grid) -> None:
         )
 
 
+@attrs.frozen
+class Split:
+    """How the sequence and its queries sit on the ranks, as the first agreement of a call
+    gathered them: ``lengths``, every rank's shard length (``-1`` where a rank did not say: its
+    input was unreadable, or its layout holds the lengths); ``query_lengths``, every rank's
+    query length where it passed a query suffix (``q`` shorter than its shard), ``-1`` where its
+    ``q`` holds its whole shard (or it did not say)."""
+
+    lengths: tuple[int, ...]
+    query_lengths: tuple[int, ...]
+
+    @property
+    def uneven(self) -> tuple[int, ...] | None:
+        """Every rank's shard length when every rank said it and they differ, else ``None``."""
+        lengths = self.lengths
+        return lengths if min(lengths) >= 0 and len(set(lengths)) > 1 else None
+
+    @property
+    def suffix(self) -> bool:
+        """Whether some rank passed a query suffix."""
+        return max(self.query_lengths) >= 0
+
+
 def agree(
     group: Layout,
     error: Exception | None,
     signature: _Fields | None,
     length: int = -1,
-) -> tuple[int, ...] | None:
+    query_length: int = -1,
+) -> Split | None:
     """Raise on every rank if any rank failed validation or the ranks' signatures differ, unless
-    the ranks' shards are of different lengths: then return every rank's length.
+    the ranks' shards are of different lengths or some rank passed a query suffix: then return
+    the :class:`Split` every rank gave.
 
     ``length``: this rank's shard length, or ``-1`` when unknown (its input was unreadable, or
-    the lengths were agreed already). When every rank knows its length and they are not all
-    equal, every rank gets the same lengths back and must check its call again with them (the
-    sequence length is their sum) and agree again, passing no length; nothing else is decided.
-    A rank that failed may pass ``signature=None`` and no length (its peers then raise naming
-    its error)."""
+    the lengths were agreed already). ``query_length``: how many query positions this rank
+    holds when fewer than its shard (a query suffix), else ``-1``. When every rank knows its
+    length and they are not all equal, or some rank gave a query length, every rank gets the
+    same split back and must check its call again with it (the sequence length is the lengths'
+    sum, the suffix the query lengths') and agree again, passing neither; nothing else is
+    decided. A rank that failed may pass ``signature=None`` and no lengths (its peers then
+    raise naming its error)."""
     if error is None and signature is None:
         raise ValueError("agree() needs a signature from a rank whose checks passed")
     digest = 0 if signature is None else signature.digest()
-    flags = gather_flags(group, error is not None, digest, length)
-    lengths = tuple(n for _, _, n in flags)
+    flags = gather_flags(group, error is not None, digest, length, query_length)
+    split = Split(tuple(f[2] for f in flags), tuple(f[3] for f in flags))
     # A rank in shard_lengths() (a module placing rotary positions) while this one is in a
     # call stops here too, whatever the lengths: it goes on to compare_reports.
-    placing = any(d == _LENGTHS_DIGEST for _, d, _ in flags)
-    if min(lengths) >= 0 and len(set(lengths)) > 1 and not placing:
-        return lengths
-    if any(failed for failed, _, _ in flags) or len({d for _, d, _ in flags}) > 1:
+    placing = any(f[1] == _LENGTHS_DIGEST for f in flags)
+    if (split.uneven is not None or split.suffix) and not placing:
+        return split
+    if any(f[0] for f in flags) or len({f[1] for f in flags}) > 1:
         compare_reports(group, error, signature)
     return None
 
@@ -308,9 +340,9 @@ def shard_lengths(group: Layout, length: int) -> tuple[int, ...]:
     input meanwhile (calling :func:`agree` with its error) meets it: then every rank raises,
     naming that rank's error."""
     flags = gather_flags(group, False, _LENGTHS_DIGEST, length)
-    if any(failed for failed, _, _ in flags):
+    if any(f[0] for f in flags):
         compare_reports(group, None, None)
-    others = [r for r, (_, digest, _) in enumerate(flags) if digest != _LENGTHS_DIGEST]
+    others = [r for r, f in enumerate(flags) if f[1] != _LENGTHS_DIGEST]
     if others:  # those ranks are in a call's agreement: this rank's difference stops them
         compare_reports(
             group,
@@ -321,7 +353,7 @@ def shard_lengths(group: Layout, length: int) -> tuple[int, ...]:
             ),
             None,
         )
-    return tuple(n for _, _, n in flags)
+    return tuple(f[2] for f in flags)
 
 
 _LENGTHS_DIGEST = int.from_bytes(hashlib.blake2b(b"shard_lengths", digest_size=8).digest()) >> 1

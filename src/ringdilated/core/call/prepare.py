@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ringdilated.core.call import grid
-from ringdilated.core.call.agreement import CallSignature, agree, agreed, safe_repr
+from ringdilated.core.call.agreement import CallSignature, Split, agree, agreed, safe_repr
 from ringdilated.core.call.grid import Grid, as_process_group, group_size
 from ringdilated.core.call.nccl_device import check_current_device
 from ringdilated.core.call.sequence_layout import SequenceLayout
@@ -33,6 +33,7 @@ from ringdilated.core.call.validation import (
     check_bool,
     check_inputs,
     check_options,
+    check_query_split,
     check_shards,
     check_sinks,
     check_window,
@@ -59,7 +60,7 @@ from ringdilated.core.run.local import (
 from ringdilated.core.run.sharded import ShardedRun
 from ringdilated.core.run.sinks import sinks_gradient
 from ringdilated.core.select.capabilities import Request, deterministic_algorithms
-from ringdilated.core.select.communicator_spec import CommunicatorChoice
+from ringdilated.core.select.communicator_spec import SUFFIX_REFUSED, CommunicatorChoice
 from ringdilated.core.select.cost import PieceSize, link_for
 from ringdilated.core.select.dtypes import autocast_off, warn_if_slow
 from ringdilated.core.select.feature_cost import warn_if_slow_features
@@ -179,14 +180,18 @@ class CallPlan:
 
     def check_shard(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``ValueError`` at once, on this rank, if a later call's shard contradicts the
-        planned one (its peers, which do not hear of it, are released by the backend's timeout). One
-        process: nothing to check (the plan's key holds the sequence length)."""
+        planned one, its query suffix included (its peers, which do not hear of it, are released
+        by the backend's timeout). One process: nothing to check (the plan's key holds the
+        sequence length)."""
         shard = self.shard
-        if shard is not None and not q.shape[1] == k.shape[1] == v.shape[1] == shard.shard_len:
+        if shard is None:
+            return
+        if not (k.shape[1] == v.shape[1] == shard.shard_len and q.shape[1] == shard.query_length):
             raise ValueError(
                 f"this call's shard is q {tuple(q.shape)}, k {tuple(k.shape)}, v "
                 f"{tuple(v.shape)}, but its SequenceLayout holds {shard.shard_len} positions on "
-                f"rank {self.rank}: build a new layout for each batch"
+                f"rank {self.rank}, of which its q holds the last {shard.query_length}: build a "
+                "new layout for each batch and each split of a query suffix"
             )
 
     def apply(
@@ -217,7 +222,7 @@ class CallPlan:
         shards = self.shards or (self.row_plans[0][1] if self.row_plans else ())
         if shards:
             starts = shards[self.rank].starts
-            lo, hi = starts[self.rank], starts[self.rank + 1]
+            lo, hi = starts[self.rank] + shards[self.rank].query_origin, starts[self.rank + 1]
         else:
             lo, hi = layout.query_start, layout.length
         mask = torch.ones(layout.rows[-1].stop if len(layout.rows) > 1 else 1, hi - lo)
@@ -280,8 +285,9 @@ class CallPlan:
             return self._head_parallel(q, k, shard, chosen)
         if chosen.parallelism == "hybrid":
             return self._hybrid(q, k, shard, chosen)
+        inner = self._blocks_run(q, k, shard.inner, complete=False, query_start=shard.query_origin)
         return ShardedRun(
-            inner=self._blocks_run(q, k, shard.inner, complete=False),
+            inner=inner,
             plans=self.shards,
             rank=self.rank,
             communicator=_prepared(chosen, self.group, self.shards, self.window),
@@ -299,9 +305,11 @@ class CallPlan:
         blocks: tuple[Block, ...] | None,
         *,
         complete: bool,
+        query_start: int | None = None,
     ) -> LocalRun:
         """A :class:`LocalRun` of ``blocks`` (``None``: the layout's), with this call's options
-        (``deterministic``: the request's, as the plan was made under torch's switch)."""
+        (``deterministic``: the request's, as the plan was made under torch's switch);
+        ``query_start``: ``q``'s first row in ``k`` (a shard's; default: the layout's)."""
         return pattern_run(
             self.kernel.kernel,
             self.pattern,
@@ -317,6 +325,7 @@ class CallPlan:
             layout=self.layout,
             deterministic=self.kernel.request.deterministic,
             softcap=self.softcap,
+            query_start=query_start,
         )
 
     def _head_parallel(
@@ -393,25 +402,23 @@ def _check(
     group: object,
     wants_backward: Callable[[], bool],
     lengths: tuple[int, ...] | None = None,
+    query_lengths: tuple[int, ...] | None = None,
 ) -> tuple[CallPlan, SequenceLayout]:
     """The call's plan (its executors not built yet) and its sequence layout, checked on this
     rank (:func:`prepare_call`'s contract); on a process group, every rank's shard plans and
-    the communicator, per group of batch rows when rows differ in padding."""
+    the communicator, per group of batch rows when rows differ in padding. ``lengths``: every
+    rank's shard length where they differ; ``query_lengths``: every rank's query length where
+    some rank passed a query suffix (``-1``: its whole shard); both as the agreement gathered
+    them (:class:`~ringdilated.core.call.agreement.Split`)."""
     ranks = group_size(group)
     pattern = pattern_args
     if not isinstance(pattern, DilationPattern):
         pattern = DilationPattern(*pattern)  # type: ignore[arg-type]
     if ranks > 1:  # an empty shard: one message on every rank, naming it
         check_shards(lengths, None if lengths is not None else grid.rank(group), q, k)  # type: ignore[arg-type]
-    q, k, v = check_inputs(q, k, v, pattern)
+    q, k, v = check_inputs(q, k, v, pattern, empty_queries=ranks > 1)
     if ranks > 1:  # NCCL: this rank's GPU current before any exchange (host-only, per plan)
         check_current_device(group, q.device)  # type: ignore[arg-type]
-    if ranks > 1 and q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "with a process_group, q must hold the same positions as its shard of k and v "
-            f"(a query suffix is not supported there yet), got q {tuple(q.shape)} and k "
-            f"{tuple(k.shape)}"
-        )
     if sequence is None:  # a call without a layout: its own, read here, on this rank
         equal = (k.shape[1],) * ranks
         cu_seqlens, mask = options.cu_seqlens, options.key_padding_mask
@@ -425,9 +432,17 @@ def _check(
             )
         sequence.check_shard(k.shape[1])
         sequence.check_batch(k.shape[0])
+        if ranks > 1:
+            sequence.check_queries(q.shape[1])
     # With a process group, cu_seqlens holds global positions: the length is every shard's.
     total = sequence.length if sequence.length is not None else k.shape[1] * ranks
-    layout = sequence.documents_for(k.shape[0], total, total - (k.shape[1] - q.shape[1]))
+    shard_lengths = sequence.shard_lengths or lengths  # None: equal shards
+    if ranks > 1:
+        every = shard_lengths or (k.shape[1],) * ranks
+        query_length = _suffix_length(q, k, every, query_lengths or sequence.query_lengths)
+    else:
+        query_length = total - (k.shape[1] - q.shape[1])
+    layout = sequence.documents_for(k.shape[0], total, query_length)
     check_options(options.scale, options.dropout_p)
     dropout_p = float(options.dropout_p)  # type: ignore[arg-type]
     softcap = as_softcap(options.softcap)
@@ -477,7 +492,6 @@ def _check(
             f"groups of {grid_shape[1]} ranks and needs at least {grid_shape[1]} query heads, "
             f"got {heads}"
         )
-    shard_lengths = sequence.shard_lengths or lengths
     choice: str | Communicator = options.communicator  # type: ignore[assignment]
 
     def size(rows: Rows) -> PieceSize:
@@ -486,10 +500,17 @@ def _check(
 
     def row_plan(rows: Rows, documents: tuple[tuple[int, int], ...] | None) -> RowPlan:
         shards = tuple(
-            shard_plan(pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths)
+            shard_plan(
+                pattern, total, heads, k.shape[2], rank, ranks, documents, shard_lengths,
+                layout.query_start,
+            )
             for rank in range(ranks)
-        )
+        )  # fmt: skip
         chosen = resolver.choose_communicator(ranks, window, choice, shards, size(rows), grid_shape)
+        if layout.query_start > 0 and chosen.parallelism != "sequence":
+            raise ValueError(
+                f"communicator {chosen.name!r} ({chosen.parallelism} parallelism) {SUFFIX_REFUSED}"
+            )
         return rows, shards, chosen
 
     if sequence.padding is None:  # one group of rows
@@ -503,6 +524,47 @@ def _check(
         plan, shards=shards, communicator=chosen, row_plans=row_plans, size=size(rows)
     )
     return plan, sequence
+
+
+def _suffix_length(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lengths: tuple[int, ...],
+    query_lengths: tuple[int, ...] | None,
+) -> int:
+    """The query length ``Lq`` of a call on a process group whose ranks hold shards of
+    ``lengths``: their sum without a query suffix, else the sum of every rank's query length
+    (``query_lengths``, ``-1`` for a whole shard), checked to be one suffix of the sequence
+    (:func:`~ringdilated.core.call.validation.check_query_split`: every rank raises alike).
+    A suffix on this rank before the ranks have said theirs raises ``ValueError`` (the
+    agreement then tells every rank the split, and the call is checked again)."""
+    if query_lengths is None:
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"q holds {q.shape[1]} of its shard's {k.shape[1]} positions (a query suffix), but "
+                "the ranks have not said how the suffix is split"
+            )
+        return sum(lengths)
+    resolved = tuple(n if m < 0 else m for n, m in zip(lengths, query_lengths, strict=True))
+    return check_query_split(lengths, resolved)
+
+
+def _own_lengths(q: object, k: object, known: bool, bound: bool) -> tuple[int, int]:
+    """This rank's shard length (``-1`` when its layout ``known`` the ranks') and query length
+    (``-1`` unless its ``q`` is a suffix of its shard, or when its layout has ``bound`` the
+    ranks'), for the agreement; ``-1`` each where ``q`` or ``k`` is not a dense 4-D tensor
+    (reading them never raises: the peers would be left waiting)."""
+
+    def length(x: object) -> int:
+        if not isinstance(x, torch.Tensor) or x.is_nested or x.layout != torch.strided:
+            return -1
+        return int(x.shape[1]) if x.dim() == 4 else -1
+
+    n = length(k)
+    if n < 0:
+        return -1, -1
+    queries = -1 if bound else length(q)
+    return -1 if known else n, queries if 0 <= queries < n else -1
 
 
 def prepare_call(
@@ -542,12 +604,14 @@ def prepare_call(
     def wants_backward() -> bool:
         return wants_gradients(q, k, v, options.sinks) if backward is None else backward
 
-    def check(lengths: tuple[int, ...] | None = None) -> tuple[CallPlan, SequenceLayout]:
+    def check(split: Split | None = None) -> tuple[CallPlan, SequenceLayout]:
         if failure is not None:
             raise failure
         chosen = resolver if isinstance(resolver, Resolver) else resolver()
+        lengths = None if split is None else split.uneven
+        queries = split.query_lengths if split is not None and split.suffix else None
         return _check(
-            pattern_args, q, k, v, options, chosen, layout, group, wants_backward, lengths
+            pattern_args, q, k, v, options, chosen, layout, group, wants_backward, lengths, queries
         )
 
     if ranks == 1:
@@ -558,31 +622,33 @@ def prepare_call(
         # Nothing a caller passed may raise on one rank outside this guard: the peers would be
         # left waiting in the agreement's collective.
         assert isinstance(group, (dist.ProcessGroup, Grid))
-        lengths: tuple[int, ...] | None = None  # equal shards, until the agreement says not
+        split: Split | None = None  # equal shards, no suffix, until the agreement says not
         known = layout is not None and layout.shard_lengths is not None
+        bound = layout is not None and layout.query_lengths is not None
         while True:
             checked: tuple[CallPlan, SequenceLayout] | None = None
             error: Exception | None = None
             signature: CallSignature | None = None
             try:
-                checked = check(lengths)
+                checked = check(split)
             except Exception as exc:  # any failure here must reach every rank, not strand them
                 error = exc
             try:
                 signature = _signature(pattern_args, q, k, options, checked, wants_backward())
             except Exception as exc:  # a caller's object that cannot even be described
                 error = error or exc
-            own = -1  # this rank's shard length, while the ranks' are unknown and k is 4-D
-            if lengths is None and not known and isinstance(k, torch.Tensor) and k.dim() == 4:
-                own = int(k.shape[1])
-            lengths = agree(group, error, signature, length=own)
-            if lengths is None:  # agreed (agree() raised otherwise)
+            own, own_queries = (-1, -1) if split is not None else _own_lengths(q, k, known, bound)
+            split = agree(group, error, signature, length=own, query_length=own_queries)
+            if split is None:  # agreed (agree() raised otherwise)
                 break
-            # Shards of different lengths: check again knowing them (a second agreement).
+            # Shards of different lengths, or a query suffix: check again knowing every rank's
+            # (a second agreement).
         assert checked is not None
         plan = checked[0]
         if layout is not None and plan.shards:
-            layout.bind(tuple(b - a for a, b in itertools.pairwise(plan.shards[0].starts)))
+            shards = plan.shards
+            lengths = tuple(b - a for a, b in itertools.pairwise(shards[0].starts))
+            layout.bind(lengths, tuple(shard.query_length for shard in shards))
     return plan.with_executors(q, k)
 
 
@@ -603,9 +669,11 @@ def plan_key(
     ``torch.use_deterministic_algorithms`` is on; the sinks' shape, dtype, device and layout,
     not their values, which each call passes), so that a call with the key of
     a planned one is valid and planned alike (``backward`` by default: grad mode and the inputs
-    say). On a process group the shards' lengths are left out: the layout holds them, and
-    :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything not simply a dense
-    tensor or not hashable (such a call is planned, and checked, anew)."""
+    say). On a process group the shards' lengths and the query lengths are left out: the layout
+    holds them (it binds both at its first agreed call, so every plan it keeps stands for one
+    split of the sequence and of a query suffix on every rank: no rank finds a plan while a peer
+    plans anew), and :meth:`CallPlan.check_shard` compares them at once. ``None`` for anything
+    not simply a dense tensor or not hashable (such a call is planned, and checked, anew)."""
     if not (type(q) is type(k) is type(v) is torch.Tensor):
         return None
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)

@@ -14,8 +14,9 @@ ranks agree on the documents, the padding and every rank's shard length, and whe
 raises on every rank. A layout then plans each distinct call signature (pattern, mode, heads,
 dims, dtype, kernel, communicator) once, at its first call, which the ranks also agree on; later
 calls with that signature read nothing from the device and make no collective but the data
-exchange. A later call that contradicts its layout (another shard length) raises at once on its
-own rank; its peers are released by the backend's timeout.
+exchange. A later call that contradicts its layout (another shard length, or another query length
+where its first call passed a query suffix) raises at once on its own rank; its peers are released
+by the backend's timeout.
 
 A layout is a value of the batch: build a new one for the next batch. Its plans are cached
 inside it (and dropped with it).
@@ -83,10 +84,12 @@ class _Plans:
 @attrs.define(eq=False)
 class _State:
     """A layout's mutable inside: its planned calls, the shard lengths a layout of equal shards
-    learns at its first call, and its rotary positions per device."""
+    learns at its first call, the query lengths every rank passed there, and its rotary positions
+    per device."""
 
     plans: _Plans = attrs.field(factory=_Plans)
     lengths: tuple[int, ...] | None = None
+    query_lengths: tuple[int, ...] | None = None
     positions: dict[tuple[torch.device, int], torch.Tensor] = attrs.field(factory=dict)
 
 
@@ -159,7 +162,7 @@ class SequenceLayout(OpaqueBase):
             differing = agree(group, error, signature, length=own)
             if differing is not None:  # every rank gave its length and they differ
                 agree(group, error, signature)
-                lengths = differing
+                lengths = differing.lengths
         elif error is not None:
             raise error
         assert read is not None
@@ -232,10 +235,31 @@ class SequenceLayout(OpaqueBase):
         """The calls planned on this layout (see the module docstring)."""
         return self._state.plans
 
-    def bind(self, lengths: tuple[int, ...]) -> None:
-        """Record the shard lengths a layout of equal shards learned at its first agreed call."""
+    @property
+    def query_lengths(self) -> tuple[int, ...] | None:
+        """Every rank's query length (its ``q``'s, the last positions of its shard; docs/spec.md,
+        section 3), as the first agreed call on the layout passed them (``None`` before it)."""
+        return self._state.query_lengths
+
+    def bind(self, lengths: tuple[int, ...], query_lengths: tuple[int, ...] | None = None) -> None:
+        """Record the shard lengths a layout of equal shards learned at its first agreed call,
+        and the query lengths every rank passed there: every later call on the layout holds the
+        same (so a plan it keeps stands for one split of the queries on every rank)."""
         if self._state.lengths is None:
             self._state.lengths = lengths
+        if self._state.query_lengths is None and query_lengths is not None:
+            self._state.query_lengths = query_lengths
+
+    def check_queries(self, length: int) -> None:
+        """Raise ``ValueError`` unless this rank's ``q`` holds ``length`` positions, where the
+        layout's first call bound them (:meth:`bind`)."""
+        bound = self._state.query_lengths
+        if bound is not None and bound[self.rank] != length:
+            raise ValueError(
+                f"this call's q holds {length} positions but its SequenceLayout's first call "
+                f"held {bound[self.rank]} on rank {self.rank} (query lengths {brief(bound)}): "
+                "build a new layout for each batch and each split of a query suffix"
+            )
 
     def check_shard(self, length: int) -> None:
         """Raise ``ValueError`` unless this rank's shard holds ``length`` positions, where known."""

@@ -19,6 +19,7 @@ __all__ = [
     "check_bool",
     "check_inputs",
     "check_options",
+    "check_query_split",
     "check_shard_lengths",
     "check_shards",
     "check_sinks",
@@ -32,10 +33,11 @@ EMPTY_SHARD_RULE = "every rank's shard must hold at least one position"
 
 
 def check_inputs(
-    q: object, k: object, v: object, pattern: DilationPattern
+    q: object, k: object, v: object, pattern: DilationPattern, empty_queries: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check ``q`` ``(B, Lq, H, D)`` and ``k``, ``v`` ``(B, L, Hkv, D)``, ``Lq <= L`` (a query
-    suffix when shorter; docs/spec.md, section 1)."""
+    suffix when shorter; docs/spec.md, section 1). ``empty_queries``: ``Lq = 0`` is allowed (a
+    rank of a process group before the suffix; :func:`check_query_split` checks the split)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -59,7 +61,8 @@ def check_inputs(
             )
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
-        if 0 in x.shape:
+        sized = (*x.shape[:1], *x.shape[2:]) if name == "q" and empty_queries else x.shape
+        if 0 in sized:
             raise ValueError(f"{name} must have no empty dimension, got shape {tuple(x.shape)}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -230,15 +233,48 @@ def check_shards(lengths: tuple[int, ...] | None, rank: int | None, q: object, k
     """On a process group, before anything else is checked: raise ``ValueError`` for an empty
     shard, naming its rank, worded alike wherever it is found. ``lengths``: every rank's shard
     length once the ranks have exchanged them (:func:`check_shard_lengths`: every rank raises
-    the same message); else ``None``, and this ``rank``'s own ``q`` and ``k`` (when 4-D
-    tensors) must hold a position (its peers then raise ``rank <rank> rejected its input``,
-    quoting this message). Anything not a dense 4-D tensor is left to :func:`check_inputs`."""
+    the same message); else ``None``, and this ``rank``'s own ``k`` (when a 4-D tensor) must hold
+    a position (its peers then raise ``rank <rank> rejected its input``, quoting this message,
+    which names ``q`` where it is empty too; an empty ``q`` alone is a rank before a query
+    suffix). Anything not a dense 4-D tensor is left to :func:`check_inputs`."""
     if lengths is not None:
         check_shard_lengths(lengths)
         return
-    for name, x in (("q", q), ("k", k)):
-        if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 4 and x.shape[1] == 0:
-            raise ValueError(
-                f"{EMPTY_SHARD_RULE}, got an empty shard on rank {rank}: {name} of shape "
-                f"{tuple(x.shape)}"
-            )
+    empty = [
+        (name, x)
+        for name, x in (("q", q), ("k", k))
+        if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() == 4 and x.shape[1] == 0
+    ]
+    if any(name == "k" for name, _ in empty):  # an empty q alone: a rank before a query suffix
+        name, x = empty[0]
+        raise ValueError(
+            f"{EMPTY_SHARD_RULE}, got an empty shard on rank {rank}: {name} of shape "
+            f"{tuple(x.shape)}"
+        )
+
+
+QUERY_SPLIT_RULE = (
+    "with a process_group, the queries are the last Lq positions of the whole sequence (of "
+    "length L, the shards' sum) and each rank's q holds those in its own shard [S_r, S_r + n_r): "
+    "the last max(0, min(n_r, S_r + n_r - (L - Lq))) positions of it, and Lq >= 1"
+)
+"""How every error about the ranks' split of a query suffix begins, on every rank."""
+
+
+def check_query_split(lengths: tuple[int, ...], query_lengths: tuple[int, ...]) -> int:
+    """The query suffix's length ``Lq``: the sum of every rank's query length (``query_lengths``,
+    in rank order, for shards of ``lengths``). Raises ``ValueError`` naming every rank's query
+    length and the rule unless they form one suffix of the whole sequence (docs/spec.md,
+    section 3); every rank, given the same lengths, raises the same message."""
+    total = sum(query_lengths)
+    start, end = sum(lengths) - total, 0
+    expected = []
+    for n in lengths:
+        end += n
+        expected.append(max(0, min(n, end - start)))
+    if total < 1 or tuple(expected) != tuple(query_lengths):
+        raise ValueError(
+            f"{QUERY_SPLIT_RULE}; got q lengths {brief(query_lengths)} on shards of "
+            f"{brief(lengths)} (Lq = {total}, so rank by rank {brief(tuple(expected))})"
+        )
+    return total

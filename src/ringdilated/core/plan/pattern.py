@@ -23,7 +23,16 @@ from typing import Literal, TypeAlias
 import attrs
 import torch
 
-__all__ = ["MODES", "Block", "DilationPattern", "HeadRun", "Mode", "Selection", "split_by_kv"]
+__all__ = [
+    "MODES",
+    "Block",
+    "DilationPattern",
+    "HeadRun",
+    "Mode",
+    "Selection",
+    "from_query",
+    "split_by_kv",
+]
 
 Mode: TypeAlias = Literal["head_groups", "longnet"]
 MODES: tuple[Mode, ...] = ("head_groups", "longnet")
@@ -290,11 +299,11 @@ def _document_blocks(
             continue
         for block in _blocks(pattern, stop - start, num_heads, num_kv_heads):
             shifted = attrs.evolve(block.selection, start=block.selection.start + start)
-            blocks.extend(_from_query(attrs.evolve(block, selection=shifted), query_start))
+            blocks.extend(from_query(attrs.evolve(block, selection=shifted), query_start))
     return tuple(blocks)
 
 
-def _from_query(block: Block, query_start: int) -> list[Block]:
+def from_query(block: Block, query_start: int) -> list[Block]:
     """``block`` restricted to queries at positions ``>= query_start``: the segments whose last
     selected position is before it dropped; the one that starts before it keeps all its keys and
     gets :attr:`Block.queries` (so that no query-side view reaches before ``query_start``)."""

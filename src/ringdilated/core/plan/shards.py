@@ -16,6 +16,12 @@ pattern, the segments a shard meets are of two kinds:
   ``left`` positions' keys to the next rank, and nothing to a rank beyond its reach. Nothing
   else moves, so the bytes sent are the minimum.
 
+A **query suffix** (docs/spec.md, sections 1 and 3: the queries are the last positions of the whole
+sequence, from ``query_start`` on) keeps every key where it is and drops queries: inner blocks keep
+the segments holding a query (:func:`~ringdilated.core.plan.pattern.from_query`), a crossing's
+receiver is sent only the keys its pieces' query rows see (:meth:`Crossing.query_rows`), so a rank
+without queries receives nothing and still sends its keys.
+
 Every rank computes the same :class:`ShardPlan` from the same arguments, so senders and receivers
 agree on sizes and order without asking each other.
 """
@@ -29,7 +35,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from ringdilated.core.plan.pattern import Block, DilationPattern, Selection
+from ringdilated.core.plan.pattern import Block, DilationPattern, Selection, from_query
 from ringdilated.core.plan.window import KeyWindow, as_window
 
 __all__ = [
@@ -68,13 +74,40 @@ class Piece:
 
 @attrs.frozen
 class Crossing:
-    """One crossing segment of one block: every participant's piece (in rank order)."""
+    """One crossing segment of one block: every participant's piece (in rank order).
+    ``query_start``: the first query position of the sequence (a query suffix; ``0``: every
+    position is a query)."""
 
     block: Block
     pieces: tuple[Piece, ...]
+    query_start: int = 0
 
     def piece(self, rank: int) -> Piece | None:
         return next((piece for piece in self.pieces if piece.rank == rank), None)
+
+    def query_rows(self, rank: int) -> tuple[int, int]:
+        """``(first, count)``: rows ``[first, count)`` of ``rank``'s piece are queries (those at
+        positions ``>= query_start``); ``first == count`` when none is."""
+        piece = self.piece(rank)
+        assert piece is not None
+        before = -(-(self.query_start - piece.first) // self.block.selection.rate)
+        return min(piece.count, max(0, before)), piece.count
+
+    def has_queries(self, rank: int) -> bool:
+        """Whether ``rank``'s piece holds a query (a rank holding none computes nothing here)."""
+        first, count = self.query_rows(rank)
+        return first < count
+
+    def query_selection(self, rank: int) -> Selection:
+        """The query rows of ``rank``'s piece (:meth:`query_rows`, at least one), as one segment
+        in that rank's local coordinates."""
+        piece = self.piece(rank)
+        assert piece is not None
+        sel, (skip, _) = piece.selection, self.query_rows(rank)
+        if self.query_start <= piece.origin + sel.start:  # the piece's span lies in the queries
+            return sel
+        first = sel.start + sel.offset + skip * sel.rate
+        return Selection(first, 1, sel.start + sel.segment_length - first, sel.rate, 0)
 
     def sends(self, src: int, dst: int, window: KeyWindow | bool) -> bool:
         """Whether ``src``'s piece goes to ``dst``: both take part, ``window``'s send rule
@@ -90,30 +123,37 @@ class Crossing:
 
     def window(self, src: int, dst: int, window: KeyWindow) -> KeyWindow:
         """The call's ``window`` (in positions) between ``dst``'s queries and ``src``'s keys, in
-        the pieces' coordinates (query ``i`` of ``dst``'s piece, key ``j`` of ``src``'s): both
-        lie on the segment's grid of stride ``rate``, so it is :meth:`~.window.KeyWindow.dilated`
-        by the rate and shifted by how many selected positions ``dst``'s first lies after
-        ``src``'s."""
+        their coordinates (query ``i`` of ``dst``'s query rows, :meth:`query_rows`; key ``j`` of
+        ``src``'s piece): both lie on the segment's grid of stride ``rate``, so it is
+        :meth:`~.window.KeyWindow.dilated` by the rate and shifted by how many selected
+        positions ``dst``'s first query lies after ``src``'s first key."""
         queries, keys = self.piece(dst), self.piece(src)
         assert queries is not None and keys is not None
         rate = self.block.selection.rate
-        return window.dilated(rate).shifted((queries.first - keys.first) // rate)
+        skip = self.query_rows(dst)[0]
+        return window.dilated(rate).shifted((queries.first - keys.first) // rate + skip)
 
     def sent(self, src: int, dst: int, window: KeyWindow) -> tuple[int, int]:
         """``(start, stop)``: the keys of ``src``'s piece (numbered from its first) that some
-        query of ``dst``'s piece sees under ``window``, one contiguous run (``(0, 0)``: none).
-        Every key of the piece without a window; what moves from ``src`` to ``dst``."""
-        queries, keys = self.piece(dst), self.piece(src)
-        assert queries is not None and keys is not None
+        query of ``dst``'s piece sees under ``window``, one contiguous run (``(0, 0)``: none,
+        as when ``dst``'s piece holds no query). Every key of the piece without a window and
+        a suffix; what moves from ``src`` to ``dst``."""
+        keys = self.piece(src)
+        assert keys is not None
+        first, count = self.query_rows(dst)
+        if first >= count:
+            return 0, 0
         between = self.window(src, dst, window)
-        return between.visible_keys(0, queries.count, keys.count)
+        return between.visible_keys(0, count - first, keys.count)
 
 
 @attrs.frozen(cache_hash=True)
 class ShardPlan:
     """Rank ``rank``'s work: inner blocks (local selections) and the crossings it takes part in.
     ``starts``: where each rank's shard begins, then the sequence length (``P + 1`` values);
-    ``pattern``, ``num_heads``, ``num_kv_heads``, ``documents``: what it plans."""
+    ``pattern``, ``num_heads``, ``num_kv_heads``, ``documents``: what it plans;
+    ``query_start``: the first query position of the whole sequence (a query suffix; ``0``:
+    every position is a query)."""
 
     rank: int
     world_size: int
@@ -124,11 +164,23 @@ class ShardPlan:
     num_heads: int
     num_kv_heads: int
     documents: tuple[tuple[int, int], ...] | None = None
+    query_start: int = 0
 
     @property
     def shard_len(self) -> int:
         """The length of this rank's shard."""
         return self.starts[self.rank + 1] - self.starts[self.rank]
+
+    @property
+    def query_origin(self) -> int:
+        """This rank's first query row in its shard: its ``q`` holds the shard's positions from
+        here on (``shard_len``: none)."""
+        return min(self.shard_len, max(0, self.query_start - self.starts[self.rank]))
+
+    @property
+    def query_length(self) -> int:
+        """How many query positions this rank holds: the last ones of its shard."""
+        return self.shard_len - self.query_origin
 
     def transfers(self, src: int, dst: int, window: KeyWindow) -> tuple[Crossing, ...]:
         """The crossings whose ``src`` piece goes to ``dst``, in the fixed order both agree on."""
@@ -306,14 +358,18 @@ def shard_plan(
     world_size: int,
     documents: tuple[tuple[int, int], ...] | None = None,
     lengths: tuple[int, ...] | None = None,
+    query_start: int = 0,
 ) -> ShardPlan:
     """The plan of ``rank`` for a global sequence of ``seq_len`` split over ``world_size`` ranks
     (equal shards, or shards of ``lengths``; see :func:`shard_starts`), made of ``documents``
     (global ``[start, stop)`` spans; ``None``: one document). A segment of a document that
     crosses a shard boundary is a crossing like any other; one that ends at a document boundary
-    is never joined to the next document's, so nothing travels across it."""
+    is never joined to the next document's, so nothing travels across it. ``query_start``: the
+    queries are the positions from there on (a query suffix): inner segments without a query are
+    dropped, and crossings send only what the queries see (:meth:`Crossing.sent`)."""
     starts = shard_starts(seq_len, world_size, lengths)
     lo, hi = starts[rank], starts[rank + 1]
+    origin = min(hi, max(lo, query_start)) - lo  # this rank's first query row
     inner: list[Block] = []
     crossings: list[Crossing] = []
     blocks = (
@@ -331,7 +387,8 @@ def shard_plan(
         inside_last = min(last, (hi - sel.start) // w)
         if inside_last > inside_first:
             local = sel.segments(inside_first, inside_last - inside_first)
-            inner.append(attrs.evolve(block, selection=attrs.evolve(local, start=local.start - lo)))
+            shifted = attrs.evolve(block, selection=attrs.evolve(local, start=local.start - lo))
+            inner.extend(from_query(shifted, origin))
         for s in range(first, last):
             if inside_first <= s < inside_last:
                 continue
@@ -343,7 +400,7 @@ def shard_plan(
                 if piece is not None:
                     pieces.append(Piece(x, piece, starts[x]))
             if any(p.rank == rank for p in pieces):
-                crossings.append(Crossing(block, tuple(pieces)))
+                crossings.append(Crossing(block, tuple(pieces), query_start))
     return ShardPlan(
         rank,
         world_size,
@@ -354,4 +411,5 @@ def shard_plan(
         num_heads,
         num_kv_heads,
         documents,
+        query_start,
     )

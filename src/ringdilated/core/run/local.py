@@ -850,13 +850,16 @@ def pattern_run(
     layout: DocumentLayout | None = None,
     deterministic: bool = False,
     softcap: float | None = None,
+    query_start: int | None = None,
 ) -> LocalRun:
     """The :class:`LocalRun` of one plan: ``kernel`` over ``pattern``'s blocks for ``q``, ``k``
     (``blocks`` replaces them, e.g. a shard's inner blocks; ``layout`` places documents, padding
     and a query suffix), scale defaulting by :func:`effective_scale`, no kernel call holding more
     problems than ``batch_limit`` allows, every call's options ``deterministic`` and ``softcap``
     as given (the plan's), and every call's results and inputs checked
-    (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``)."""
+    (:class:`~ringdilated.core.contract.guard.CheckedKernel`, errors naming ``kernel_name``).
+    ``query_start``: the position of ``q``'s first row in ``k`` when ``blocks`` are given (a
+    shard's query suffix: its blocks' queries start there); default: the layout's."""
     batch, length, kv_heads = k.shape[0], k.shape[1], k.shape[2]
     heads, dim = q.shape[2], q.shape[3]
     layout = layout or DocumentLayout.whole(batch, length, q.shape[1])
@@ -873,12 +876,13 @@ def pattern_run(
     # Every query row is written only where every selected query sees a key (its own
     # position, under any call's window); a window that hides it leaves rows to zero.
     covers = layout.covers_all and window.sees_own_position
+    start = layout.query_start if query_start is None else query_start
     return LocalRun(
         kernel=CheckedKernel(kernel, kernel_name or type(kernel).__name__),
         rows=rows,
-        query_start=layout.query_start,
+        query_start=start,
         covers_queries=covers,
-        covers_keys=covers and layout.query_start == 0,
+        covers_keys=covers and start == 0,
         exclusive=pattern.mode == "head_groups",
         scale=effective_scale(scale, dim),
         window=window,

@@ -20,6 +20,13 @@ Call flow on rank ``r`` (every rank runs the same steps)::
         to their owners (asynchronously, while the next step computes); each rank adds what
         comes back to its own pieces
 
+With a query suffix (docs/spec.md, section 3), ``q``, ``out``, ``lse`` and their gradients hold
+only this rank's query rows, the last of its shard from
+:attr:`~ringdilated.core.plan.shards.ShardPlan.query_origin` on: the inner run starts its queries
+there, and a crossing computes only its piece's query rows
+(:func:`~ringdilated.core.run.wire.queries`), none where the piece holds no query (its keys
+still go to the ranks whose queries see them).
+
 Memory per rank is O(L / P): inner work is chunked as on one process, at most two steps' pieces
 and one step's returned gradients are alive at a time. Nothing here validates inputs:
 :func:`ringdilated.core.call.prepare.prepare_call` did, identically on every rank, before any
@@ -89,20 +96,23 @@ class ShardedRun:
         call = call.derive("shard", self.rank).with_lse()
         out, lse = self.inner.forward(q, k, v, call, cast=False)
         index = {c: i for i, c in enumerate(crossings)}
+        origin = self.plan.query_origin
         own = (
             (me, c, wire.piece(k, c, me, wire.kv_heads(c)), wire.piece(v, c, me, wire.kv_heads(c)))
             for c in crossings
+            if c.has_queries(me)
         )
         arrived = ((src, c, kr, vr) for _, received in exchange for src, _, c, kr, vr in received)
         states: dict[Crossing, Accumulator] = {}
         for src, c, kc, vc in itertools.chain(own, arrived):
-            qc = wire.piece(q, c, me, wire.q_heads(c))
+            qc = wire.queries(q, c, me, wire.q_heads(c), origin)
             if c not in states:
                 states[c] = Accumulator.empty(qc.shape, qc.shape[:-1], q.dtype, q.device)
             o, s = self.kernel.forward(qc, kc, vc, self.options(index[c], src, call.seed))
             Accumulator.add(states[c].out, states[c].lse, o, s)
         for c, state in states.items():
-            out_c, lse_c = wire.piece(out, c, me, wire.q_heads(c)), wire.lse_piece(lse, c, me)
+            out_c = wire.queries(out, c, me, wire.q_heads(c), origin)
+            lse_c = wire.query_lse(lse, c, me, origin)
             if self.inner.exclusive:
                 out_c.copy_(state.out)
                 lse_c.copy_(state.lse)
@@ -126,6 +136,7 @@ class ShardedRun:
         # inner.complete is False, so these are zero-started accumulators in the acc dtype.
         dq, dk, dv = self.inner.backward(inputs, call, cast=False)
         index = {c: i for i, c in enumerate(crossings)}
+        origin = self.plan.query_origin
 
         def partial(
             c: Crossing, src: int, kc: torch.Tensor, vc: torch.Tensor
@@ -134,19 +145,21 @@ class ShardedRun:
             lse's share included where ``dlse`` flows) added into this rank's, its ``dk``, ``dv``
             returned, in the inputs' dtypes (they add into accumulators)."""
             qh, options = wire.q_heads(c), self.options(index[c], src, call.seed)
-            qc, lse_c = wire.piece(q, c, me, qh), wire.lse_piece(lse, c, me)
-            dout_c, out_c = wire.piece(dout, c, me, qh), wire.piece(out, c, me, qh)
+            qc, lse_c = wire.queries(q, c, me, qh, origin), wire.query_lse(lse, c, me, origin)
+            dout_c, out_c = (wire.queries(x, c, me, qh, origin) for x in (dout, out))
             if dlse is None:
                 gq, gk, gv = self.kernel.backward(dout_c, qc, kc, vc, out_c, lse_c, options)
             else:
-                dlse_c = wire.lse_piece(dlse, c, me)
+                dlse_c = wire.query_lse(dlse, c, me, origin)
                 gq, gk, gv = backward_with_lse(
                     self.kernel, dout_c, dlse_c, qc, kc, vc, out_c, lse_c, options
                 )
-            wire.piece(dq, c, me, qh).add_(gq)
+            wire.queries(dq, c, me, qh, origin).add_(gq)
             return gk, gv
 
         for c in crossings:
+            if not c.has_queries(me):
+                continue  # no query here: its keys only travel (and their gradients return)
             kh = wire.kv_heads(c)
             gk, gv = partial(c, me, wire.piece(k, c, me, kh), wire.piece(v, c, me, kh))
             wire.piece(dk, c, me, kh).add_(gk)
@@ -172,7 +185,8 @@ class ShardedRun:
         piece (this rank's own, or the keys of it that ``src`` sent:
         :meth:`~ringdilated.core.plan.shards.Crossing.sent`): the call's window between this
         rank's queries and those keys, in their coordinates
-        (:meth:`~ringdilated.core.plan.shards.Crossing.window`, shifted to the first key sent).
+        (:meth:`~ringdilated.core.plan.shards.Crossing.window`: from this rank's first query row
+        of the piece, a query suffix's; shifted to the first key sent).
         ``seed``: the shard's dropout seed (``0``: none; the options are then made once per
         crossing and piece, and kept)."""
         if seed == 0:

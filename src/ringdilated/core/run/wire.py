@@ -7,7 +7,7 @@ gradients sent back use the same layout. Both ends derive sizes and order from t
 plan, so nothing about the layout is sent. Index tensors are built once per payload and device.
 
 Kernel-layout views of a rank's own tensors (its piece of a crossing segment) live here too:
-:func:`piece` and :func:`lse_piece`.
+:func:`piece` (keys and values), :func:`queries` and :func:`query_lse` (the query side).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ __all__ = [
     "extract",
     "gradient_buffers",
     "kv_heads",
-    "lse_piece",
     "numel",
     "pack",
     "piece",
     "q_heads",
+    "queries",
+    "query_lse",
     "scatter_add",
     "scatter_add_returned",
     "unpack",
@@ -50,11 +51,22 @@ def piece(x: torch.Tensor, crossing: Crossing, rank: int, heads: slice) -> torch
     return own.selection.view(x)[:, 0, :, heads].transpose(1, 2)
 
 
-def lse_piece(lse: torch.Tensor, crossing: Crossing, rank: int) -> torch.Tensor:
-    """``(B, heads, count)`` view of ``rank``'s piece of a local ``(B, H, S)`` lse."""
-    own = crossing.piece(rank)
-    assert own is not None
-    return own.selection.view(lse, dim=2)[:, q_heads(crossing), 0]
+def queries(
+    x: torch.Tensor, crossing: Crossing, rank: int, heads: slice, origin: int
+) -> torch.Tensor:
+    """``(B, heads, count, D)`` kernel-layout view of the query rows of ``rank``'s piece
+    (:meth:`~ringdilated.core.plan.shards.Crossing.query_rows`) in a local query-side tensor
+    (``q``, ``out``, their gradients) whose first row is shard position ``origin`` (a query
+    suffix's; ``0``: the whole shard)."""
+    rows = crossing.query_selection(rank)
+    return rows.view(x, origin=origin)[:, 0, :, heads].transpose(1, 2)
+
+
+def query_lse(lse: torch.Tensor, crossing: Crossing, rank: int, origin: int) -> torch.Tensor:
+    """``(B, heads, count)`` view of the query rows of ``rank``'s piece in a local ``(B, H, Lq)``
+    lse (or its gradient) whose first row is shard position ``origin`` (see :func:`queries`)."""
+    rows = crossing.query_selection(rank)
+    return rows.view(lse, dim=2, origin=origin)[:, q_heads(crossing), 0]
 
 
 def numel(payload: Payload, batch: int, head_dim: int) -> int:

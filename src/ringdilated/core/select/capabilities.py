@@ -28,6 +28,7 @@ __all__ = [
     "FEATURES",
     "FUSED_GRID_LIMIT",
     "FUSED_QUERY_ELEMENTS",
+    "FUSED_WINDOWED_GRID_LIMIT",
     "GRID_LIMIT",
     "PACKAGES_ENV_VAR",
     "BatchLimit",
@@ -316,6 +317,13 @@ FUSED_QUERY_ELEMENTS = 1 << 28
 #: A fused CUDA kernel's limits: the launch grid's ``gridDim.y`` holds the problems, and
 #: :data:`FUSED_QUERY_ELEMENTS` the query elements.
 FUSED_GRID_LIMIT = BatchLimit(problems=GRID_LIMIT, query_elements=FUSED_QUERY_ELEMENTS)
+#: :data:`FUSED_GRID_LIMIT` of a kernel whose local window skips the key tiles it hides
+#: (flash-attn's ``window_size``: its key-block loop starts and stops at the window's edges), so
+#: a sliding window's block reaches it whole, not cut into bands of rows (one launch where bands
+#: would make ``L / 256``).
+FUSED_WINDOWED_GRID_LIMIT = BatchLimit(
+    problems=GRID_LIMIT, query_elements=FUSED_QUERY_ELEMENTS, skips_hidden_keys=True
+)
 
 
 @attrs.frozen

@@ -25,10 +25,16 @@ if TYPE_CHECKING:
     from ringdilated.core.plan.shards import ShardPlan
     from ringdilated.core.plan.window import KeyWindow
 
-__all__ = ["CommunicatorChoice", "CommunicatorSpec", "described_by_attributes"]
+__all__ = ["SUFFIX_REFUSED", "CommunicatorChoice", "CommunicatorSpec", "described_by_attributes"]
 
 CAUSAL_REFUSED = "cannot restrict sends to later ranks under causal=True"
 """Why a spec with ``causal=False`` cannot serve a window that hides later keys."""
+
+SUFFIX_REFUSED = (
+    "cannot serve a query suffix on a process group (q shorter than the whole sequence): it "
+    "exchanges whole shards of every head; pass communicator='ringpass' or 'allgather'"
+)
+"""Why a head-parallel or 2-D communicator refuses a query suffix (the same on every rank)."""
 
 ROLES = ("heads", "sequence")
 """A hybrid's parts, in the order of ``CommunicatorSpec.parts``."""
@@ -78,6 +84,7 @@ class CommunicatorSpec:
     only for, ``"hybrid"``). ``dims``: its process layout, which follows from ``parallelism`` (2,
     a 2-D :class:`~ringdilated.core.call.grid.Grid`, for ``"hybrid"``; else 1, a process group):
     accepted for compatibility, a contradiction rejected.
+    A query suffix (the plans' ``query_start > 0``) is served by sequence parallelism only.
     ``plan_reasons``: given every rank's shard plan and the call's key window, the reasons this
     communicator cannot move that plan's data exactly (empty: it can); if it raises or returns
     anything but str, :meth:`reasons` turns that into a reason against this communicator.
@@ -123,6 +130,8 @@ class CommunicatorSpec:
             out.append("a group of one rank needs no communication (local serves it)")
         if window.hides_later_keys and not self.causal:
             out.append(CAUSAL_REFUSED)
+        if plans and plans[0].query_start > 0 and self.parallelism != "sequence":
+            out.append(SUFFIX_REFUSED)
         if plans and self.plan_reasons is not None and not out:
             mask = mask_argument(self.plan_reasons, window)
             out.extend(rules.contained_reasons("plan_reasons", self.plan_reasons, plans, mask))
