@@ -21,7 +21,8 @@ def query_rows(case: dict[str, Any], rank: int, world: int) -> slice:
     return slice(min(first, shard.stop), shard.stop)
 
 
-def _keywords(case: dict[str, Any]) -> dict[str, Any]:
+def _keywords(case: dict[str, Any], documents: bool = True) -> dict[str, Any]:
+    """The call's keywords; its documents or padding too unless a layout holds them."""
     return {
         "segment_lengths": case["segments"],
         "dilation_rates": case["rates"],
@@ -30,7 +31,7 @@ def _keywords(case: dict[str, Any]) -> dict[str, Any]:
         "window": case.get("window"),
         "scale": case["scale"],
         "softcap": case.get("softcap"),
-        **case_layout(case),
+        **(case_layout(case) if documents else {}),
     }
 
 
@@ -96,9 +97,7 @@ def _call(
     q, k, v, _, _ = case_inputs(case)
     shard = shard_slice(case, rank, world)
     rows = query_rows({**case, "query_length": query_length}, rank, world)
-    keywords = _keywords(case)
-    if layout is not None:
-        keywords.pop("cu_seqlens", None)
+    keywords = _keywords(case, documents=layout is None)
     return ringdilated.dilated_attention(
         q[:, rows], k[:, shard], v[:, shard], **keywords, kernel=kernel,
         process_group=dist.group.WORLD if layout is None else None, layout=layout,
@@ -158,17 +157,25 @@ def compiled_suffix(case: dict[str, Any]) -> dict[str, Any]:
     return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
-def suffix_on_a_layout(case: dict[str, Any]) -> list[torch.Tensor]:
+def suffix_on_a_layout(case: dict[str, Any]) -> dict[str, Any]:
     """Two calls on one :class:`~ringdilated.SequenceLayout` given every rank's shard length
     (``case['shard_lengths']``) and the case's documents: the first plans (and agrees on the
-    split), the second runs the plan the layout keeps. This rank's out of each."""
+    split), the second runs the plan the layout keeps, counted (``HotPathCounter``: host
+    reads, host copies, control collectives). This rank's out of each, and the counts."""
     import ringdilated
+    from ringdilated.testing.hot_path import HotPathCounter
 
     rank = dist.get_rank()
     layout = ringdilated.SequenceLayout(
         process_group=dist.group.WORLD, shard_length=case["shard_lengths"][rank],
-        **case_layout(case),
+        agree_every_call=False, **case_layout(case),
     )  # fmt: skip
-    outs = [_call(case, case["query_length"], layout) for _ in range(2)]
+    first = _call(case, case["query_length"], layout)
+    with HotPathCounter() as counts:
+        second = _call(case, case["query_length"], layout)
     assert layout.query_lengths is not None
-    return outs
+    return {
+        "outs": [first, second],
+        "counts": (counts.host_reads, counts.host_copies, counts.control_collectives),
+        "events": counts.events,
+    }

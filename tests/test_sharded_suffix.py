@@ -344,14 +344,17 @@ def test_the_split_rule_names_every_rank() -> None:
 
 def test_a_layout_with_uneven_shards_and_documents_serves_a_suffix(workers2: Workers) -> None:
     """The layout holds the shard lengths (no length is gathered): the suffix alone makes the
-    second agreement; its second call runs the kept plan."""
+    second agreement; its second call runs the kept plan, with no host read, host copy or
+    control collective (counted)."""
     case = _case(query_length=13, shard_lengths=[5, 11], cu_seqlens=[0, 4, 16])
     results = workers2.results(f"{TASKS}:suffix_on_a_layout", case)
     q, k, v, _, _ = case_inputs(case)
     kw = {"causal": True, **case_layout(case)}
     expected = oracle(q[:, 3:], k, v, case["segments"], case["rates"], **kw)
     base = dense_attention(q[:, 3:], k, v, case["segments"], case["rates"], **kw)[0]
-    assert [r[0].shape[1] for r in results] == [2, 11]
+    assert [r["outs"][0].shape[1] for r in results] == [2, 11]
     for call in (0, 1):
-        got = torch.cat([r[call] for r in results], 1)
+        got = torch.cat([r["outs"][call] for r in results], 1)
         assert_within_tolerance(got, expected, base, what=f"call {call}")
+    # The kept plan: no host read, no copy, no collective but the data exchange.
+    assert [r["counts"] for r in results] == [(0, 0, 0), (0, 0, 0)], [r["events"] for r in results]
