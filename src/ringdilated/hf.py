@@ -402,9 +402,10 @@ def padding_mask(
     if offset != 0 or keys != kv_length:
         raise ValueError(
             f"attn_implementation={NAME!r} needs the queries to be the last positions of the "
-            f"keys (transformers' default dynamic cache); got queries [{start}, "
-            f"{keys}) of {kv_length} keys from position {offset} (a static or "
-            "sliding-window cache)"
+            f"keys, every cached position kept; got queries [{start}, {keys}) of {kv_length} "
+            f"keys from position {offset} (a static cache, or a sliding-window cache such as "
+            "the default DynamicCache(config=...) of a model with sliding layers): pass "
+            "past_key_values=transformers.DynamicCache() (no config: it keeps every position)"
         )
     kind = _mask_kind(mask_function)
     documents, overlay, window = kind.documents, kind.overlay, _read_fields(kind)
