@@ -301,6 +301,27 @@ def test_a_sink_makes_a_row_of_only_minus_infinite_scores_zero_with_the_sink_as_
         assert_non_finite_rule(got_lse, lse, lse.float(), may_be_nan.transpose(1, 2), what=kernel)
 
 
+def test_a_sink_of_plus_infinity_takes_the_whole_denominator() -> None:
+    """``exp(+inf)`` outweighs every finite score: ``out = 0``, ``lse = +inf`` exactly (as the
+    library computes); against a key score of ``+inf`` the weights are ``inf / inf``: out NaN,
+    never 0 (lse ``+inf``)."""
+    q, k, v = _inputs(17)
+    sinks = torch.tensor([math.inf, 0.3], dtype=torch.float64)
+    out, lse = oracle(q, k, v, [4, 8], [1, 2], return_lse=True, sinks=sinks)
+    assert torch.equal(out[0, :, 0], torch.zeros(L, D, dtype=torch.float64))
+    assert bool(lse[0, 0].isposinf().all()) and bool(lse[0, 1].isfinite().all())
+    assert bool(out[0, :, 1].isfinite().all())
+    for kernel in ("reference", "sdpa"):
+        got, got_lse = ringdilated.dilated_attention(
+            q, k, v, [4, 8], [1, 2], sinks=sinks, return_lse=True, kernel=kernel
+        )
+        assert torch.equal(got[0, :, 0], out[0, :, 0]) and torch.equal(got_lse[0, 0], lse[0, 0])
+    q[0, 5, 0, 0], k[0, 4, 0, 0] = math.inf, 1.0  # query 5 sees key 4 (segment 4, rate 1)
+    out, lse = oracle(q, k, v, [4, 8], [1, 2], return_lse=True, sinks=sinks)
+    assert bool(out[0, 5, 0].isnan().all()) and bool(lse[0, 0, 5].isposinf())
+    assert torch.equal(out[0, 6, 0], torch.zeros(D, dtype=torch.float64))
+
+
 def test_float32_sinks_with_float64_inputs_give_the_float64_result() -> None:
     q, k, v = _inputs(14)
     sinks = torch.tensor([0.3, -0.7], dtype=torch.float32, requires_grad=True)

@@ -248,11 +248,22 @@ def masked_attention(
         sink = sinks.to(dtype).view(1, -1, 1, 1).expand(*masked.shape[:-1], 1)
         masked = torch.cat([masked, sink], dim=-1)
         seen = torch.cat([seen.expand(*masked.shape[:-1], -1), ~sink.isneginf()], dim=-1)
+        # A sink of +inf outweighs every finite score: weights 0, lse +inf (softmax's own
+        # inf - inf would make them NaN). Against a key score of +inf or NaN it stays NaN.
+        keys = masked[..., :-1]
+        overwhelmed = sink.isposinf() & ~(keys.isposinf() | keys.isnan()).any(-1, keepdim=True)
+        masked = torch.where(
+            overwhelmed,
+            torch.cat([torch.full_like(keys, float("-inf")), torch.zeros_like(sink)], -1),
+            masked,
+        )
     # A query with no key (and no sink) has an all -inf row: give it finite scores so neither
     # the values nor the gradients become NaN, then make its output 0 and its lse -inf.
     empty = ~seen.any(-1, keepdim=True)
     scores = masked.masked_fill(empty, 0.0)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(empty.squeeze(-1), float("-inf"))
+    if sinks is not None:
+        lse = lse.masked_fill(overwhelmed.squeeze(-1), float("inf"))
     # An unseen key's probability is exactly 0, also in a row whose softmax is NaN (a score of
     # +inf, or only -inf scores): its value and key then get exactly 0 gradient from that row.
     probs = torch.where(seen, torch.softmax(scores, dim=-1), raw.new_zeros(()))
