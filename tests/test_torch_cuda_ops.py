@@ -360,6 +360,25 @@ def test_choice_with_torchs_own_ops(cc, dtype, head_dim, packages, chosen) -> No
 
 
 @pytest.mark.usefixtures("cuda_torch")
+def test_a_torch_whose_flash_ops_take_no_window_bounds_declines_a_left_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's wrapped flash ops took ``window_size_left``/``_right`` from 2.5 (the library
+    allows 2.4): asked of the ops' schemas, a left bound goes elsewhere, with the reason, where
+    they lack them; a causal window (no left bound) keeps the SDPA-level op."""
+    from ringdilated.core import KeyWindow
+
+    assert torch_flash._takes_window_bounds()  # the 2.13 wheel's schemas have them
+    monkeypatch.setattr(torch_flash, "_takes_window_bounds", lambda: False)
+    resolver = Resolver(_specs(), env=Environment(packages=frozenset()))
+    banded = resolver.resolve(cuda((8, 0), torch.bfloat16, window=KeyWindow(64, 0)))
+    assert banded.kernel_name != "torch_flash"
+    assert "take no window_size_left, which a window with a left bound (64)" in banded.explain()
+    causal = resolver.resolve(cuda((8, 0), torch.bfloat16, window=True))
+    assert causal.kernel_name == "torch_flash", causal.explain()
+
+
+@pytest.mark.usefixtures("cuda_torch")
 def test_cudnn_is_not_preferred_where_torch_does_not_prefer_it() -> None:
     for version, cuda_version in ((91500, "12.9"), (91002, "13.0")):
         plan = Resolver(_specs(version, cuda_version), env=Environment(packages=frozenset()))

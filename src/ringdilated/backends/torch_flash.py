@@ -229,6 +229,18 @@ def _active_override() -> str | None:
 
 
 @functools.cache
+def _takes_window_bounds() -> bool:
+    """Whether this torch's ``_flash_attention_forward`` and ``_backward`` take
+    ``window_size_left``/``window_size_right`` (keywords of their schemas in 2.5 and later, read
+    from the ops themselves once per process), which a window with a left bound needs."""
+    ops = (_aten._flash_attention_forward, _aten._flash_attention_backward)
+    return all(
+        {"window_size_left", "window_size_right"} <= {a.name for a in op.default._schema.arguments}
+        for op in ops
+    )
+
+
+@functools.cache
 def _replays_rng_state() -> bool:
     """Whether this torch's flash op reports its dropout state as one ``uint64[2]`` tensor (what
     :func:`_replayed` builds), asked of its own meta kernel once per process; torch before the
@@ -297,6 +309,11 @@ def torch_flash_reasons(request: Request, env: Environment) -> Iterable[str]:
         )
     if request.softcap is not None:
         reasons.append(f"torch {torch.__version__}: {_NO_SOFTCAP}")
+    if request.window.left is not None and not _takes_window_bounds():
+        reasons.append(
+            f"torch {torch.__version__}'s _flash_attention_forward/_backward take no "
+            f"window_size_left, which a window with a left bound ({request.window.left}) needs"
+        )
     reasons.extend(_training_head_dim_reasons(request))
     reasons.extend(_override_reasons(request))
     return tuple(reasons)
