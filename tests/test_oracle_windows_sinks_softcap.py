@@ -322,6 +322,22 @@ def test_a_sink_of_plus_infinity_takes_the_whole_denominator() -> None:
     assert torch.equal(out[0, 6, 0], torch.zeros(D, dtype=torch.float64))
 
 
+def test_padding_stays_no_query_with_a_nan_sink() -> None:
+    """A padded position is no query (``out = 0``, ``lse = -inf``) whatever the sink, a NaN one
+    included (the tokens' rows of that head are NaN), as the library computes."""
+    q, k, v = _inputs(18)
+    padding = torch.zeros(1, L, dtype=torch.bool)
+    padding[0, :3] = True
+    sinks = torch.tensor([math.nan, 0.3], dtype=torch.float64)
+    kw = {"return_lse": True, "key_padding_mask": padding, "sinks": sinks}
+    out, lse = oracle(q, k, v, [4, 8], [1, 2], **kw)
+    assert torch.equal(out[0, :3], torch.zeros(3, H, D, dtype=torch.float64))
+    assert bool(lse[0, :, :3].isneginf().all())
+    assert bool(out[0, 3:, 0].isnan().all()) and bool(out[0, 3:, 1].isfinite().all())
+    got, got_lse = ringdilated.dilated_attention(q, k, v, [4, 8], [1, 2], kernel="reference", **kw)
+    assert torch.equal(got[0, :3], out[0, :3]) and torch.equal(got_lse[0, :, :3], lse[0, :, :3])
+
+
 def test_float32_sinks_with_float64_inputs_give_the_float64_result() -> None:
     q, k, v = _inputs(14)
     sinks = torch.tensor([0.3, -0.7], dtype=torch.float32, requires_grad=True)

@@ -330,6 +330,7 @@ def dense_attention(
     if sinks is not None and key_padding_mask is not None:  # padding is no query: no sink
         padding = key_padding_mask[:, L - Lq :].to(q.device).unsqueeze(1)
         lse = lse.masked_fill(padding, float("-inf"))
+        out = out.masked_fill(padding.unsqueeze(-1), 0.0)  # a NaN sink's too
     return out.transpose(1, 2), lse
 
 

@@ -20,7 +20,8 @@ A **query suffix** (docs/spec.md, sections 1 and 3: the queries are the last pos
 sequence, from ``query_start`` on) keeps every key where it is and drops queries: inner blocks keep
 the segments holding a query (:func:`~ringdilated.core.plan.pattern.from_query`), a crossing's
 receiver is sent only the keys its pieces' query rows see (:meth:`Crossing.query_rows`), so a rank
-without queries receives nothing and still sends its keys.
+without queries is sent nothing (a broadcast communicator still delivers the padded union to
+it) and still sends its keys.
 
 Every rank computes the same :class:`ShardPlan` from the same arguments, so senders and receivers
 agree on sizes and order without asking each other.
